@@ -1,0 +1,96 @@
+# fastload training image: the project in a venv at /opt/venv, the code in /app.
+#
+# Build (behind a TLS-inspecting proxy, first copy its CA certificates into the context;
+# they are git-ignored, see docker/certs/README.md):
+#   cp /usr/local/share/ca-certificates/*.crt docker/certs/
+#   docker build -t fastload .
+#   docker build --build-arg BASE_IMAGE=local/bookworm:base -t fastload .   # bare Debian base
+#   docker build --build-arg PIP_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#                --build-arg PIP_EXTRA_INDEX_URL=https://pypi.org/simple -t fastload:cpu .
+#
+# Run (PyPI's torch wheels carry their own CUDA libraries; the host needs only the driver and
+# the NVIDIA container toolkit; DataLoader workers need a bigger /dev/shm than Docker's 64 MB):
+#   docker run --rm --gpus all --shm-size=8g -v /data:/data -v "$PWD/outputs:/app/outputs" \
+#     -v fastload-cache:/cache fastload python train.py dataset=imagenet dataset.root=/data/imagenet
+#   docker run --rm --gpus all --shm-size=8g --ipc=host fastload \
+#     torchrun --nproc_per_node=8 train.py model=resnet50
+#
+# Paths: runs are written to /app/outputs (output_root), the synthetic dataset is generated
+# under /cache (FASTLOAD_CACHE); mount both to keep them. The image runs as root so that any
+# mounted folder is writable; to run as yourself add `--user "$(id -u):$(id -g)" -e HOME=/tmp`
+# (/cache and /app/outputs are world-writable). W&B is offline by default (files in the run
+# directory); pass -e WANDB_API_KEY=... and logger.mode=online to stream.
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+FROM ${BASE_IMAGE}
+
+# Optional package index overrides: a mirror, the CPU-only torch index for a small image, or
+# https://download.pytorch.org/whl/cuXYZ where the host driver is too old for the CUDA
+# version that PyPI's default torch wheel is built with (check `nvidia-smi`).
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+    REQUESTS_CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \
+    SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt \
+    DEBIAN_FRONTEND=noninteractive
+
+# 1. Extra CA certificates first, so that every later download (apt over https, pip, W&B)
+#    trusts the proxy. Then Python, the venv module and ca-certificates from apt, but only
+#    where the base image lacks them (python:*-slim has all three; a bare Debian has none).
+COPY docker/certs/ /tmp/extra-certs/
+RUN set -eu; \
+    mkdir -p /usr/local/share/ca-certificates/extra; \
+    for crt in /tmp/extra-certs/*.crt; do \
+        if [ -f "$crt" ]; then cp "$crt" /usr/local/share/ca-certificates/extra/; fi; \
+    done; \
+    rm -rf /tmp/extra-certs; \
+    if [ ! -s /etc/ssl/certs/ca-certificates.crt ] \
+       && ls /usr/local/share/ca-certificates/extra/*.crt >/dev/null 2>&1; then \
+        mkdir -p /etc/ssl/certs; \
+        cat /usr/local/share/ca-certificates/extra/*.crt > /etc/ssl/certs/ca-certificates.crt; \
+    fi; \
+    pkgs=""; \
+    command -v update-ca-certificates >/dev/null 2>&1 || pkgs="$pkgs ca-certificates"; \
+    if ! command -v python3 >/dev/null 2>&1; then \
+        pkgs="$pkgs python3 python3-venv"; \
+    elif ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then \
+        pkgs="$pkgs python3-venv"; \
+    fi; \
+    if [ -n "$pkgs" ]; then \
+        apt-get update; \
+        apt-get install -y --no-install-recommends $pkgs; \
+        rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    update-ca-certificates
+
+# 2. The venv, on PATH for every later step and at run time (`python` is the venv's).
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv \
+    && python -m pip install --upgrade pip
+
+# 3. Dependencies: their own layer, rebuilt only when pyproject.toml changes. Installing the
+#    project with empty stub packages pulls every dependency; step 4 puts the real code in.
+WORKDIR /app
+COPY pyproject.toml ./
+RUN mkdir -p fastload models \
+    && touch fastload/__init__.py models/__init__.py \
+    && pip install . \
+    && rm -rf fastload models build ./*.egg-info
+
+# 4. The source (what .dockerignore lets through): train.py, conf/, fastload/, models/,
+#    scripts/, ...; installed without touching the dependencies.
+COPY . .
+RUN pip install --no-deps --force-reinstall . \
+    && rm -rf build ./*.egg-info docker \
+    && mkdir -p /cache /app/outputs \
+    && chmod 1777 /cache /app/outputs \
+    && python -c "import fastload, models, torch, torchvision, hydra"
+
+ENV FASTLOAD_CACHE=/cache
+
+CMD ["python", "train.py"]

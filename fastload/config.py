@@ -1,0 +1,86 @@
+"""OmegaConf resolvers used by conf/config.yaml; importing this module registers them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+STAMP = "%Y-%m-%d_%H-%M-%S"
+
+
+def run_id() -> str:
+    """A run-directory name that every rank of one launch agrees on (hydra#2070: `${now:}`
+    differs per rank and gives one run directory each).
+
+    - FASTLOAD_RUN_ID, when set, wins (schedulers can pass their job id).
+    - Multi-node torchrun: the rendezvous id (`--rdzv-id`), the same on every node.
+    - Single-node torchrun: the start time of the torchrun agent, our common parent.
+    - Otherwise: now.
+    """
+    if os.environ.get("FASTLOAD_RUN_ID"):
+        return os.environ["FASTLOAD_RUN_ID"]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # launched by torchrun
+        rdzv = os.environ["TORCHELASTIC_RUN_ID"]
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and rdzv not in ("", "none"):
+            return f"torchrun-{rdzv}"
+        import psutil
+
+        started = psutil.Process(os.getppid()).create_time()
+        return datetime.datetime.fromtimestamp(started).strftime(STAMP)
+    if "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}"
+    return datetime.datetime.now().strftime(STAMP)
+
+
+def rank0_only(value):
+    """`value` on global rank 0, None elsewhere (Hydra skips writing .hydra/ for None)."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    return value if rank == 0 else None
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("fastload_run_id"):
+        OmegaConf.register_new_resolver("fastload_run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("fastload_rank0_only"):
+        OmegaConf.register_new_resolver("fastload_rank0_only", rank0_only)
+
+
+register_resolvers()
+
+
+class CheckRunDir(Callback):
+    """Hydra creates the run directory before the job starts; an unwritable output_root
+    would end in a stack of mkdir tracebacks. Check first and say what to change."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        # The dir interpolates ${hydra:runtime.choices...}, which needs HydraConfig set; Hydra
+        # sets it only later, in run_job, from this same config.
+        HydraConfig.instance().set_config(config)
+        self._check(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)
+        self._check(config.hydra.sweep.dir)
+
+    @staticmethod
+    def _check(run_dir: str) -> None:
+        path = Path(run_dir).absolute()
+        existing = next(p for p in (path, *path.parents) if p.exists())
+        if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                return
+            except OSError:
+                pass
+        print(
+            f"error: cannot create the run directory {path} ({existing} is not writable). "
+            f"Set output_root=<a writable folder> (or hydra.run.dir=...).",
+            file=sys.stderr,
+        )
+        sys.exit(2)

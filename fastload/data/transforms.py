@@ -1,0 +1,101 @@
+"""uint8 augmentations driven by an explicit per-sample RNG.
+
+Each sample gets its own numpy Generator seeded from (seed, epoch, index) by the dataset, so
+the crop of an image depends on nothing else: not the worker that loads it, not the number
+of workers, not the loader strategy, not whether the run was resumed mid-epoch. That is what
+makes every loader strategy yield bit-identical batches and makes resume exact.
+
+The crop box follows torchvision's RandomResizedCrop.get_params step by step (ten tries of
+a log-uniform ratio and uniform scale, then a centre-crop fallback), so the sampled boxes
+have the same distribution; crop + resize is one PIL resize(box=...) call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image
+
+Box = tuple[int, int, int, int]  # left, top, width, height
+
+
+def random_resized_crop_box(
+    width: int,
+    height: int,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    rng: np.random.Generator,
+) -> Box:
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(log_ratio[0], log_ratio[1]))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return left, top, w, h
+    # Fallback: the whole image, clipped to the ratio range.
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def center_crop_box(width: int, height: int, resize: int, size: int) -> Box:
+    """The box of Resize(resize) (shorter side) + CenterCrop(size), in source pixels."""
+    scale = resize / min(width, height)
+    w = min(width, size / scale)
+    h = min(height, size / scale)
+    left = (width - w) / 2
+    top = (height - h) / 2
+    return round(left), round(top), max(1, round(w)), max(1, round(h))
+
+
+class RandomResizedCropFlip:
+    """Training augmentation: RandomResizedCrop(size, scale, ratio) + horizontal flip."""
+
+    def __init__(
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        hflip: float = 0.5,
+    ):
+        self.size = int(size)
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.hflip = float(hflip)
+
+    def sample(self, width: int, height: int, rng: np.random.Generator) -> tuple[Box, bool]:
+        box = random_resized_crop_box(width, height, self.scale, self.ratio, rng)
+        return box, bool(rng.random() < self.hflip)
+
+    def __call__(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
+        (left, top, w, h), flip = self.sample(img.width, img.height, rng)
+        out = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
+        return out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out
+
+
+class ResizeCenterCrop:
+    """Evaluation: Resize(resize) of the shorter side + CenterCrop(size), one resample."""
+
+    def __init__(self, size: int, resize: int):
+        self.size = int(size)
+        self.resize = int(resize)
+
+    def sample(self, width: int, height: int, rng: np.random.Generator) -> tuple[Box, bool]:
+        return center_crop_box(width, height, self.resize, self.size), False
+
+    def __call__(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
+        (left, top, w, h), _ = self.sample(img.width, img.height, rng)
+        return img.resize(
+            (self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h)
+        )

@@ -1,0 +1,122 @@
+"""torchrun / SLURM environment, the process group, and rank-0 helpers.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT for every
+process; Hydra's submitit launcher on SLURM gives SLURM_PROCID/NTASKS/LOCALID instead, which
+we map onto the same names. One process per GPU; a plain `python train.py` is world size 1.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def _from_slurm() -> None:
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        return
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    if "MASTER_ADDR" not in os.environ:
+        nodes = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        os.environ["MASTER_ADDR"] = nodes[0]
+    os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ["SLURM_JOB_ID"]) % 1000))
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+
+def setup(device: str = "auto", backend: str = "auto") -> DistContext:
+    _from_slurm()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        from fastload.errors import ConfigError
+
+        raise ConfigError(
+            "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto."
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dev = torch.device("cuda", torch.cuda.current_device())
+    else:
+        dev = torch.device("cpu")
+    ctx = DistContext(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device=dev,
+    )
+    if ctx.distributed and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if use_cuda else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(minutes=30),
+            device_id=dev if use_cuda else None,
+        )
+    return ctx
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier()
+
+
+def all_reduce(values: list[float], ctx: DistContext, op: str = "sum") -> list[float]:
+    """Reduce a few scalars across ranks (one collective for the lot)."""
+    if not ctx.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast_object(obj, ctx: DistContext):
+    if not ctx.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""User-facing errors: each names the file or option at fault and the fix.
+
+train.py catches `FastloadError` and prints its message alone (no traceback), so a user
+sees one clear line instead of a stack. Errors raised inside DataLoader workers come back
+re-wrapped by torch with the worker's traceback prepended; `user_message` recovers ours.
+"""
+
+from __future__ import annotations
+
+
+class FastloadError(Exception):
+    """A problem with the user's input or environment that the user can fix."""
+
+    @property
+    def user_message(self) -> str:
+        text = str(self)
+        # torch's ExceptionWrapper re-raises `type(exc)(msg)` where msg is
+        # "Caught X in DataLoader worker process N.\nOriginal Traceback ...\n<module>.X: <ours>".
+        marker = f"{type(self).__module__}.{type(self).__qualname__}: "
+        cut = text.rfind(marker)
+        if "Original Traceback" in text and cut >= 0:
+            return text[cut + len(marker) :].strip()
+        return text
+
+
+class ConfigError(FastloadError):
+    """An option has a value that cannot work; the message names the option."""
+
+
+class DatasetError(FastloadError):
+    """A dataset root is missing, empty or not in the expected layout."""
+
+
+class CorruptImageError(FastloadError):
+    """An image file could not be decoded; the message names the file."""
+
+
+class CheckpointError(FastloadError):
+    """A checkpoint cannot be read or does not fit this run."""

@@ -1,0 +1,130 @@
+"""Console output: the per-epoch progress bar and the end-of-run summary table."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from tqdm import tqdm
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:
+        return False
+
+
+class ProgressBar:
+    """tqdm bar on stderr whose postfix shows ``img/s`` and data ``wait %``.
+
+    With ``enabled=False`` (ranks other than 0) every call returns at once. The postfix
+    is reformatted at most every `postfix_interval_s`, so per-step cost stays negligible.
+    """
+
+    def __init__(
+        self,
+        total: int | None,
+        enabled: bool = True,
+        desc: str = "",
+        postfix_interval_s: float = 0.5,
+    ) -> None:
+        self.enabled = enabled
+        self.postfix_interval_s = postfix_interval_s
+        self._next_postfix = 0.0
+        self._bar = (
+            tqdm(
+                total=total,
+                desc=desc,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=False,
+                # Redirected to a file (batch jobs), every redraw is another line of log.
+                mininterval=0.5 if _isatty(sys.stderr) else 30.0,
+                unit="step",
+            )
+            if enabled
+            else None
+        )
+
+    def update(
+        self,
+        n: int = 1,
+        images_per_s: float | None = None,
+        data_wait_share: float | None = None,
+    ) -> None:
+        bar = self._bar
+        if bar is None:
+            return
+        bar.update(n)
+        now = time.monotonic()
+        if now >= self._next_postfix and (images_per_s is not None or data_wait_share is not None):
+            self._next_postfix = now + self.postfix_interval_s
+            parts = []
+            if images_per_s is not None:
+                parts.append(f"img/s={images_per_s:,.0f}")
+            if data_wait_share is not None:
+                parts.append(f"wait={100.0 * data_wait_share:.0f}%")
+            # refresh=False: tqdm redraws on its own schedule (mininterval).
+            bar.set_postfix_str(" ".join(parts), refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _num(value: Any) -> float | None:
+    """A finite float, or None for missing/None/NaN/non-numeric values."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def format_summary_table(summary: Mapping[str, Any]) -> str:
+    """A short aligned plain-text table of a run's summary; missing/None values show "n/a".
+
+    Summary keys (all optional):
+      ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (steady-state mean),
+      ``data_wait_share`` (fraction 0..1), ``gpu_util_mean`` (percent 0..100),
+      ``peak_rss_mb`` (MB, process tree), ``best_acc1`` (top-1, percent 0..100),
+      ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
+      shown instead of ``wandb_dir`` when present).
+    """
+
+    def fmt(key: str, spec: str, scale: float = 1.0, unit: str = "") -> str:
+        x = _num(summary.get(key))
+        return "n/a" if x is None else f"{x * scale:{spec}}{unit}"
+
+    def text(*keys: str) -> str:
+        for key in keys:
+            value = summary.get(key)
+            if value not in (None, ""):
+                return str(value)
+        return "n/a"
+
+    epochs = summary.get("epochs")
+    rows = [
+        ("epochs", str(epochs) if epochs is not None else "n/a"),
+        ("time / epoch", fmt("epoch_time_s_mean", ",.1f", unit=" s")),
+        ("images / s", fmt("images_per_s", ",.0f")),
+        ("data wait", fmt("data_wait_share", ".1f", 100.0, " %")),
+        ("GPU util", fmt("gpu_util_mean", ".0f", unit=" %")),
+        ("peak RSS", fmt("peak_rss_mb", ",.0f", unit=" MB")),
+        ("best top-1", fmt("best_acc1", ".2f", unit=" %")),
+        ("run directory", text("run_dir")),
+        ("W&B", text("wandb_sync", "wandb_dir")),
+    ]
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

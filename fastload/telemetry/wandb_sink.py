@@ -1,0 +1,226 @@
+"""Weights & Biases logger (``logger=wandb``) that can never stop the training.
+
+W&B files go to ``run_dir/wandb/``. Offline is the default: nothing leaves the machine
+until the user runs the ``wandb sync <dir>`` command that `finish()` returns.
+
+What wandb 0.31 writes in offline mode, and why this class adds to it: the run folder
+``run_dir/wandb/offline-run-<time>-<id>/`` holds ``run-<id>.wandb`` (the binary record
+log: run + config, history rows, summaries) and ``files/`` (only ``requirements.txt``
+and, with console capture, ``output.log``); ``config.yaml`` and ``wandb-summary.json``
+are never written offline. The record log is buffered and flushed every 15 s by default,
+so a run killed early left a 7-byte file with no config. Hence: the flush interval is
+shortened, and the resolved config is written at start to ``files/resolved_config.json``
+(also registered with ``run.save(policy="now")`` so ``wandb sync`` uploads it).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fastload.errors import ConfigError
+from fastload.telemetry.sinks import to_jsonable, write_json_atomic
+
+MODES = ("offline", "online", "disabled")
+CONFIG_FILE = "resolved_config.json"
+# Seconds between flushes of wandb's record log (wandb's default: 15 s). Epoch-level
+# logging makes flushing cheap; a crash then loses at most this much of the W&B record.
+_FLUSH_INTERVAL_S = 2.0
+_TEARDOWN_TIMEOUT_S = 60.0
+
+
+class WandbTimeout(TimeoutError):
+    pass
+
+
+def _settings(wandb: Any, init_timeout_s: float) -> Any:
+    wanted: dict[str, Any] = {
+        "init_timeout": float(init_timeout_s),
+        # No stdout/stderr capture: it rewires the streams of a training process, and the
+        # metrics we care about are logged explicitly.
+        "console": "off",
+        # No banner or end-of-run chatter; finish() hands the sync command to the caller.
+        "silent": True,
+        "x_transaction_log_flush_interval": _FLUSH_INTERVAL_S,
+    }
+    # Settings is a strict pydantic model in recent wandb; other versions know other fields.
+    fields = getattr(wandb.Settings, "model_fields", None)
+    if fields is not None:
+        wanted = {k: v for k, v in wanted.items() if k in fields}
+    try:
+        return wandb.Settings(**wanted)
+    except Exception:
+        return wandb.Settings(init_timeout=float(init_timeout_s))
+
+
+def _call_with_deadline(fn: Any, kwargs: dict[str, Any], deadline_s: float, what: str) -> Any:
+    """Call ``fn(**kwargs)`` on a daemon thread; raise WandbTimeout after deadline_s.
+
+    For wandb.init, wandb's own init_timeout only covers part of init (the backend
+    handshake); this guard also covers a hung service start. A run that completes after we
+    gave up is finished at once so it does not linger.
+    """
+    box: dict[str, Any] = {}
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            result = fn(**kwargs)
+        except BaseException as exc:  # delivered to the caller below
+            with lock:
+                box["error"] = exc
+            done.set()
+            return
+        with lock:
+            late = box.get("abandoned", False)
+            if not late:
+                box["result"] = result
+        done.set()
+        if late and hasattr(result, "finish"):  # a wandb run we no longer want
+            try:
+                result.finish()
+            except Exception:
+                pass
+
+    thread = threading.Thread(target=target, name=f"fastload-{what}", daemon=True)
+    thread.start()
+    done.wait(deadline_s)
+    with lock:
+        if "result" in box:
+            return box["result"]
+        if "error" in box:
+            raise box["error"]
+        box["abandoned"] = True
+    raise WandbTimeout(f"{what} did not return within {deadline_s:.1f} s")
+
+
+class WandbSink:
+    """Logs the resolved config and per-epoch metrics to W&B; rank 0 only.
+
+    Any W&B failure (package missing, init error or timeout, a failing log call) warns
+    once and turns the sink into a no-op; the local metrics files remain the record.
+    """
+
+    def __init__(
+        self,
+        project: str = "fastload",
+        mode: str = "offline",
+        entity: str | None = None,
+        name: str | None = None,
+        tags: Sequence[str] | None = (),
+        group: str | None = None,
+        init_timeout_s: float = 60.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"logger.mode={mode!r}: must be one of {', '.join(MODES)}")
+        if not init_timeout_s > 0:
+            raise ConfigError(f"logger.init_timeout_s={init_timeout_s!r}: must be > 0")
+        self.project = project
+        self.mode = mode
+        self.entity = entity
+        self.name = name
+        self.tags = [str(t) for t in (tags or ())]  # Hydra passes a ListConfig
+        self.group = group
+        self.init_timeout_s = float(init_timeout_s)
+        self._run: Any = None
+        self._log_failed = False
+        self.sync_dir: str | None = None  # wandb's folder for this run, once started
+        self.config_path: Path | None = None  # our copy of the config, written at start
+
+    @property
+    def active(self) -> bool:
+        """True while a W&B run is open."""
+        return self._run is not None
+
+    def start(
+        self, config: Mapping[str, Any] | None = None, run_dir: str | os.PathLike[str] = "."
+    ) -> None:
+        """Open the W&B run under ``run_dir/wandb/``; on failure warn and stay local-only."""
+        if self.mode == "disabled" or self._run is not None:
+            return
+        try:
+            import wandb
+        except ImportError:
+            self._warn(
+                "logger=wandb but the wandb package is not installed (pip install wandb); "
+                "logging locally only"
+            )
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plain_config = to_jsonable(dict(config or {}))
+        kwargs = dict(
+            project=self.project,
+            entity=self.entity,
+            name=self.name,
+            tags=self.tags or None,
+            group=self.group,
+            mode=self.mode,
+            dir=str(run_dir),
+            config=plain_config,
+            settings=_settings(wandb, self.init_timeout_s),
+        )
+        # A little beyond wandb's own timeout so that its (clearer) error wins when it fires.
+        deadline_s = self.init_timeout_s * 1.1 + 1.0
+        try:
+            run = _call_with_deadline(wandb.init, kwargs, deadline_s, "wandb.init")
+        except Exception as exc:
+            self._warn(f"W&B init failed ({type(exc).__name__}: {exc}); logging locally only")
+            return
+        self._run = run
+        try:
+            self.sync_dir = str(run.settings.sync_dir)
+            files_dir = Path(run.settings.files_dir)
+            files_dir.mkdir(parents=True, exist_ok=True)
+            self.config_path = files_dir / CONFIG_FILE
+            write_json_atomic(self.config_path, plain_config)
+            run.save(str(self.config_path), base_path=str(files_dir), policy="now")
+        except Exception as exc:
+            self._warn(f"could not save the config into the W&B run folder: {exc}")
+
+    def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log one epoch's metrics; None values (e.g. GPU fields without a GPU) are dropped."""
+        if self._run is None or self._log_failed:
+            return
+        data = {k: v for k, v in to_jsonable(dict(metrics)).items() if v is not None}
+        try:
+            self._run.log(data, step=step)
+        except Exception as exc:
+            self._warn(f"W&B log failed ({type(exc).__name__}: {exc}); W&B logging stopped")
+            self._log_failed = True  # keep the run: finish() still closes it
+
+    def finish(self) -> str | None:
+        """Close the run; return ``"wandb sync <dir>"`` for an offline run, else None."""
+        run, self._run = self._run, None
+        if run is None:
+            return None
+        try:
+            run.finish()
+        except Exception as exc:
+            self._warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
+        # wandb 0.31's finish() returns before its service has closed the run's record log
+        # (the last rows and the exit record are written asynchronously); teardown waits for
+        # that, so the files are complete when we print the sync command.
+        try:
+            import wandb
+
+            _call_with_deadline(wandb.teardown, {}, _TEARDOWN_TIMEOUT_S, "wandb.teardown")
+        except Exception as exc:
+            self._warn(f"W&B teardown failed ({type(exc).__name__}: {exc})")
+        try:
+            offline = bool(run.offline)
+        except Exception:
+            offline = self.mode == "offline"
+        if offline and self.sync_dir:
+            return f"wandb sync {shlex.quote(self.sync_dir)}"
+        return None
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

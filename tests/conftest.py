@@ -1,0 +1,89 @@
+"""Shared fixtures: the real Hydra config, composed and shrunk; tiny image folders in tmp."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+from PIL import Image
+
+import fastload.config  # noqa: F401  (resolvers)
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+
+def make_image_folder(root: Path, classes=("cat", "dog", "eel"), per_split=(6, 3), size=(96, 72)):
+    """A tiny ImageFolder tree of JPEGs whose colour depends on the class."""
+    rng = np.random.default_rng(0)
+    for split, n in zip(("train", "val"), per_split, strict=True):
+        for ci, cls in enumerate(classes):
+            d = root / split / cls
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                base = np.zeros((size[1], size[0], 3), np.uint8)
+                base[..., ci % 3] = 180
+                noise = rng.integers(0, 60, base.shape, dtype=np.uint8)
+                Image.fromarray(base + noise).save(d / f"{cls}_{i:03d}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    return make_image_folder(tmp_path_factory.mktemp("data") / "tiny")
+
+
+def tiny_overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
+    """Shrink the real config to seconds on 2 CPU cores."""
+    return [
+        f"dataset.root={root}",
+        "dataset.prepare=null",
+        "dataset.num_classes=3",
+        "dataset.train_transform.size=32",
+        "dataset.val_transform.size=32",
+        "dataset.val_transform.resize=36",
+        "trainer.epochs=2",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+        "loader.num_workers=0",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+        f"output_root={run_dir.parent.parent}",
+        *extra,
+    ]
+
+
+def compose_config(overrides: list[str], run_dir: Path | None = None):
+    """The real config as `python train.py <overrides>` would see it, with HydraConfig set
+    so that engine code reading HydraConfig works in-process."""
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(run_dir)
+        HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+def run_train(
+    args: list[str], *, env=None, timeout=300, cwd=REPO, **kw
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` in a subprocess, as a user runs it."""
+    full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
+        **kw,
+    )

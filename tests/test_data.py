@@ -1,0 +1,175 @@
+"""The data path of the foundation: folder indexing, uint8 transforms, samplers, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from conftest import make_image_folder
+from PIL import Image
+
+from fastload.data.dataset import ImageDataset, Normalize, collate
+from fastload.data.folder import index_image_folder
+from fastload.data.sampling import EpochSampler, ShardSampler
+from fastload.data.transforms import (
+    RandomResizedCropFlip,
+    ResizeCenterCrop,
+    random_resized_crop_box,
+)
+from fastload.decode.pil import PILBackend
+from fastload.errors import CorruptImageError, DatasetError
+from fastload.loaders.baseline import BaselineLoader
+from fastload.storage.disk import DiskStorage
+
+
+def test_index_follows_torchvision_imagefolder(tiny_folder):
+    ours = index_image_folder(tiny_folder / "train")
+    ref = torchvision.datasets.ImageFolder(str(tiny_folder / "train"))
+    assert ours.class_to_idx == ref.class_to_idx
+    assert [str(ours.path(i)) for i in range(len(ours))] == [p for p, _ in ref.samples]
+    assert ours.targets.tolist() == ref.targets
+    assert ours.paths.dtype.kind == "U"  # numpy strings, not a list of objects
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty", "no_images"])
+def test_bad_roots_name_the_folder(tmp_path, layout):
+    split = tmp_path / "root" / "train"
+    if layout == "empty":
+        split.mkdir(parents=True)
+    elif layout == "no_images":
+        (split / "cat").mkdir(parents=True)
+        (split / "cat" / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError) as err:
+        index_image_folder(split)
+    assert str(split) in str(err.value) and "dataset.root" in str(err.value)
+
+
+def test_crop_boxes_follow_random_resized_crop_rules():
+    rng = np.random.default_rng(0)
+    areas, ratios = [], []
+    for _ in range(2000):
+        left, top, w, h = random_resized_crop_box(500, 375, (0.08, 1.0), (3 / 4, 4 / 3), rng)
+        assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375
+        areas.append(w * h / (500 * 375))
+        ratios.append(w / h)
+    assert 0.07 < min(areas) and max(areas) <= 1.0
+    # Same distribution as torchvision's own sampler (which draws from torch's RNG).
+    torch.manual_seed(0)
+    img = torch.zeros(3, 375, 500)
+    ref = [
+        torchvision.transforms.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3])
+        for _ in range(2000)
+    ]
+    ref_areas = [h * w / (500 * 375) for _, _, h, w in ref]
+    assert abs(np.mean(areas) - np.mean(ref_areas)) < 0.03
+    assert abs(np.std(areas) - np.std(ref_areas)) < 0.03
+    assert min(ratios) > 0.7 and max(ratios) < 1.4
+    # Impossible ratio range for the image: falls back to the clipped centre crop.
+    assert random_resized_crop_box(100, 10, (0.9, 1.0), (1, 1), np.random.default_rng(0)) == (
+        45,
+        0,
+        10,
+        10,
+    )
+
+
+def test_transforms_are_a_function_of_the_rng_only():
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (80, 120, 3), np.uint8))
+    t = RandomResizedCropFlip(32)
+    a = np.asarray(t(img, np.random.default_rng((0, 1, 5))))
+    b = np.asarray(t(img, np.random.default_rng((0, 1, 5))))
+    c = np.asarray(t(img, np.random.default_rng((0, 1, 6))))
+    assert a.shape == (32, 32, 3) and np.array_equal(a, b) and not np.array_equal(a, c)
+    yy, xx = np.mgrid[0:80, 0:120]
+    smooth = np.stack([xx * 2, yy * 3, (xx + yy)], -1).astype(np.uint8)  # geometry, not noise
+    img = Image.fromarray(smooth)
+    v = ResizeCenterCrop(32, 36)
+    ref = torchvision.transforms.Compose(
+        [torchvision.transforms.Resize(36), torchvision.transforms.CenterCrop(32)]
+    )
+    diff = np.abs(np.asarray(v(img, None), np.int16) - np.asarray(ref(img), np.int16))
+    assert diff.mean() < 3  # same geometry as torchvision's Resize + CenterCrop
+
+
+def test_epoch_sampler_shuffles_per_epoch_partitions_ranks_and_skips():
+    s0 = EpochSampler(10, rank=0, world_size=2, shuffle=True, seed=3)
+    s1 = EpochSampler(10, rank=1, world_size=2, shuffle=True, seed=3)
+    s0.set_epoch(0), s1.set_epoch(0)
+    e0 = [i for _, i in s0]
+    assert sorted(e0 + [i for _, i in s1]) == list(range(10))
+    s0.set_epoch(1)
+    keys = list(s0)
+    assert {e for e, _ in keys} == {1} and [i for _, i in keys] != e0
+    s0.set_epoch(1, skip=2)
+    assert list(s0) == keys[2:] and len(s0) == 3
+    assert [i for _, i in ShardSampler(7, rank=1, world_size=3)] == [1, 4]
+
+
+def make_dataset(root, split="train", **kw):
+    storage = DiskStorage(root, split)
+    return ImageDataset(storage, PILBackend(), RandomResizedCropFlip(24), seed=0, **kw)
+
+
+def test_corrupt_image_is_named_or_skipped_and_counted(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=("a", "b"), per_split=(3, 1))
+    bad = root / "train" / "a" / "a_001.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
+    ds = make_dataset(root)
+    idx = [str(ds.storage.describe(i)) for i in range(len(ds))].index(str(bad))
+    with pytest.raises(CorruptImageError) as err:
+        ds[(0, idx)]
+    assert (
+        str(bad) in err.value.user_message and "dataset.skip_corrupt=true" in err.value.user_message
+    )
+    ds = make_dataset(root, skip_corrupt=True)
+    batch = collate([ds[(0, i)] for i in range(len(ds))])
+    assert batch["skipped"] == 1 and batch["image"].shape[0] == len(ds) - 1
+
+
+def test_worker_error_message_is_recovered(tmp_path):
+    root = make_image_folder(tmp_path / "d", classes=("a",), per_split=(2, 1))
+    bad = root / "train" / "a" / "a_000.jpg"
+    bad.write_bytes(b"not a jpeg at all")
+    ds = make_dataset(root)
+    loader = BaselineLoader(
+        ds,
+        EpochSampler(len(ds), rank=0, world_size=1, shuffle=False, seed=0),
+        batch_size=2,
+        device="cpu",
+        normalize=None,
+        num_workers=1,
+    )
+    loader.set_epoch(0)
+    with pytest.raises(CorruptImageError) as err:
+        next(iter(loader))
+    assert "DataLoader worker" in str(err.value)  # torch re-wrapped it...
+    assert err.value.user_message.startswith(f"cannot decode image {bad}")  # ...we unwrap it
+
+
+@pytest.mark.parametrize("normalize_on", ["device", "cpu"])
+def test_workers_and_normalisation_place_do_not_change_the_batches(tmp_path, normalize_on):
+    root = make_image_folder(tmp_path / "d", per_split=(5, 1))
+    norm = Normalize([0.5, 0.4, 0.3], [0.2, 0.2, 0.2])
+
+    def batches(workers, where):
+        ds = make_dataset(root)
+        sampler = EpochSampler(len(ds), rank=0, world_size=1, shuffle=True, seed=0)
+        loader = BaselineLoader(
+            ds,
+            sampler,
+            batch_size=4,
+            device="cpu",
+            normalize=norm,
+            num_workers=workers,
+            normalize_on=where,
+        )
+        loader.set_epoch(2)
+        return [b["image"] for b in loader]
+
+    ref = batches(0, "device")
+    other = batches(2, normalize_on)
+    assert len(ref) == len(other) == 3  # 15 images, batch 4, drop_last
+    for a, b in zip(ref, other, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

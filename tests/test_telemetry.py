@@ -1,0 +1,574 @@
+"""Telemetry: step timing, resource sampling, metric files, the W&B sink, console report."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fastload.telemetry.report import ProgressBar, format_summary_table
+from fastload.telemetry.sampler import ResourceSampler, percentile, resolve_nvml_handle
+from fastload.telemetry.sinks import MetricsFiles, NullSink, to_jsonable
+from fastload.telemetry.timer import StepTimer
+from fastload.telemetry.wandb_sink import CONFIG_FILE, WandbSink
+
+MB = 1024 * 1024
+
+# --------------------------------------------------------------------------- StepTimer
+
+
+class SlowLoader:
+    """Iterable whose __next__ blocks `delay_s` (a starved loader); optional slow __iter__."""
+
+    def __init__(self, n: int, delay_s: float, iter_delay_s: float = 0.0) -> None:
+        self.n, self.delay_s, self.iter_delay_s = n, delay_s, iter_delay_s
+
+    def __iter__(self):
+        time.sleep(self.iter_delay_s)
+        return self._gen()
+
+    def _gen(self):
+        for i in range(self.n):
+            time.sleep(self.delay_s)
+            yield i
+
+
+def test_step_timer_splits_data_wait_from_compute():
+    timer = StepTimer()
+    timer.start()
+    live = []
+    for _ in timer.iter(SlowLoader(8, delay_s=0.05)):
+        time.sleep(0.02)  # the "training step"
+        timer.add_samples(32)
+        live.append((timer.images_per_s, timer.data_wait_share))
+    t = timer.stop()
+
+    assert t.steps == 8 and t.samples == 256
+    # 50 ms waiting vs 20 ms computing per step: ~0.71. Wide band for noisy machines.
+    assert 0.5 <= t.data_wait_share <= 0.9
+    assert t.compute_s == pytest.approx(t.wall_s - t.data_wait_s)
+    assert t.images_per_s == pytest.approx(t.samples / t.wall_s)
+    # Live values during the epoch agree with the final ones.
+    assert live[-1][0] == pytest.approx(t.images_per_s, rel=0.3)
+    assert 0.5 <= live[-1][1] <= 0.9
+    d = t.as_dict()
+    assert d["images_per_s"] == pytest.approx(t.images_per_s)
+    assert d["data_wait_share"] == pytest.approx(t.data_wait_share)
+    assert all(isinstance(v, float) for v in d.values())
+
+
+def test_step_timer_counts_loader_startup_and_survives_early_break():
+    # iter() on a DataLoader starts workers: the GPU waits for that, so it is data wait.
+    timer = StepTimer(cuda_sync=True)  # no GPU here: stop() must still work
+    timer.start()
+    for i in timer.iter(SlowLoader(100, delay_s=0.0, iter_delay_s=0.15)):
+        timer.add_samples(4)
+        if i == 2:
+            break
+    t = timer.stop()
+    assert t.steps == 3 and t.samples == 12
+    assert t.data_wait_s >= 0.12
+    assert t.data_wait_share > 0.8
+    # A new window starts from zero.
+    timer.start()
+    for _ in timer.iter([1, 2]):
+        timer.add_samples(1)
+    t2 = timer.stop()
+    assert t2.steps == 2 and t2.samples == 2 and t2.data_wait_s < 0.05
+
+
+# --------------------------------------------------------------------------- ResourceSampler
+
+
+def _touch(buf: bytearray) -> None:
+    buf[::4096] = b"\x01" * len(range(0, len(buf), 4096))  # fault every page in
+
+
+def _window_peak(sampler: ResourceSampler, settle_s: float = 0.35) -> float:
+    sampler.reset()
+    time.sleep(settle_s)
+    return sampler.snapshot()["peak_rss_mb"]
+
+
+def test_sampler_peak_rss_follows_own_allocation():
+    with ResourceSampler(gpu_index=None, interval_s=0.05) as sampler:
+        base = _window_peak(sampler)
+        buf = bytearray(300 * MB)
+        _touch(buf)
+        grown = _window_peak(sampler)
+        del buf
+        snap = sampler.snapshot()
+    assert grown - base > 250
+    assert snap["resource_samples"] >= 3
+    assert snap["cpu_percent"] is not None and 0.0 <= snap["cpu_percent"] <= 100.0
+
+
+GRANDCHILD = (
+    "import sys, time\n"
+    "b = bytearray(200 * 2**20)\n"
+    "b[::4096] = b'\\x01' * len(range(0, len(b), 4096))\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(60)\n"
+)
+# The child only starts the grandchild, so the memory is two levels down (recursive=True).
+CHILD = (
+    "import subprocess, sys\n"
+    f"p = subprocess.Popen([sys.executable, '-c', {GRANDCHILD!r}], stdout=sys.stdout)\n"
+    "p.wait()\n"
+)
+
+
+def test_sampler_counts_descendant_processes_and_tolerates_their_exit():
+    with ResourceSampler(gpu_index=None, interval_s=0.05) as sampler:
+        base = _window_peak(sampler)
+        proc = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            with_child = _window_peak(sampler)
+        finally:
+            import psutil
+
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                p.kill()
+            proc.kill()
+            proc.wait(10)
+        # Processes vanished under the sampler: it keeps going, and memory drops back.
+        after = _window_peak(sampler)
+        assert sampler._thread is not None and sampler._thread.is_alive()
+    assert with_child - base > 150
+    assert after < with_child - 150
+
+
+def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread():
+    before = set(threading.enumerate())
+    sampler = ResourceSampler(gpu_index=0, interval_s=0.02)  # no driver here: NVML fails
+    sampler.start()
+    sampler.start()  # idempotent: still one thread
+    new = [t for t in threading.enumerate() if t not in before]
+    assert len(new) == 1 and new[0].daemon  # a daemon never keeps the interpreter alive
+    time.sleep(0.1)
+    snap = sampler.snapshot()
+    assert snap["gpu_util_mean"] is None
+    assert snap["gpu_util_p10"] is None
+    assert snap["gpu_mem_used_max_mb"] is None
+    assert snap["peak_rss_mb"] > 10
+    sampler.stop()
+    assert not new[0].is_alive()
+    assert set(threading.enumerate()) <= before
+    sampler.stop()  # idempotent
+
+
+def test_percentile_matches_numpy():
+    xs = [float(x) for x in np.random.default_rng(0).uniform(0, 100, 37)]
+    assert percentile(xs, 10) == pytest.approx(float(np.percentile(xs, 10)))
+    assert percentile([5.0], 10) == 5.0
+    assert percentile([], 10) is None
+
+
+def _fake_pynvml(utils: dict[int, float], uuids: dict[int, str]):
+    """A stand-in for pynvml: physical GPU i has utilisation utils[i] and UUID uuids[i]."""
+
+    class NVMLError(Exception):
+        pass
+
+    def by_index(i):
+        if i not in utils:
+            raise NVMLError("bad index")
+        return i
+
+    def by_pci(bus_id):
+        raise NVMLError("not found")
+
+    return types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: len(utils),
+        nvmlDeviceGetHandleByIndex=by_index,
+        nvmlDeviceGetHandleByPciBusId=by_pci,
+        nvmlDeviceGetHandleByUUID=lambda u: next(i for i, x in uuids.items() if x == u),
+        nvmlDeviceGetUUID=lambda h: uuids[h],
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=utils[h]),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(h + 1) * 1024 * MB),
+    )
+
+
+def test_sampler_gpu_fields_from_nvml_follow_cuda_visible_devices(monkeypatch):
+    fake = _fake_pynvml({0: 5.0, 1: 10.0, 2: 20.0, 3: 70.0}, {i: f"GPU-{i}aaa" for i in range(4)})
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    # torch's device 0 is physical GPU 3 under this mask; the sampler must not read GPU 0.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    with ResourceSampler(gpu_index=0, interval_s=0.02) as sampler:
+        sampler.reset()
+        time.sleep(0.15)
+        snap = sampler.snapshot()
+    assert snap["gpu_util_mean"] == pytest.approx(70.0)
+    assert snap["gpu_util_p10"] == pytest.approx(70.0)
+    assert snap["gpu_mem_used_max_mb"] == pytest.approx(4 * 1024)
+
+
+def test_resolve_nvml_handle_prefers_uuid_over_index(monkeypatch):
+    fake = _fake_pynvml({0: 0.0, 1: 0.0, 2: 0.0}, {0: "GPU-aa", 1: "GPU-bb", 2: "GPU-cc"})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # torch prints UUIDs without the "GPU-" prefix.
+    assert resolve_nvml_handle(fake, 0, uuid="cc") == 2
+    assert resolve_nvml_handle(fake, 1) == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bb")
+    assert resolve_nvml_handle(fake, 0) == 1
+
+
+# --------------------------------------------------------------------------- MetricsFiles
+
+
+def test_metrics_files_round_trip_and_serialise_numpy_torch_nan(tmp_path):
+    files = MetricsFiles(tmp_path / "run")
+    assert files.read_epochs() == []
+    e0 = {
+        "epoch": np.int64(0),
+        "loss": np.float32(1.5),
+        "acc1": torch.tensor(12.5),
+        "lr": 0.1,
+        "gpu_util_mean": None,
+        "bad": float("nan"),
+        "inf": float("inf"),
+        "hist": np.array([1, 2]),
+        "path": Path("/x"),
+    }
+    files.append_epoch(e0)
+    files.append_epoch({"epoch": 1, "loss": 0.75})
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    got = files.read_epochs()
+    assert got[0] == {
+        "epoch": 0,
+        "loss": 1.5,
+        "acc1": 12.5,
+        "lr": 0.1,
+        "gpu_util_mean": None,
+        "bad": None,
+        "inf": None,
+        "hist": [1, 2],
+        "path": "/x",
+    }
+    assert got[1] == {"epoch": 1, "loss": 0.75}
+
+
+def test_metrics_files_recover_from_a_torn_last_line(tmp_path):
+    files = MetricsFiles(tmp_path)
+    files.append_epoch({"epoch": 0})
+    with open(files.metrics_path, "a") as f:
+        f.write('{"epoch": 1, "lo')  # crash mid-write
+    files = MetricsFiles(tmp_path)  # resumed run
+    files.append_epoch({"epoch": 1})
+    assert files.read_epochs() == [{"epoch": 0}, {"epoch": 1}]
+    files.rewrite_epochs([{"epoch": 0}])
+    assert files.read_epochs() == [{"epoch": 0}]
+
+
+def test_summary_is_atomic_valid_json_and_leaves_no_temp_file(tmp_path):
+    files = MetricsFiles(tmp_path)
+    files.write_summary({"epochs": 1, "best_acc1": np.float64(50.0), "x": float("nan")})
+    files.write_summary({"epochs": 2, "best_acc1": np.float64(75.0), "x": float("nan")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data == {"epochs": 2, "best_acc1": 75.0, "x": None}
+    assert files.read_summary() == data
+
+
+def test_to_jsonable_nested():
+    assert to_jsonable({"a": (np.float16(0.5), {1: torch.tensor([1, 2])})}) == {
+        "a": [0.5, {"1": [1, 2]}]
+    }
+    assert to_jsonable(np.float32("nan")) is None
+    # Hydra configs (DictConfig/ListConfig) become plain data too.
+    from omegaconf import OmegaConf
+
+    assert to_jsonable(OmegaConf.create({"a": [1, {"b": 2.5}]})) == {"a": [1, {"b": 2.5}]}
+
+
+def test_null_sink_does_nothing(tmp_path):
+    sink = NullSink()
+    sink.start(config={"a": 1}, run_dir=tmp_path)
+    sink.log({"loss": 1.0}, step=0)
+    assert sink.finish() is None
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- WandbSink
+
+
+@pytest.fixture
+def wandb_env(tmp_path, monkeypatch):
+    """Offline W&B with every wandb folder under tmp_path, so nothing touches $HOME."""
+    for var, sub in [
+        ("WANDB_DIR", "wandb_dir"),
+        ("WANDB_CACHE_DIR", "wandb_cache"),
+        ("WANDB_CONFIG_DIR", "wandb_config"),
+        ("WANDB_DATA_DIR", "wandb_data"),
+    ]:
+        (tmp_path / sub).mkdir()
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    wandb = pytest.importorskip("wandb")
+    yield wandb
+    wandb.teardown()  # stop wandb's service process and forget the global state
+
+
+def read_wandb_records(path: Path) -> list:
+    """Records of a ``.wandb`` file: wandb's LevelDB-style log of protobuf Records.
+
+    wandb 0.31 has no Python reader any more (its writer lives in the Go wandb-core), so
+    this decodes the documented framing: a 7-byte header ``:W&B`` + magic + version, then
+    32 KiB blocks of chunks (crc32 u32, length u16, type u8: 1 full, 2 first, 3 middle,
+    4 last); a block tail shorter than a chunk header is zero padding.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    ident, magic, version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic, version) == (b":W&B", 0xBEE1, 0)
+    block, pos, records, parts = 32768, 7, [], []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # padding / not yet written
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 2):
+            parts = [chunk]
+        else:
+            parts.append(chunk)
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(b"".join(parts))
+            records.append(record)
+    return records
+
+
+def _items(items) -> dict:
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def _wandb_history(records) -> list[dict]:
+    return [_items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+
+
+def test_wandb_sink_offline_writes_config_at_start_and_metrics(tmp_path, wandb_env):
+    run_dir = tmp_path / "run"
+    config = {"model": {"name": "resnet50"}, "optim": {"lr": 0.1}, "seed": 0}
+    sink = WandbSink(project="fastload-test", mode="offline", tags=["t1"], init_timeout_s=60)
+    sink.start(config=config, run_dir=run_dir)
+    assert sink.active
+
+    run_folders = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(run_folders) == 1
+    run_folder = run_folders[0]
+    assert sink.sync_dir == str(run_folder)
+    # The config is on disk as soon as start() returns, not only at finish.
+    saved = json.loads((run_folder / "files" / CONFIG_FILE).read_text())
+    assert saved == config
+
+    sink.log({"epoch": 0, "loss": 1.5, "images_per_s": 100.0, "gpu_util_mean": None}, step=0)
+    sink.log({"epoch": 1, "loss": 0.5, "images_per_s": np.float32(200.0)}, step=1)
+
+    # The shortened flush interval puts run + config into the record log before finish:
+    # a crashed run stays syncable.
+    (record_file,) = run_folder.glob("run-*.wandb")
+    deadline = time.monotonic() + 8  # wandb default flush: 15 s
+    while time.monotonic() < deadline:
+        if record_file.stat().st_size > 7 and any(
+            r.WhichOneof("record_type") == "run" for r in read_wandb_records(record_file)
+        ):
+            break
+        time.sleep(0.25)
+    else:
+        pytest.fail("wandb did not flush the run record before finish")
+
+    msg = sink.finish()
+    assert msg == f"wandb sync {run_folder}"
+    assert not sink.active
+    assert sink.finish() is None  # idempotent
+
+    records = read_wandb_records(record_file)
+    (run_record,) = [r for r in records if r.WhichOneof("record_type") == "run"]
+    run_config = _items(run_record.run.config.update)
+    assert run_config["model"] == {"name": "resnet50"} and run_config["optim"] == {"lr": 0.1}
+    assert list(run_record.run.tags) == ["t1"]
+    history = _wandb_history(records)
+    assert [(h["_step"], h["loss"], h["images_per_s"]) for h in history] == [
+        (0, 1.5, 100.0),
+        (1, 0.5, 200.0),
+    ]
+    assert all("gpu_util_mean" not in h for h in history)  # None values are dropped
+    # The config file was registered for upload by `wandb sync`.
+    saved_files = [
+        f.path for r in records if r.WhichOneof("record_type") == "files" for f in r.files.files
+    ]
+    assert CONFIG_FILE in saved_files
+    summary_file = run_folder / "files" / "wandb-summary.json"
+    if summary_file.exists():  # not written offline by wandb 0.31; older versions did
+        assert json.loads(summary_file.read_text())["loss"] == 0.5
+
+
+def test_wandb_sink_falls_back_when_init_raises(tmp_path, wandb_env, monkeypatch):
+    def boom(**kwargs):
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr(wandb_env, "init", boom)
+    sink = WandbSink(mode="offline", init_timeout_s=5)
+    with pytest.warns(RuntimeWarning, match="W&B init failed.*no backend"):
+        sink.start(config={"a": 1}, run_dir=tmp_path)
+    assert not sink.active
+    sink.log({"loss": 1.0}, step=0)  # no-op, no error
+    assert sink.finish() is None
+
+
+def test_wandb_sink_times_out_a_hanging_init(tmp_path, wandb_env, monkeypatch):
+    late_finished = threading.Event()
+
+    class LateRun:
+        def finish(self, exit_code=None):
+            late_finished.set()
+
+    def hang(**kwargs):
+        time.sleep(2.0)
+        return LateRun()
+
+    monkeypatch.setattr(wandb_env, "init", hang)
+    sink = WandbSink(mode="offline", init_timeout_s=0.1)
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="did not return"):
+        sink.start(config={"a": 1}, run_dir=tmp_path)
+    assert time.monotonic() - t0 < 1.9  # deadline: 0.1 * 1.1 + 1 s
+    assert not sink.active
+    sink.log({"loss": 1.0}, step=0)
+    assert sink.finish() is None
+    # The run that completes after the deadline is closed, not left dangling.
+    assert late_finished.wait(5)
+
+
+def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monkeypatch):
+    calls = []
+
+    class FailingRun:
+        offline = True
+        settings = types.SimpleNamespace(
+            sync_dir=str(tmp_path / "wandb" / "offline-run-x"),
+            files_dir=str(tmp_path / "wandb" / "offline-run-x" / "files"),
+        )
+
+        def log(self, data, step=None):
+            calls.append("log")
+            raise OSError("disk full")
+
+        def save(self, *args, **kwargs):
+            calls.append("save")
+
+        def finish(self, exit_code=None):
+            calls.append("finish")
+
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kwargs: kwargs
+    fake.init = lambda **kwargs: FailingRun()
+    fake.teardown = lambda: calls.append("teardown")
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    sink = WandbSink(mode="offline")
+    sink.start(config={"a": [1, 2]}, run_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match="W&B log failed.*disk full"):
+        sink.log({"loss": 1.0}, step=0)
+    sink.log({"loss": 0.5}, step=1)  # not attempted again
+    assert sink.finish() == f"wandb sync {tmp_path / 'wandb' / 'offline-run-x'}"
+    assert calls == ["save", "log", "finish", "teardown"]
+    saved = tmp_path / "wandb" / "offline-run-x" / "files" / CONFIG_FILE
+    assert json.loads(saved.read_text()) == {"a": [1, 2]}
+
+
+def test_wandb_sink_without_wandb_package_warns(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    sink = WandbSink()
+    with pytest.warns(RuntimeWarning, match="pip install wandb"):
+        sink.start(config={}, run_dir=tmp_path)
+    assert not sink.active and sink.finish() is None
+
+
+def test_wandb_sink_disabled_mode_writes_nothing(tmp_path):
+    sink = WandbSink(mode="disabled")
+    sink.start(config={"a": 1}, run_dir=tmp_path / "run")
+    sink.log({"loss": 1.0}, step=0)
+    assert sink.finish() is None
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_sink_rejects_unknown_mode():
+    from fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="logger.mode"):
+        WandbSink(mode="cloud")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def test_format_summary_table_renders_values_and_na():
+    table = format_summary_table(
+        {
+            "epochs": 5,
+            "epoch_time_s_mean": 12.34,
+            "images_per_s": 4512.4,
+            "data_wait_share": 0.123,
+            "gpu_util_mean": None,
+            "best_acc1": 76.1,
+            "run_dir": "/runs/a",
+            "wandb_sync": "wandb sync /runs/a/wandb/offline-run-x",
+        }
+    )
+    lines = table.splitlines()
+    rows = dict(line.split("  ", 1) for line in lines)
+    rows = {k.strip(): v.strip() for k, v in rows.items()}
+    assert rows["epochs"] == "5"
+    assert rows["time / epoch"] == "12.3 s"
+    assert rows["images / s"] == "4,512"
+    assert rows["data wait"] == "12.3 %"
+    assert rows["GPU util"] == "n/a"
+    assert rows["peak RSS"] == "n/a"
+    assert rows["best top-1"] == "76.10 %"
+    assert rows["run directory"] == "/runs/a"
+    assert rows["W&B"] == "wandb sync /runs/a/wandb/offline-run-x"
+    # Values start in one column.
+    assert len({len(line) - len(line[len(line.split("  ")[0]) :].lstrip()) for line in lines}) == 1
+
+    empty = format_summary_table({})
+    assert all(line.split()[-1] == "n/a" for line in empty.splitlines())
+
+
+def test_progress_bar_postfix_and_disabled(capsys):
+    off = ProgressBar(total=10, enabled=False)
+    for _ in range(10):
+        off.update(images_per_s=1.0, data_wait_share=0.5)
+    off.close()
+    assert capsys.readouterr().err == ""
+
+    bar = ProgressBar(total=10, enabled=True, desc="epoch 0")
+    bar.update(images_per_s=1234.0, data_wait_share=0.25)
+    rendered = str(bar._bar)
+    bar.close()
+    assert "img/s=1,234" in rendered and "wait=25%" in rendered and "epoch 0" in rendered
+    assert capsys.readouterr().out == ""  # progress goes to stderr, not stdout

@@ -1,0 +1,197 @@
+"""End to end: `python train.py` as users run it, on tiny data in tmp_path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import REPO, make_image_folder, run_train, tiny_overrides
+
+EPOCH_KEYS = {
+    "epoch",
+    "train_loss",
+    "train_acc1",
+    "val_loss",
+    "val_acc1",
+    "val_acc5",
+    "lr",
+    "epoch_time_s",
+    "images_per_s",
+    "data_wait_s",
+    "data_wait_share",
+    "compute_s",
+    "gpu_util_mean",
+    "gpu_util_p10",
+    "cpu_percent",
+    "peak_rss_mb",
+    "decoder",
+    "world_size",
+}
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def assert_clean_failure(out, *needles):
+    assert out.returncode != 0, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    for needle in needles:
+        assert needle in text, text
+    assert "Traceback" not in text, text
+
+
+def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_train(
+        tiny_overrides(
+            tiny_folder, run_dir, "trainer.epochs=4", "logger=wandb", "loader.num_workers=2"
+        ),
+        env={
+            "WANDB_DIR": str(tmp_path),
+            "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+            "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        },
+    )
+    assert out.returncode == 0, out.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [0, 1, 2, 3]
+    assert EPOCH_KEYS <= set(rows[0]), EPOCH_KEYS - set(rows[0])
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert all(0 < r["data_wait_share"] < 1 and r["images_per_s"] > 0 for r in rows)
+    assert rows[0]["gpu_util_mean"] is None  # no GPU here: null, not a made-up number
+    assert rows[0]["peak_rss_mb"] > 100 and rows[0]["decoder"].startswith("pillow")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 4 and summary["best_acc1"] == max(r["val_acc1"] for r in rows)
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert (run_dir / "checkpoints" / "last.pt").is_file()
+    # W&B offline run inside the run directory, the sync command printed in the end table.
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, list(run_dir.rglob("*"))
+    assert f"wandb sync {offline[0]}" in out.stdout and summary["wandb_sync"]
+    assert "best top-1" in out.stdout.lower() or "best_acc1" in out.stdout
+
+
+def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
+    common = ["trainer.epochs=3", "loader.num_workers=0"]
+    ref = run_train(tiny_overrides(tiny_folder, tmp_path / "ref" / "r", *common, "name=ref"))
+    assert ref.returncode == 0, ref.stderr
+
+    # Preempted during epoch 1 (after 6 of 4 + 4 steps' reads), then resumed with resume=auto.
+    killed_dir = tmp_path / "out" / "b" / "r1"
+    killed = run_train(
+        tiny_overrides(
+            tiny_folder,
+            killed_dir,
+            *common,
+            "name=b",
+            "storage._target_=tests.helpers.SigtermAfterReads",
+            "+storage.reads=23",
+        )
+    )
+    assert killed.returncode == 143, killed.stderr
+    text = killed.stdout + killed.stderr
+    assert "resume=auto" in text and "SIGTERM" in text and "Traceback" not in text
+    state = torch.load(killed_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 2)
+    assert not list((killed_dir / "checkpoints").glob(".*tmp*"))  # nothing half-written
+
+    resumed_dir = tmp_path / "out" / "b" / "r2"
+    resumed = run_train(tiny_overrides(tiny_folder, resumed_dir, *common, "name=b", "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    a = torch.load(tmp_path / "ref" / "r" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert [r["epoch"] for r in read_jsonl(resumed_dir / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out_root = tmp_path / "outputs"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        *[
+            o
+            for o in tiny_overrides(tiny_folder, tmp_path / "unused")
+            if not o.startswith(("hydra.run.dir", "output_root"))
+        ],
+        f"output_root={out_root}",
+        "name=ddp",
+    ]
+    import subprocess
+
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_dirs = list((out_root / "ddp").iterdir())
+    assert len(run_dirs) == 1, run_dirs  # one run directory for both ranks
+    rows = read_jsonl(run_dirs[0] / "metrics.jsonl")
+    assert len(rows) == 2 and rows[0]["world_size"] == 2  # rank 0 alone writes
+    assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "missing_root",
+        "no_classes",
+        "corrupt",
+        "batch_too_big",
+        "unwritable_output",
+        "other_model_checkpoint",
+    ],
+)
+def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
+    run_dir = tmp_path / "run"
+    root = tiny_folder
+    extra = []
+    if case == "missing_root":
+        root = tmp_path / "nope"
+        needles = [str(root / "train"), "dataset.root"]
+    elif case == "no_classes":
+        root = tmp_path / "flat"
+        (root / "train").mkdir(parents=True)
+        needles = [str(root / "train"), "no class folders"]
+    elif case == "corrupt":
+        root = tmp_path / "c"
+        shutil.copytree(tiny_folder, root)
+        bad = root / "train" / "dog" / "dog_002.jpg"
+        bad.write_bytes(bad.read_bytes()[:300])
+        extra = ["loader.num_workers=1"]
+        needles = [f"cannot decode image {bad}", "dataset.skip_corrupt=true"]
+    elif case == "batch_too_big":
+        extra = ["trainer.batch_size=64"]
+        needles = ["trainer.batch_size=64", "18 training images"]
+    elif case == "unwritable_output":
+        extra = ["output_root=/proc/fastload-test"]  # after tiny_overrides' own, so it wins
+        needles = ["/proc/fastload-test", "output_root="]
+    elif case == "other_model_checkpoint":
+        first = run_train(tiny_overrides(root, tmp_path / "first", "trainer.epochs=1"))
+        assert first.returncode == 0, first.stderr
+        extra = ["model=resnet50", f"resume={tmp_path / 'first' / 'checkpoints' / 'last.pt'}"]
+        needles = ["resnet18", "resnet50", "resume=null"]
+    args = tiny_overrides(root, run_dir, *extra)
+    if case == "unwritable_output":  # let output_root decide the run directory, as by default
+        args = [a for a in args if not a.startswith("hydra.run.dir=")]
+    out = run_train(args)
+    assert_clean_failure(out, *needles)
+
+
+def test_skip_corrupt_counts_and_trains(tmp_path):
+    root = make_image_folder(tmp_path / "d")
+    bad = root / "train" / "cat" / "cat_001.jpg"
+    bad.write_bytes(b"\xff\xd8 truncated")
+    out = run_train(
+        tiny_overrides(root, tmp_path / "run", "dataset.skip_corrupt=true", "trainer.epochs=1")
+    )
+    assert out.returncode == 0, out.stderr
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["skipped_corrupt"] == 1

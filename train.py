@@ -1,0 +1,52 @@
+"""fastload: train an image classifier with a selectable data-loading path.
+
+    python train.py                                   # built-in synthetic dataset, CPU or GPU
+    python train.py loader=prefetch+bg storage=tmpfs  # pick each stage of the data path
+    torchrun --nproc_per_node=8 train.py dataset=imagenet dataset.root=/data/imagenet model=resnet50
+
+Everything else lives in fastload/ (engine, data path) and conf/ (one yaml per variant).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
+from fastload import dist
+from fastload.errors import FastloadError
+
+
+def strip_local_rank_arg() -> None:
+    """torch.distributed.launch passes --local-rank=N, which Hydra rejects; torchrun sets
+    LOCAL_RANK in the environment instead, so move the flag there."""
+    for arg in list(sys.argv[1:]):
+        if arg.startswith(("--local_rank=", "--local-rank=")):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+            sys.argv.remove(arg)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from fastload.engine import TrainingInterrupted, fit
+
+    try:
+        fit(cfg)
+    except TrainingInterrupted as exc:
+        logging.getLogger("fastload").warning(exc.user_message)
+        sys.exit(exc.exit_code)
+    except FastloadError as exc:
+        # A user error: one clear message naming the file or option and the fix, no traceback.
+        print(f"error: {exc.user_message}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        dist.cleanup()
+
+
+if __name__ == "__main__":
+    strip_local_rank_arg()
+    main()
