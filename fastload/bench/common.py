@@ -1,0 +1,90 @@
+"""Shared pieces of the benchmark suites: machine facts, the dataset, tables, JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from fastload.loaders.baseline import usable_cores
+
+
+def machine() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+    except OSError:
+        rev = ""
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "usable_cores": usable_cores(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git_rev": rev,
+    }
+
+
+def default_dataset(
+    root: str | None = None,
+    *,
+    num_classes: int = 10,
+    train_per_class: int = 100,
+    val_per_class: int = 25,
+    seed: int = 0,
+) -> Path:
+    """The synthetic ImageNet-style set the default run trains on (generated if missing)."""
+    from fastload.data.synthetic import ensure_synthetic_imagenet
+
+    if root is None:
+        cache = os.environ.get("FASTLOAD_CACHE", os.path.expanduser("~/.cache/fastload"))
+        root = (
+            f"{cache}/synthetic-imagenet-c{num_classes}-n{train_per_class}-v{val_per_class}-s{seed}"
+        )
+    return ensure_synthetic_imagenet(
+        root,
+        num_classes=num_classes,
+        train_per_class=train_per_class,
+        val_per_class=val_per_class,
+        seed=seed,
+    )
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3f}"
+        return "n/a" if v is None else str(v)
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, suite: str, params: dict, rows: list[dict]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"suite": suite, "machine": machine(), "params": params, "results": rows}
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return path
