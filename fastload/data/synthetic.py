@@ -1,0 +1,547 @@
+"""Synthetic ImageNet-style dataset: the app's built-in default, generated on first use.
+
+`ensure_synthetic_imagenet(root)` writes `root/{train,val}/<class>/*.jpg` in torchvision's
+ImageFolder layout. Images are photo-like on purpose (sizes, aspect ratios, JPEG q90 4:2:0,
+smooth backgrounds, shaded soft-edged objects, blur and grain) so that decode and augmentation
+costs match a real ImageNet subset; a benchmark on noise or flat colour would lie about both.
+
+Every image is a pure function of (seed, split, class, index), so the dataset is byte-identical
+whatever the worker count. Each class has a signature that survives RandomResizedCrop and
+flips: a shape family, a two-colour palette and a surface texture; everything else (count,
+position, size, rotation, hue jitter, background, lighting) varies within the class.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageFilter
+
+from fastload.errors import ConfigError, DatasetError
+
+MANIFEST_NAME = "fastload-synthetic.json"
+_GENERATOR = "fastload-synthetic-imagenet"
+# Bump when the renderer changes: an old cache then fails the parameter check loudly instead
+# of silently mixing with images a new version would draw differently.
+GENERATOR_VERSION = 1
+SPLITS = ("train", "val")
+
+# Aspect ratios (width, height) of common cameras and crops, both orientations.
+_ASPECTS = ((4, 3), (3, 4), (3, 2), (2, 3), (1, 1), (16, 9), (9, 16), (5, 4), (4, 5))
+
+# --------------------------------------------------------------------------------------------
+# Class signatures: shape family x palette x texture.
+# --------------------------------------------------------------------------------------------
+
+_SHAPES = (
+    "discs",
+    "squares",
+    "triangles",
+    "stars",
+    "rings",
+    "crosses",
+    "hexagons",
+    "crescents",
+    "diamonds",
+    "flowers",
+    "bars",
+    "keyholes",
+)
+
+# (name, primary HSV, secondary HSV): primaries spread round the hue circle and each secondary
+# contrasts with its primary in hue or value, so two palettes rarely look alike even after hue
+# jitter.
+_PALETTES = (
+    ("crimson", (0.985, 0.85, 0.80), (0.12, 0.15, 0.95)),
+    ("orange", (0.070, 0.90, 0.95), (0.06, 0.70, 0.30)),
+    ("gold", (0.135, 0.85, 0.92), (0.00, 0.00, 0.10)),
+    ("lime", (0.230, 0.80, 0.85), (0.80, 0.55, 0.50)),
+    ("green", (0.360, 0.80, 0.55), (0.00, 0.00, 0.95)),
+    ("teal", (0.480, 0.80, 0.60), (0.08, 0.80, 0.92)),
+    ("sky", (0.550, 0.60, 0.95), (0.63, 0.80, 0.30)),
+    ("blue", (0.625, 0.85, 0.75), (0.15, 0.80, 0.95)),
+    ("violet", (0.760, 0.70, 0.70), (0.25, 0.60, 0.85)),
+    ("magenta", (0.865, 0.80, 0.85), (0.50, 0.50, 0.90)),
+    ("pink", (0.940, 0.45, 0.98), (0.00, 0.00, 0.45)),
+    ("charcoal", (0.600, 0.10, 0.18), (0.00, 0.85, 0.85)),
+)
+
+_TEXTURES = ("plain", "stripes", "dots", "checks")
+
+MAX_CLASSES = len(_SHAPES) * len(_PALETTES) * len(_TEXTURES)
+
+
+def class_signature(k: int) -> tuple[int, int, int]:
+    """(shape, palette, texture) indices of class k, unique for k < MAX_CLASSES.
+
+    Shape cycles fastest and the palette is offset by k // S, so neighbouring classes differ
+    in both shape and colour, and any first-n subset uses many palettes. (shape, palette)
+    alone is unique for k < S*P; the texture term then separates the next blocks of S*P.
+    """
+    s, p, t = len(_SHAPES), len(_PALETTES), len(_TEXTURES)
+    assert s == p, "the uniqueness argument above assumes as many palettes as shapes"
+    return k % s, (k + k // s) % p, (k // s + k // (s * p)) % t
+
+
+def class_names(num_classes: int) -> list[str]:
+    """Folder names, zero-padded so lexicographic order is class-index order."""
+    width = max(3, len(str(num_classes - 1)))
+    names = []
+    for k in range(num_classes):
+        s, p, t = class_signature(k)
+        tex = "" if _TEXTURES[t] == "plain" else f"{_TEXTURES[t]}_"
+        names.append(f"c{k:0{width}d}_{_PALETTES[p][0]}_{tex}{_SHAPES[s]}")
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering (pure numpy + PIL; runs in worker processes).
+# --------------------------------------------------------------------------------------------
+
+
+def _hsv_to_rgb(h: float, s: float, v: float) -> np.ndarray:
+    h = (h % 1.0) * 6.0
+    i = int(h) % 6
+    f = h - int(h)
+    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
+    rgb = ((v, t, p), (q, v, p), (p, v, t), (p, q, v), (t, p, v), (v, p, q))[i]
+    return np.array(rgb, dtype=np.float32)
+
+
+def _box(u: np.ndarray, v: np.ndarray, bx: float, by: float, r: float = 0.0) -> np.ndarray:
+    """Signed distance to a rounded box with half-sizes (bx, by)."""
+    qx = np.abs(u) - (bx - r)
+    qy = np.abs(v) - (by - r)
+    outside = np.hypot(np.maximum(qx, 0), np.maximum(qy, 0))
+    return outside + np.minimum(np.maximum(qx, qy), 0) - r
+
+
+def _ngon(r: np.ndarray, th: np.ndarray, n: int, size: float) -> np.ndarray:
+    """Approximate signed distance to a regular n-gon of circumradius `size`."""
+    seg = 2 * math.pi / n
+    a = np.mod(th, seg) - seg / 2
+    return r * np.cos(a) - size * math.cos(math.pi / n)
+
+
+def _shape_sdf(shape: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Signed distance (unit-radius object coordinates, negative inside) for a shape family.
+
+    Polar shapes use r - f(theta), not an exact distance, which is fine for a 1-3 px soft edge.
+    """
+    name = _SHAPES[shape]
+    r = np.hypot(u, v)
+    if name == "discs":
+        return r - 1.0
+    if name == "squares":
+        return _box(u, v, 0.82, 0.82, 0.12)
+    if name == "triangles":
+        return _ngon(r, np.arctan2(v, u), 3, 1.1)
+    if name == "stars":
+        seg = 2 * math.pi / 5
+        t = np.mod(np.arctan2(v, u), seg) / seg
+        return r - (1.05 - 0.6 * (1 - np.abs(2 * t - 1)))
+    if name == "rings":
+        return np.abs(r - 0.72) - 0.28
+    if name == "crosses":
+        return np.minimum(_box(u, v, 1.0, 0.32, 0.05), _box(u, v, 0.32, 1.0, 0.05))
+    if name == "hexagons":
+        return _ngon(r, np.arctan2(v, u), 6, 1.0)
+    if name == "crescents":
+        return np.maximum(r - 1.0, 0.85 - np.hypot(u - 0.5, v))
+    if name == "diamonds":
+        return (np.abs(u) / 0.6 + np.abs(v) / 1.1 - 1.0) * 0.5
+    if name == "flowers":
+        th = np.arctan2(v, u)
+        return r - (0.45 + 0.55 * np.abs(np.cos(2.5 * th)))
+    if name == "bars":
+        return _box(u, v, 1.05, 0.3, 0.08)
+    if name == "keyholes":
+        return np.minimum(np.hypot(u, v + 0.45) - 0.5, _box(u, v - 0.3, 0.26, 0.65))
+    raise AssertionError(name)
+
+
+def _texture_mix(texture: int, u: np.ndarray, v: np.ndarray, freq: float) -> np.ndarray:
+    """Weight of the secondary colour (0..1) over the object surface, in object coordinates
+    so the pattern rotates and scales with the object."""
+    name = _TEXTURES[texture]
+    if name == "plain":
+        return 0.35 * np.clip(u * u + v * v, 0, 1)
+    if name == "stripes":
+        return np.clip(np.sin(u * freq * math.pi) * 2.5 + 0.5, 0, 1)
+    if name == "dots":
+        fu = u * freq - np.floor(u * freq) - 0.5
+        fv = v * freq - np.floor(v * freq) - 0.5
+        return np.clip((0.32 - np.hypot(fu, fv)) * 12 + 0.5, 0, 1)
+    if name == "checks":
+        s = np.sin(u * freq * math.pi) * np.sin(v * freq * math.pi)
+        return np.clip(s * 3 + 0.5, 0, 1)
+    raise AssertionError(name)
+
+
+def _smooth_noise(
+    rng: np.random.Generator, h: int, w: int, cells: int, channels: int = 3
+) -> np.ndarray:
+    """Zero-mean noise with about `cells` blobs along the long side: bicubic-upsampled
+    low-res noise, the cheap way to get smooth photographic variation."""
+    gh = max(2, round(cells * h / max(h, w)) + 1)
+    gw = max(2, round(cells * w / max(h, w)) + 1)
+    grid = rng.standard_normal((gh, gw, channels), dtype=np.float32)
+    out = np.empty((h, w, channels), dtype=np.float32)
+    for c in range(channels):
+        out[..., c] = np.asarray(Image.fromarray(grid[..., c], "F").resize((w, h), Image.BICUBIC))
+    return out
+
+
+def _image_size(rng: np.random.Generator, min_long: int, max_long: int) -> tuple[int, int]:
+    aw, ah = _ASPECTS[rng.integers(len(_ASPECTS))]
+    long_side = int(rng.integers(min_long, max_long + 1))
+    if aw >= ah:
+        return long_side, max(1, round(long_side * ah / aw))
+    return max(1, round(long_side * aw / ah)), long_side
+
+
+def render_image(
+    seed: int, split: int, label: int, index: int, min_long: int, max_long: int
+) -> Image.Image:
+    """Draw one image; a pure function of its arguments (no global RNG)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, split, label, index]))
+    w, h = _image_size(rng, min_long, max_long)
+    short = min(w, h)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+
+    # Background: a two-colour gradient in a random direction, low-saturation so the class
+    # colours stand out without being the only thing in the frame.
+    c1 = _hsv_to_rgb(rng.random(), rng.uniform(0.05, 0.45), rng.uniform(0.25, 0.9))
+    c2 = _hsv_to_rgb(rng.random(), rng.uniform(0.05, 0.45), rng.uniform(0.25, 0.9))
+    ang = rng.uniform(0, 2 * math.pi)
+    g = (xx - w / 2) * math.cos(ang) + (yy - h / 2) * math.sin(ang)
+    g = (g - g.min()) / max(float(np.ptp(g)), 1.0)
+    img = c1 + (c2 - c1) * g[..., None]
+    # Out-of-focus colour blotches plus finer mottling: what real backgrounds (walls, foliage,
+    # table tops) look like at ImageNet resolution, and what gives JPEG realistic entropy.
+    img += 0.10 * _smooth_noise(rng, h, w, int(rng.integers(3, 7)))
+    img += 0.05 * _smooth_noise(rng, h, w, int(rng.integers(12, 24)))
+    img += 0.025 * _smooth_noise(rng, h, w, int(rng.integers(45, 80)))
+    # A few soft, random-coloured blurred blobs: distractors that are not the class cue.
+    for _ in range(int(rng.integers(0, 4))):
+        col = _hsv_to_rgb(rng.random(), rng.uniform(0.1, 0.5), rng.uniform(0.2, 0.9))
+        cx, cy = rng.uniform(0, w), rng.uniform(0, h)
+        rx, ry = rng.uniform(0.1, 0.35) * short, rng.uniform(0.1, 0.35) * short
+        d = np.hypot((xx - cx) / rx, (yy - cy) / ry)
+        a = np.clip((1.0 - d) * rng.uniform(1.0, 3.0), 0, 1)[..., None] * rng.uniform(0.3, 0.7)
+        img = img * (1 - a) + col * a
+
+    # Objects of the class: shape family, palette and texture fixed; the rest varies.
+    shape, palette, texture = class_signature(label)
+    _, prim_hsv, sec_hsv = _PALETTES[palette]
+    light = rng.uniform(0, 2 * math.pi)
+    lx, ly = math.cos(light), math.sin(light)
+    shadow_dx, shadow_dy = -lx * 0.06 * short, -ly * 0.06 * short
+    n_obj = int(rng.choice([1, 2, 2, 3, 3, 4, 5]))
+    for _ in range(n_obj):
+        radius = rng.uniform(0.11, 0.24) * short
+        cx = rng.uniform(0.12, 0.88) * w
+        cy = rng.uniform(0.12, 0.88) * h
+        rot = rng.uniform(0, 2 * math.pi)
+        stretch = rng.uniform(0.8, 1.25)
+        sx, sy = radius * stretch, radius / stretch
+        dh = rng.normal(0, 0.015)
+        prim = _hsv_to_rgb(
+            prim_hsv[0] + dh,
+            min(1.0, prim_hsv[1] * rng.uniform(0.85, 1.1)),
+            min(1.0, prim_hsv[2] * rng.uniform(0.8, 1.1)),
+        )
+        sec = _hsv_to_rgb(
+            sec_hsv[0] + dh,
+            min(1.0, sec_hsv[1] * rng.uniform(0.85, 1.1)),
+            min(1.0, sec_hsv[2] * rng.uniform(0.85, 1.1)),
+        )
+        freq = rng.uniform(2.5, 4.5)
+        edge = rng.uniform(0.8, 2.5)  # soft-edge width in pixels
+
+        # Work only on the object's bounding box (plus its shadow): most of the render cost.
+        ext = 1.3 * max(sx, sy) + abs(shadow_dx) + abs(shadow_dy) + 4
+        x0, x1 = max(0, int(cx - ext)), min(w, int(cx + ext) + 1)
+        y0, y1 = max(0, int(cy - ext)), min(h, int(cy + ext) + 1)
+        if x0 >= x1 or y0 >= y1:
+            continue
+        px, py = xx[y0:y1, x0:x1] - cx, yy[y0:y1, x0:x1] - cy
+        cr, sr = math.cos(rot), math.sin(rot)
+
+        def local(dx, dy, cr=cr, sr=sr, sx=sx, sy=sy):
+            return (dx * cr + dy * sr) / sx, (-dx * sr + dy * cr) / sy
+
+        patch = img[y0:y1, x0:x1]
+        # Soft contact shadow, offset away from the light.
+        su, sv = local(px - shadow_dx, py - shadow_dy)
+        sd = _shape_sdf(shape, su, sv) * radius
+        sa = np.clip(0.5 - sd / (0.08 * short), 0, 1) * 0.35
+        patch *= 1 - sa[..., None]
+
+        u, v = local(px, py)
+        d = _shape_sdf(shape, u, v) * radius
+        alpha = np.clip(0.5 - d / edge, 0, 1)[..., None]
+        t = _texture_mix(texture, u, v, freq)[..., None]
+        colour = prim + (sec - prim) * t
+        # Directional shading in image space (the light is shared by all objects) plus a
+        # darker rim, so objects read as solid things rather than flat stickers.
+        du, dv = px / radius, py / radius
+        shade = 1.0 + 0.22 * (du * lx + dv * ly) - 0.12 * (du * du + dv * dv)
+        colour = colour * shade[..., None]
+        patch[:] = patch * (1 - alpha) + colour * alpha
+
+    # Camera: slight lens blur, then sensor grain (luma-heavy, a little chroma).
+    img8 = (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
+    pil = Image.fromarray(img8, "RGB").filter(ImageFilter.GaussianBlur(rng.uniform(0.5, 1.0)))
+    arr = np.asarray(pil, dtype=np.float32)
+    sigma = rng.uniform(2.0, 4.0)
+    grain = rng.standard_normal((h, w, 1), dtype=np.float32) * sigma
+    grain = grain + rng.standard_normal((h, w, 3), dtype=np.float32) * (sigma * 0.35)
+    arr = np.clip(arr + grain + 0.5, 0, 255).astype(np.uint8)
+    return Image.fromarray(arr, "RGB")
+
+
+def _write_one(task: tuple) -> int:
+    """Worker: render one image and save it; returns its size in bytes."""
+    path, seed, split, label, index, min_long, max_long, quality = task
+    image = render_image(seed, split, label, index, min_long, max_long)
+    # subsampling=2 is 4:2:0, what cameras and ImageNet's JPEGs use; it sets decode cost.
+    image.save(path, "JPEG", quality=quality, subsampling=2)
+    return os.path.getsize(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache management.
+# --------------------------------------------------------------------------------------------
+
+
+def _params(**kw) -> dict:
+    return {"generator": _GENERATOR, "version": GENERATOR_VERSION, **kw}
+
+
+def _read_manifest(path: Path) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _tmp_prefix(root: Path) -> str:
+    return f"{root.name}.tmp-"
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Delete temp folders left by killed generations of this root.
+
+    Only folders from this host whose process is gone (or any older than a day, e.g. from
+    another node on a shared filesystem), so a concurrent generator is never robbed.
+    """
+    host = socket.gethostname()
+    prefix = _tmp_prefix(root)
+    try:
+        entries = list(root.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.name.startswith(prefix) or not entry.is_dir():
+            continue
+        tag_host, _, tag_pid = entry.name[len(prefix) :].rpartition("-")
+        stale = False
+        if tag_host == host and tag_pid.isdigit():
+            try:
+                os.kill(int(tag_pid), 0)
+            except ProcessLookupError:
+                stale = True
+            except OSError:
+                pass  # exists but not ours to signal: treat as alive
+        else:
+            try:
+                stale = time.time() - entry.stat().st_mtime > 86400
+            except OSError:
+                pass
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _check_existing(root: Path, params: dict) -> bool:
+    """True if root already holds our dataset with these params; False if it is absent or
+    empty; DatasetError otherwise."""
+    if not root.exists():
+        return False
+    if not root.is_dir():
+        raise DatasetError(
+            f"synthetic dataset root {root} exists and is not a folder; "
+            f"pass dataset.root=<other folder> or delete {root}"
+        )
+    manifest = _read_manifest(root / MANIFEST_NAME)
+    if manifest is None:
+        try:
+            empty = not any(root.iterdir())
+        except OSError as e:
+            raise DatasetError(f"cannot read synthetic dataset root {root}: {e}") from e
+        if empty:
+            return False
+        raise DatasetError(
+            f"{root} is not empty and holds no complete synthetic dataset (no readable "
+            f"{MANIFEST_NAME}); pass dataset.root=<other folder> or delete {root}"
+        )
+    if manifest.get("params") != params:
+        raise DatasetError(
+            f"{root} holds a synthetic dataset generated with different parameters "
+            f"({manifest.get('params')}, wanted {params}); "
+            f"pass dataset.root=<other folder> or delete {root}"
+        )
+    return True
+
+
+def _validate(
+    num_classes, train_per_class, val_per_class, seed, min_long_side, max_long_side, quality
+) -> None:
+    if not 1 <= num_classes <= MAX_CLASSES:
+        raise ConfigError(f"synthetic num_classes={num_classes} must be in 1..{MAX_CLASSES}")
+    if train_per_class < 1 or val_per_class < 1:
+        raise ConfigError(
+            f"synthetic train_per_class={train_per_class} and val_per_class={val_per_class} "
+            "must be >= 1 (ImageFolder rejects empty class folders)"
+        )
+    if seed < 0:
+        raise ConfigError(f"synthetic seed={seed} must be >= 0")
+    if not 16 <= min_long_side <= max_long_side:
+        raise ConfigError(
+            f"synthetic min_long_side={min_long_side}, max_long_side={max_long_side}: "
+            "need 16 <= min_long_side <= max_long_side"
+        )
+    if not 1 <= quality <= 100:
+        raise ConfigError(f"synthetic quality={quality} must be in 1..100")
+
+
+def ensure_synthetic_imagenet(
+    root,
+    *,
+    num_classes=10,
+    train_per_class=100,
+    val_per_class=25,
+    seed=0,
+    min_long_side=400,
+    max_long_side=500,
+    quality=90,
+    workers=None,
+    progress=True,
+) -> Path:
+    """Generate the synthetic dataset into `root` unless it is already there; return root.
+
+    A complete dataset is recognised by its manifest alone (written last), so a cache hit
+    costs one small file read. Generation goes to a sibling temp folder renamed into place
+    at the end, so a killed run never leaves something that looks complete.
+    """
+    _validate(
+        num_classes, train_per_class, val_per_class, seed, min_long_side, max_long_side, quality
+    )
+    root = Path(root).expanduser().absolute()
+    params = _params(
+        num_classes=int(num_classes),
+        train_per_class=int(train_per_class),
+        val_per_class=int(val_per_class),
+        seed=int(seed),
+        min_long_side=int(min_long_side),
+        max_long_side=int(max_long_side),
+        quality=int(quality),
+    )
+    if _check_existing(root, params):
+        return root
+
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DatasetError(
+            f"cannot create the synthetic dataset folder {root}: {e}; "
+            "pass dataset.root=<a writable folder>"
+        ) from e
+    _remove_stale_tmp(root)
+
+    tmp = root.parent / f"{_tmp_prefix(root)}{socket.gethostname()}-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        names = class_names(num_classes)
+        tasks = []
+        for split_id, (split, per_class) in enumerate(
+            zip(SPLITS, (train_per_class, val_per_class), strict=True)
+        ):
+            for label, name in enumerate(names):
+                folder = tmp / split / name
+                folder.mkdir(parents=True)
+                for i in range(per_class):
+                    path = str(folder / f"{name[: name.index('_')]}_{i:05d}.jpg")
+                    task = (path, params["seed"], split_id, label, i)
+                    tasks.append(task + (min_long_side, max_long_side, quality))
+        total_bytes = _run_tasks(tasks, workers, progress, root)
+        manifest = {
+            "params": params,
+            "num_files": len(tasks),
+            "total_bytes": total_bytes,
+            "splits": dict(
+                zip(
+                    SPLITS,
+                    (train_per_class * num_classes, val_per_class * num_classes),
+                    strict=True,
+                )
+            ),
+            "classes": names,
+        }
+        # Manifest last: its presence is what marks the dataset complete.
+        with open(tmp / MANIFEST_NAME, "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+        try:
+            os.rename(tmp, root)  # atomic; also replaces an empty root folder
+        except OSError:
+            # Lost a race with another process generating the same root (e.g. several DDP
+            # ranks): fine if theirs matches, and _check_existing raises if it does not.
+            if not _check_existing(root, params):
+                raise
+    except PermissionError as e:
+        raise DatasetError(
+            f"cannot write the synthetic dataset next to {root}: {e}; "
+            "pass dataset.root=<a writable folder>"
+        ) from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+def _run_tasks(tasks: list[tuple], workers: int | None, progress: bool, root: Path) -> int:
+    from tqdm import tqdm
+
+    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    bar = tqdm(
+        total=len(tasks),
+        desc=f"generating synthetic dataset in {root}",
+        unit="img",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    total = 0
+    with bar:
+        if workers == 1:
+            for task in tasks:
+                total += _write_one(task)
+                bar.update()
+        else:
+            # spawn, not fork: the caller may hold CUDA contexts or torch/OpenMP threads, which
+            # fork does not survive; the few hundred ms of start-up are paid once per cache.
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(workers) as pool:
+                for size in pool.imap_unordered(_write_one, tasks, chunksize=8):
+                    total += size
+                    bar.update()
+    return total
