@@ -195,3 +195,18 @@ def test_skip_corrupt_counts_and_trains(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["skipped_corrupt"] == 1
+
+
+@pytest.mark.slow
+def test_default_run_learns_the_builtin_dataset(tmp_path):
+    """`python train.py` exactly as the README's first command runs it (minus W&B)."""
+    out = run_train(
+        [f"output_root={tmp_path}", "logger=none", "trainer.progress=false"],
+        env={"FASTLOAD_CACHE": str(tmp_path / "cache")},
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = (tmp_path / "synthetic-resnet18-baseline").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 6
+    assert summary["best_acc1"] > 30  # 10 classes: chance is 10 %

@@ -1,0 +1,100 @@
+"""Engine pieces that the end-to-end runs cannot reach on a CPU machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fastload import checkpoint as ckpt
+from fastload.config import run_id
+from fastload.dist import DistContext
+from fastload.engine import GracefulStop, amp_dtype, wrap_ddp
+from fastload.errors import CheckpointError, ConfigError
+from fastload.optim import apex_fused_sgd, param_groups, warmup_cosine
+
+
+def test_precision_choices():
+    cpu = torch.device("cpu")
+    assert amp_dtype("auto", cpu) is None and amp_dtype("bf16", cpu) is torch.bfloat16
+    with pytest.raises(ConfigError, match="trainer.precision=fp16 needs CUDA"):
+        amp_dtype("fp16", cpu)
+    with pytest.raises(ConfigError, match="trainer.precision='fp8'"):
+        amp_dtype("fp8", cpu)
+
+
+def test_apex_options_explain_how_to_get_apex():
+    pytest.importorskip("torch")
+    try:
+        import apex  # noqa: F401
+
+        pytest.skip("apex is installed here")
+    except ImportError:
+        pass
+    cfg = OmegaConf.create({"trainer": {"ddp": "apex"}})
+    with pytest.raises(ConfigError, match="trainer.ddp=apex needs NVIDIA apex.*trainer.ddp=native"):
+        wrap_ddp(torch.nn.Linear(2, 2), cfg, DistContext(world_size=2))
+    with pytest.raises(ConfigError, match="optim=apex_sgd needs NVIDIA apex"):
+        apex_fused_sgd([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def test_no_weight_decay_on_bn_and_bias():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    decay, no_decay = param_groups(model, 1e-4, skip_bn_and_bias=True)
+    assert [p.ndim for p in decay["params"]] == [4]
+    assert no_decay["weight_decay"] == 0 and len(no_decay["params"]) == 3
+
+
+def test_warmup_then_cosine():
+    f = warmup_cosine(total_steps=100, warmup_steps=10, min_ratio=0.0)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.5) and f(100) == pytest.approx(0.0)
+    assert all(f(i) >= f(i + 1) for i in range(10, 100))
+
+
+def test_checkpoint_write_is_atomic_and_loads_without_pickle(tmp_path):
+    path = tmp_path / "c" / "last.pt"
+    ckpt.save_atomic({"format": ckpt.FORMAT, "x": torch.ones(2), "rng": ckpt.rng_state()}, path)
+    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]
+    state = ckpt.load(path)  # weights_only=True inside
+    ckpt.set_rng_state(state["rng"])
+    path.write_bytes(path.read_bytes()[:100])  # damaged
+    with pytest.raises(CheckpointError, match=str(path)):
+        ckpt.load(path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.load(tmp_path / "missing.pt")
+
+
+def test_find_latest_checkpoint(tmp_path):
+    for i, run in enumerate(["a", "b"]):
+        p = tmp_path / "exp" / run / "checkpoints" / "last.pt"
+        p.parent.mkdir(parents=True)
+        p.write_bytes(b"x")
+        os.utime(p, (time.time() + i, time.time() + i))
+    assert ckpt.find_latest(tmp_path, "exp").parts[-3] == "b"
+    assert ckpt.find_latest(tmp_path, "other") is None
+
+
+def test_graceful_stop_turns_sigterm_into_a_flag():
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle  # handler restored
+
+
+def test_run_id_agrees_across_torchrun_ranks(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.delenv("FASTLOAD_RUN_ID", raising=False)
+    first = run_id()
+    time.sleep(1.1)
+    assert run_id() == first  # the agent's start time, not now
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    assert run_id() == "torchrun-job42"
+    monkeypatch.setenv("FASTLOAD_RUN_ID", "mine")
+    assert run_id() == "mine"
