@@ -2,7 +2,7 @@
 reference, real-world image kinds, fallbacks counted end to end, clear missing-dep errors.
 
 PSNR threshold: MIN_PSNR_DB = 35. Measured on the synthetic photo set (200 images, crop
-sizes 224/64/32, see fastload/bench/backends.py --psnr): turbo without DCT scaling is
+sizes 224/64/32, every 5th training image vs backend=pil): turbo without DCT scaling is
 bit-identical to PIL (same libjpeg-turbo, same resize); DCT-domain downscale (PIL draft or
 turbo) gives min 43.1 dB, median ~51 dB; turbo with fastdct+fastupsample min 40.2 dB.
 35 dB leaves ~5 dB of margin below the worst measured case yet is far above what a wrong
