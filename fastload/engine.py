@@ -155,6 +155,7 @@ def train_one_epoch(
     model.train()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
     skipped = 0
+    counts: dict[str, int] = {}  # the backend's per-sample counters, e.g. decode fallbacks
     steps = first_step
     bar = ProgressBar(total=max_steps, enabled=progress and ctx.is_main, desc=f"epoch {epoch}")
     bar.update(n=first_step) if first_step else None
@@ -163,6 +164,8 @@ def train_one_epoch(
         if steps >= max_steps:
             break
         skipped += batch["skipped"]
+        for k, v in batch.get("counts", {}).items():
+            counts[k] = counts.get(k, 0) + v
         x, y = batch["image"], batch["target"]
         if x is not None:
             with torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
@@ -193,7 +196,9 @@ def train_one_epoch(
                 break
     bar.close()
     timing = timer.stop()
-    loss_sum, correct, count, skipped = dist.all_reduce(totals.tolist() + [skipped], ctx)
+    keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
+    reduced = dist.all_reduce(totals.tolist() + [skipped] + [counts[k] for k in keys], ctx)
+    loss_sum, correct, count, skipped = reduced[:4]
     return (
         steps,
         timing,
@@ -201,6 +206,7 @@ def train_one_epoch(
             "train_loss": loss_sum / max(count, 1),
             "train_acc1": 100.0 * correct / max(count, 1),
             "skipped_corrupt": int(skipped),
+            **{k: int(v) for k, v in zip(keys, reduced[4:], strict=True)},
         },
     )
 

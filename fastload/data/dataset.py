@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastload.errors import CorruptImageError
+from fastload.errors import ConfigError, CorruptImageError
 
 
 def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -34,6 +34,7 @@ class ImageDataset(torch.utils.data.Dataset):
         try:
             pixels = self.backend.load(data, self.transform, sample_rng(self.seed, epoch, index))
         except Exception as exc:  # any decoder's failure on bad bytes
+            self._pop_counts()  # a skipped file is counted as skipped, not as a fallback
             if self.skip_corrupt:
                 return None
             raise CorruptImageError(
@@ -41,20 +42,54 @@ class ImageDataset(torch.utils.data.Dataset):
                 f"{exc}). Remove or replace the file, or set dataset.skip_corrupt=true to skip "
                 f"and count such files."
             ) from None
-        image = torch.from_numpy(pixels).permute(2, 0, 1)  # CHW view of HWC uint8
-        if self.normalize is not None:
-            image = self.normalize(image)
-        return image, target
+        counts = self._pop_counts()
+        if isinstance(pixels, np.ndarray):
+            image = torch.from_numpy(pixels).permute(2, 0, 1)  # CHW view of HWC uint8
+            if self.normalize is not None:
+                image = self.normalize(image)
+        else:
+            # Deferred decode (backend=nvjpeg): the sample stays encoded; collate batches it
+            # under "encoded" and the backend's device decoder finishes it in device prep.
+            if self.normalize is not None:
+                raise ConfigError(
+                    f"backend={self.backend.name} decodes in device prep, after the workers: "
+                    f"it needs loader.normalize_on=device (not cpu)."
+                )
+            image = pixels
+        return (image, target, counts) if counts else (image, target)
+
+    def _pop_counts(self) -> dict:
+        """Per-sample counters of the backend (e.g. decode fallbacks), collated per batch."""
+        pop = getattr(self.backend, "pop_counts", None)
+        return pop() if pop is not None else {}
 
 
 def collate(samples: list) -> dict:
-    """One contiguous NCHW batch; skipped (corrupt) samples are dropped and counted."""
+    """One contiguous NCHW batch; skipped (corrupt) samples are dropped and counted.
+
+    Two optional parts: "counts" sums the backend's per-sample counters (python ints; the
+    engine adds them into the epoch metrics), and "encoded" holds samples whose decode is
+    deferred to device prep (anything not a tensor, batched by its own type's `collate`);
+    "image" then holds only the samples decoded on the CPU."""
     kept = [s for s in samples if s is not None]
+    counts: dict[str, int] = {}
+    for s in kept:
+        for k, v in (s[2] if len(s) > 2 else {}).items():
+            counts[k] = counts.get(k, 0) + int(v)
     if not kept:
-        return {"image": None, "target": None, "skipped": len(samples)}
-    images = torch.stack([s[0] for s in kept])
-    targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
-    return {"image": images, "target": targets, "skipped": len(samples) - len(kept)}
+        batch = {"image": None, "target": None, "skipped": len(samples)}
+    else:
+        ready = [i for i, s in enumerate(kept) if torch.is_tensor(s[0])]
+        deferred = [i for i, s in enumerate(kept) if not torch.is_tensor(s[0])]
+        images = torch.stack([kept[i][0] for i in ready]) if ready else None
+        targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
+        batch = {"image": images, "target": targets, "skipped": len(samples) - len(kept)}
+        if deferred:
+            encoded = [kept[i][0] for i in deferred]
+            batch["encoded"] = type(encoded[0]).collate(encoded, deferred)
+    if counts:
+        batch["counts"] = counts
+    return batch
 
 
 class Normalize:

@@ -59,6 +59,14 @@ def center_crop_box(width: int, height: int, resize: int, size: int) -> Box:
     return round(left), round(top), max(1, round(w)), max(1, round(h))
 
 
+def resized_crop(img: Image.Image, box, size: int, flip: bool = False) -> Image.Image:
+    """Crop `box` (left, top, width, height; floats allowed, e.g. a box mapped into a
+    DCT-downscaled image) and resize to size x size in one antialiased bilinear resample."""
+    left, top, w, h = box
+    out = img.resize((size, size), Image.BILINEAR, box=(left, top, left + w, top + h))
+    return out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out
+
+
 class RandomResizedCropFlip:
     """Training augmentation: RandomResizedCrop(size, scale, ratio) + horizontal flip."""
 
@@ -79,9 +87,8 @@ class RandomResizedCropFlip:
         return box, bool(rng.random() < self.hflip)
 
     def __call__(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
-        (left, top, w, h), flip = self.sample(img.width, img.height, rng)
-        out = img.resize((self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h))
-        return out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out
+        box, flip = self.sample(img.width, img.height, rng)
+        return resized_crop(img, box, self.size, flip)
 
 
 class ResizeCenterCrop:
@@ -95,7 +102,5 @@ class ResizeCenterCrop:
         return center_crop_box(width, height, self.resize, self.size), False
 
     def __call__(self, img: Image.Image, rng: np.random.Generator) -> Image.Image:
-        (left, top, w, h), _ = self.sample(img.width, img.height, rng)
-        return img.resize(
-            (self.size, self.size), Image.BILINEAR, box=(left, top, left + w, top + h)
-        )
+        box, _ = self.sample(img.width, img.height, rng)
+        return resized_crop(img, box, self.size)

@@ -1,4 +1,14 @@
-"""backend=pil: decode with whichever Pillow is installed (plain or Pillow-SIMD)."""
+"""backend=pil: decode with whichever Pillow is installed (plain or Pillow-SIMD).
+
+`open_rgb` is the reference decode of the project: every other backend falls back to it for
+what its own decoder cannot do (PNG, palette, CMYK, EXIF rotation, undecodable bytes), and
+the tests compare every backend against it.
+
+`draft=true` uses libjpeg's DCT-domain downscale through PIL's `Image.draft()`: the crop box
+is sampled on the full-resolution size from the header (same RNG draw, same box as without
+draft), then the JPEG is decoded at 1/2, 1/4 or 1/8 scale whenever the box still covers the
+output size after that reduction, and the box is mapped into the reduced image.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +18,17 @@ import numpy as np
 import PIL
 from PIL import Image, ImageOps
 
+from fastload.data.transforms import resized_crop
+from fastload.decode.jpeg_header import Counts, dct_scale
+
 
 def pillow_flavour() -> str:
     """'pillow-simd' or 'pillow': Pillow-SIMD versions carry a '.postN' suffix."""
     return "pillow-simd" if ".post" in PIL.__version__ else "pillow"
+
+
+def pillow_name() -> str:
+    return f"{pillow_flavour()}-{PIL.__version__}"
 
 
 def open_rgb(data: bytes) -> Image.Image:
@@ -22,14 +39,61 @@ def open_rgb(data: bytes) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
+def reference_load(data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
+    """The PIL path: full decode, then the transform (which samples the box itself)."""
+    return np.array(transform(open_rgb(data), rng), dtype=np.uint8)
+
+
+def load_with_box(data: bytes, box, flip: bool, size: int) -> np.ndarray:
+    """The PIL path for a box already sampled on this image's full-resolution size (used
+    when a faster decoder fails after the RNG draw, so the crop stays the same)."""
+    return np.array(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)
+
+
 class PILBackend:
     """bytes -> transformed uint8 HWC array."""
 
     name = "pil"
 
+    def __init__(self, draft: bool = False):
+        self.draft = bool(draft)
+        self.counts = Counts("decode_dct_scaled") if self.draft else None
+
     def info(self) -> dict:
-        return {"decoder": f"{pillow_flavour()}-{PIL.__version__}"}
+        return {"decoder": pillow_name() + ("+draft" if self.draft else "")}
+
+    def pop_counts(self) -> dict:
+        return self.counts.pop() if self.counts is not None else {}
 
     def load(self, data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
-        img = transform(open_rgb(data), rng)
-        return np.array(img, dtype=np.uint8)  # writable copy: torch.from_numpy needs one
+        if not self.draft:
+            return reference_load(data, transform, rng)
+        img = Image.open(io.BytesIO(data))
+        if img.format != "JPEG" or img.mode not in ("RGB", "L") or _rotated(img):
+            return np.array(transform(open_rgb(data), rng), dtype=np.uint8)
+        box, flip = transform.sample(img.width, img.height, rng)
+        s = dct_scale(box, transform.size)
+        if s > 1:
+            # draft() picks the largest scale whose result is >= the requested size; asking
+            # for floor(size / s) makes that exactly s. Output pixel i covers source pixels
+            # [i*s, (i+1)*s), so the box maps by 1/s exactly.
+            full_width = img.width
+            img.draft("RGB", (img.width // s, img.height // s))
+            s = _applied_scale(img, full_width)
+            box = tuple(v / s for v in box)
+            self.counts.add("decode_dct_scaled", int(s > 1))
+        img = img if img.mode == "RGB" else img.convert("RGB")
+        return np.array(resized_crop(img, box, transform.size, flip), dtype=np.uint8)
+
+
+def _rotated(img: Image.Image) -> bool:
+    return img.getexif().get(0x0112, 1) != 1
+
+
+def _applied_scale(img: Image.Image, full_width: int) -> int:
+    """The reduction draft() configured: Pillow keeps it in decoderconfig; else from sizes
+    (the reduced width is ceil(width / s), so rounding the ratio recovers s)."""
+    config = getattr(img, "decoderconfig", None)
+    if config and int(config[0]) in (1, 2, 4, 8):
+        return int(config[0])
+    return max(1, round(full_width / img.width))

@@ -87,7 +87,10 @@ class BaselineLoader:
         # Normalise exactly once: in the workers (textbook) or after transfer (uint8 moves).
         dataset.normalize = normalize if normalize_on == "cpu" else None
         self.device_prep = DevicePrep(
-            device, normalize if normalize_on == "device" else None, channels_last
+            device,
+            normalize if normalize_on == "device" else None,
+            channels_last,
+            decoder=getattr(dataset.backend, "device_decoder", None),  # backend=nvjpeg
         )
         self.sampler = sampler
         self.seed, self.rank = seed, rank

@@ -1,0 +1,113 @@
+"""What the JPEG-only decoders need to know before decoding, read from the header alone.
+
+libjpeg-turbo (turbo, accimage) and nvJPEG decode baseline and progressive YCbCr/grayscale
+JPEGs, but ignore EXIF orientation and cannot give RGB from CMYK/YCCK. `fallback_reason`
+says when an image must go through PIL's `open_rgb` instead; the walk over the marker
+segments costs microseconds (no entropy-coded data is touched).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# SOFn markers that start a frame (C4 = DHT, C8 = JPG, CC = DAC are not frames).
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
+
+FALLBACK_REASONS = ("not_jpeg", "cmyk", "exif_rotated", "decode_error")
+
+
+@dataclass(frozen=True)
+class JpegInfo:
+    width: int
+    height: int
+    components: int  # 1 grayscale, 3 YCbCr/RGB, 4 CMYK/YCCK
+    progressive: bool
+    orientation: int  # EXIF orientation, 1 = upright (also when there is no EXIF)
+
+
+def jpeg_info(data: bytes) -> JpegInfo | None:
+    """The frame header and EXIF orientation of a JPEG; None for anything else (PNG, GIF,
+    a truncated or garbled header)."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    orientation = 1
+    i, n = 2, len(data)
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # standalone markers
+            i += 2
+            continue
+        (length,) = struct.unpack_from(">H", data, i + 2)
+        seg = i + 4
+        if marker == 0xE1 and data[seg : seg + 6] == b"Exif\x00\x00":
+            orientation = _exif_orientation(data[seg + 6 : i + 2 + length])
+        elif marker in _SOF:
+            if seg + 6 > n:
+                return None
+            _, height, width, comps = struct.unpack_from(">BHHB", data, seg)
+            if width == 0 or height == 0:
+                return None
+            return JpegInfo(width, height, comps, marker in _PROGRESSIVE, orientation)
+        elif marker == 0xDA:  # start of scan before any frame header
+            return None
+        i += 2 + length
+    return None
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    try:
+        endian = {b"II": "<", b"MM": ">"}[tiff[:2]]
+        (ifd,) = struct.unpack_from(endian + "I", tiff, 4)
+        (count,) = struct.unpack_from(endian + "H", tiff, ifd)
+        for k in range(count):
+            tag, _, _, value = struct.unpack_from(endian + "HHIH", tiff, ifd + 2 + 12 * k)
+            if tag == 0x0112:
+                return value if 1 <= value <= 8 else 1
+    except (KeyError, struct.error):
+        pass
+    return 1
+
+
+def fallback_reason(info: JpegInfo | None) -> str | None:
+    """Why a libjpeg-style JPEG->RGB decoder cannot produce the reference image, or None."""
+    if info is None:
+        return "not_jpeg"
+    if info.components not in (1, 3):
+        return "cmyk"
+    if info.orientation != 1:
+        return "exif_rotated"
+    return None
+
+
+def dct_scale(box, size: int) -> int:
+    """The largest DCT-domain reduction (8, 4, 2, else 1) after which the crop box still
+    covers `size` pixels in both directions, so the final resize still only shrinks."""
+    _, _, w, h = box
+    for s in (8, 4, 2):
+        if w >= s * size and h >= s * size:
+            return s
+    return 1
+
+
+class Counts:
+    """Per-process counters a backend reports through the dataset: `pop()` returns the
+    increments since the last call (every key, zeros included, so each batch carries the
+    same keys and the engine can reduce them across ranks)."""
+
+    def __init__(self, *keys: str):
+        self._zero = dict.fromkeys(keys, 0)
+        self._counts = dict(self._zero)
+
+    def add(self, key: str, n: int = 1) -> None:
+        self._counts[key] += n
+
+    def pop(self) -> dict:
+        out, self._counts = self._counts, dict(self._zero)
+        return out

@@ -1,0 +1,91 @@
+"""FFCV's JPEG pipeline on the same files, for `python -m fastload.bench backends --ffcv-python`.
+
+NEEDS ITS OWN ENVIRONMENT with ffcv (not a fastload dependency; nothing of ffcv is vendored):
+  apt-get install libturbojpeg0-dev libopencv-dev pkg-config
+  python3.11 -m venv /work/ffcv-venv
+  # torch/torchvision: install them, or reuse another venv's with a .pth file naming its
+  # site-packages, e.g. echo /path/to/.venv/lib/python3.11/site-packages > \
+  #   /work/ffcv-venv/lib/python3.11/site-packages/zz_torch.pth
+  /work/ffcv-venv/bin/pip install numba opencv-python-headless ffcv==1.0.2
+  /work/ffcv-venv/bin/python scripts/bench_ffcv.py --root ~/.cache/fastload/synthetic-...
+
+Writes ROOT/train into a .beton (JPEG mode, quality 90, max side 512: the files are ~450 px,
+so nothing is resized), then times RandomResizedCropRGBImageDecoder(size) + flip + ToTensor
+through ffcv's Loader with --workers threads, batch 64. The first epoch (numba JIT) is not
+timed. Prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--root", required=True)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--beton", help="reuse/write this .beton (default: a temp file)")
+    args = p.parse_args()
+
+    import torchvision
+    from ffcv.fields import IntField, RGBImageField
+    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+    from ffcv.loader import Loader, OrderOption
+    from ffcv.transforms import RandomHorizontalFlip, ToTensor
+    from ffcv.writer import DatasetWriter
+
+    beton = args.beton or os.path.join(tempfile.mkdtemp(prefix="ffcv-bench-"), "train.beton")
+    if not os.path.exists(beton):
+        ds = torchvision.datasets.ImageFolder(os.path.join(args.root, "train"))
+        writer = DatasetWriter(
+            beton,
+            {
+                "image": RGBImageField(write_mode="jpg", max_resolution=512, jpeg_quality=90),
+                "label": IntField(),
+            },
+            num_workers=args.workers,
+        )
+        writer.from_indexed_dataset(ds)
+    loader = Loader(
+        beton,
+        batch_size=64,
+        num_workers=args.workers,
+        order=OrderOption.RANDOM,
+        drop_last=True,
+        os_cache=True,
+        pipelines={
+            "image": [
+                RandomResizedCropRGBImageDecoder((args.size, args.size)),
+                RandomHorizontalFlip(),
+                ToTensor(),
+            ],
+            "label": [IntDecoder(), ToTensor()],
+        },
+    )
+    rates = []
+    for epoch in range(args.epochs):
+        n, t0 = 0, time.perf_counter()
+        for images, _ in loader:
+            n += len(images)
+        if epoch > 0:  # epoch 0 compiles the pipeline with numba
+            rates.append(n / (time.perf_counter() - t0))
+    print(
+        json.dumps(
+            {
+                "images_per_s": max(rates),
+                "epochs_images_per_s": rates,
+                "workers": args.workers,
+                "beton_bytes": os.path.getsize(beton),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,358 @@
+"""Decode backends (issue 4): same crop box for the same RNG draw, pixels close to the PIL
+reference, real-world image kinds, fallbacks counted end to end, clear missing-dep errors.
+
+PSNR threshold: MIN_PSNR_DB = 35. Measured on the synthetic photo set (200 images, crop
+sizes 224/64/32, every 5th training image vs backend=pil): turbo without DCT scaling is
+bit-identical to PIL (same libjpeg-turbo, same resize); DCT-domain downscale (PIL draft or
+turbo) gives min 43.1 dB, median ~51 dB; turbo with fastdct+fastupsample min 40.2 dB.
+35 dB leaves ~5 dB of margin below the worst measured case yet is far above what a wrong
+box or a channel swap gives (< 20 dB), so the test still catches geometry bugs.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fastload.data.dataset import ImageDataset, collate, sample_rng
+from fastload.data.sampling import EpochSampler
+from fastload.data.synthetic import render_image
+from fastload.data.transforms import RandomResizedCropFlip, ResizeCenterCrop, resized_crop
+from fastload.decode.jpeg_header import dct_scale, jpeg_info
+from fastload.decode.pil import PILBackend, open_rgb
+from fastload.errors import ConfigError
+from fastload.loaders.baseline import BaselineLoader
+
+MIN_PSNR_DB = 35.0
+SEEDS = range(6)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photo() -> Image.Image:
+    return render_image(0, 0, 3, 7, 400, 500)  # photo-like, ~450 px, like the default set
+
+
+@pytest.fixture(scope="module")
+def kinds(photo) -> dict[str, bytes]:
+    """What real datasets contain, made here (no downloads)."""
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 CW on display
+    rgba = photo.convert("RGBA")
+    rgba.putalpha(Image.linear_gradient("L").resize(photo.size))
+    return {
+        "baseline": encode(photo, "JPEG", quality=90, subsampling=2),
+        "progressive": encode(photo, "JPEG", quality=90, progressive=True),
+        "grayscale": encode(photo.convert("L"), "JPEG", quality=90),
+        "cmyk": encode(photo.convert("CMYK"), "JPEG", quality=90),
+        "exif_rotated": encode(photo, "JPEG", quality=90, exif=exif),
+        "png_rgba": encode(rgba, "PNG"),
+        "palette_png": encode(photo.convert("P", palette=Image.ADAPTIVE), "PNG"),
+        "palette_gif": encode(photo.convert("P", palette=Image.ADAPTIVE), "GIF"),
+    }
+
+
+EXPECTED_FALLBACK = {
+    "cmyk": "cmyk",
+    "exif_rotated": "exif_rotated",
+    "png_rgba": "not_jpeg",
+    "palette_png": "not_jpeg",
+    "palette_gif": "not_jpeg",
+}
+
+
+class Recording:
+    """Wraps a transform and records every box it samples (and the size it was asked for)."""
+
+    def __init__(self, transform):
+        self.inner, self.size, self.boxes = transform, transform.size, []
+
+    def sample(self, width, height, rng):
+        out = self.inner.sample(width, height, rng)
+        self.boxes.append(((width, height), out))
+        return out
+
+    def __call__(self, img, rng):
+        box, flip = self.sample(img.width, img.height, rng)
+        return resized_crop(img, box, self.size, flip)
+
+
+class FakeAccimage(types.ModuleType):
+    """accimage's API (Image(path), crop, resize((h, w)), transpose(0), copyto(CHW buffer)),
+    implemented with PIL without EXIF handling, like the real one; `fail` makes decode raise."""
+
+    def __init__(self, fail=False):
+        super().__init__("accimage")
+        self.__version__ = "fake"
+        module = self
+
+        class FakeImage:
+            def __init__(self, path):
+                if module.fail:
+                    raise OSError("accimage: decode failed")
+                with open(path, "rb") as f:
+                    data = f.read()
+                if data[:2] != b"\xff\xd8":
+                    raise OSError("not a JPEG")
+                self.img = Image.open(io.BytesIO(data)).convert("RGB")
+                self.box = None
+
+            @property
+            def channels(self):
+                return 3
+
+            @property
+            def width(self):
+                return self.img.width
+
+            @property
+            def height(self):
+                return self.img.height
+
+            def crop(self, box):
+                self.box = box
+
+            def resize(self, size):
+                h, w = size
+                self.img = self.img.resize((w, h), Image.BILINEAR, box=self.box)
+
+            def transpose(self, method):
+                assert method == 0
+                self.img = self.img.transpose(Image.FLIP_LEFT_RIGHT)
+
+            def copyto(self, buffer):
+                buffer[...] = np.asarray(self.img).transpose(2, 0, 1)
+
+        self.fail = fail
+        self.Image = FakeImage
+
+
+def make_backend(name, monkeypatch):
+    if name == "pil":
+        return PILBackend()
+    if name == "pil-draft":
+        return PILBackend(draft=True)
+    if name == "turbo":
+        from fastload.decode.turbo import TurboBackend
+
+        return TurboBackend()
+    if name == "turbo-fast":
+        from fastload.decode.turbo import TurboBackend
+
+        return TurboBackend(fastdct=True, fastupsample=True)
+    if name == "accimage":
+        from fastload.decode.accimage import AccimageBackend
+
+        monkeypatch.setitem(sys.modules, "accimage", FakeAccimage())
+        return AccimageBackend()
+    if name == "nvjpeg-on-cpu":
+        from fastload.decode.nvjpeg import NvjpegBackend
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return NvjpegBackend()
+    raise AssertionError(name)
+
+
+def run_load(backend, data, transform, seed):
+    """backend.load, finishing a deferred (nvjpeg) sample the way device prep would."""
+    out = backend.load(data, transform, sample_rng(0, 0, seed))
+    if isinstance(out, np.ndarray):
+        return out
+    batch = type(out).collate([out], [0])
+    img = backend.device_decoder(None, batch, torch.device("cpu"))[0]
+    return img.permute(1, 2, 0).numpy()
+
+
+BACKENDS = ["pil-draft", "turbo", "turbo-fast", "accimage", "nvjpeg-on-cpu"]
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("size", [224, 48])  # 48: crops cover 2-8x the output -> DCT scaling
+def test_same_box_and_close_pixels_on_real_world_kinds(kinds, backend_name, size, monkeypatch):
+    backend = make_backend(backend_name, monkeypatch)
+    reference = PILBackend()
+    for kind, data in kinds.items():
+        for seed in SEEDS:
+            ref_t = Recording(RandomResizedCropFlip(size, scale=(0.08, 1.0)))
+            t = Recording(RandomResizedCropFlip(size, scale=(0.08, 1.0)))
+            want = reference.load(data, ref_t, sample_rng(0, 0, seed))
+            got = run_load(backend, data, t, seed)
+            assert got.shape == (size, size, 3) and got.dtype == np.uint8, (kind, got.shape)
+            assert t.boxes == ref_t.boxes and len(t.boxes) == 1, kind  # one draw, same box
+            assert psnr(got, want) >= MIN_PSNR_DB, (kind, seed, psnr(got, want))
+    counts = backend.pop_counts()
+    for reason in ("not_jpeg", "cmyk", "exif_rotated"):
+        expected = sum(r == reason for r in EXPECTED_FALLBACK.values()) * len(SEEDS)
+        if backend_name != "pil-draft":
+            assert counts[f"decode_fallback_{reason}"] == expected, (reason, counts)
+    if backend_name in ("pil-draft", "turbo", "turbo-fast") and size == 48:
+        assert counts["decode_dct_scaled"] > 0
+    assert set(backend.pop_counts().values()) <= {0}  # pop resets
+
+
+def test_eval_transform_same_box(kinds, monkeypatch):
+    backend = make_backend("turbo", monkeypatch)
+    ref_t, t = Recording(ResizeCenterCrop(56, 64)), Recording(ResizeCenterCrop(56, 64))
+    want = PILBackend().load(kinds["baseline"], ref_t, sample_rng(0, 0, 0))
+    got = backend.load(kinds["baseline"], t, sample_rng(0, 0, 0))
+    assert t.boxes == ref_t.boxes and psnr(got, want) >= MIN_PSNR_DB
+    assert backend.pop_counts()["decode_dct_scaled"] == 1  # 450 px -> 64 px: DCT 1/4
+
+
+def test_jpeg_header_and_dct_scale(kinds, photo):
+    info = jpeg_info(kinds["baseline"])
+    assert (info.width, info.height, info.components) == (*photo.size, 3)
+    assert not info.progressive and info.orientation == 1
+    assert jpeg_info(kinds["progressive"]).progressive
+    assert jpeg_info(kinds["grayscale"]).components == 1
+    assert jpeg_info(kinds["cmyk"]).components == 4
+    assert jpeg_info(kinds["exif_rotated"]).orientation == 6
+    assert jpeg_info(kinds["png_rgba"]) is None and jpeg_info(b"\xff\xd8garbage") is None
+    assert dct_scale((0, 0, 447, 500), 224) == 1 and dct_scale((0, 0, 448, 448), 224) == 2
+    assert dct_scale((0, 0, 1800, 1792), 224) == 8
+    # the reference itself: every kind decodes to RGB, EXIF rotation applied
+    assert open_rgb(kinds["exif_rotated"]).size == photo.size[::-1]
+    assert all(open_rgb(d).mode == "RGB" for d in kinds.values())
+
+
+@pytest.mark.parametrize("backend_name", ["turbo", "accimage"])
+def test_decode_error_falls_back_with_the_same_box(kinds, backend_name, monkeypatch):
+    backend = make_backend(backend_name, monkeypatch)
+    if backend_name == "accimage":
+        backend.accimage = FakeAccimage(fail=True)
+    else:
+        backend.simplejpeg = types.SimpleNamespace(
+            decode_jpeg=lambda *a, **k: (_ for _ in ()).throw(ValueError("bad huffman"))
+        )
+    ref_t, t = Recording(RandomResizedCropFlip(64)), Recording(RandomResizedCropFlip(64))
+    want = PILBackend().load(kinds["baseline"], ref_t, sample_rng(0, 0, 3))
+    got = backend.load(kinds["baseline"], t, sample_rng(0, 0, 3))
+    assert t.boxes == ref_t.boxes and np.array_equal(got, want)
+    assert backend.pop_counts()["decode_fallback_decode_error"] == 1
+
+
+def test_missing_optional_backends_say_how_to_install(monkeypatch):
+    from fastload.decode.accimage import AccimageBackend
+    from fastload.decode.nvjpeg import NvjpegBackend
+    from fastload.decode.pillow_simd import PillowSIMDBackend
+    from fastload.decode.turbo import TurboBackend
+
+    monkeypatch.setitem(sys.modules, "accimage", None)  # import fails
+    with pytest.raises(ConfigError, match="conda install -c conda-forge accimage"):
+        AccimageBackend()
+    monkeypatch.setitem(sys.modules, "simplejpeg", None)
+    with pytest.raises(ConfigError, match="pip install simplejpeg"):
+        TurboBackend()
+    monkeypatch.setattr("PIL.__version__", "13.0.0")
+    with pytest.raises(ConfigError, match="scripts/install_pillow_simd.sh"):
+        PillowSIMDBackend()
+    monkeypatch.setattr("PIL.__version__", "12.1.1.post0")
+    assert PillowSIMDBackend().info()["decoder"] == "pillow-simd-12.1.1.post0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        NvjpegBackend()
+
+
+class BytesStorage:
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def read(self, index):
+        return self.items[index][1], index % 3
+
+    def describe(self, index):
+        return f"mem://{self.items[index][0]}"
+
+
+def mixed_items(kinds, copies=3):
+    return [(k, d) for _ in range(copies) for k, d in kinds.items()]
+
+
+def test_fallback_counts_cross_worker_processes(kinds):
+    """Per-sample counters travel worker -> collate -> batch["counts"] (what the engine sums
+    into the epoch row, next to skipped_corrupt)."""
+    from fastload.decode.turbo import TurboBackend
+
+    items = mixed_items(kinds)
+    ds = ImageDataset(BytesStorage(items), TurboBackend(), RandomResizedCropFlip(32), seed=0)
+    loader = BaselineLoader(
+        ds,
+        EpochSampler(len(ds), rank=0, world_size=1, shuffle=True, seed=0),
+        batch_size=4,
+        device="cpu",
+        normalize=None,
+        num_workers=2,
+        drop_last=False,
+    )
+    loader.set_epoch(0)
+    totals: dict[str, int] = {}
+    for batch in loader:
+        for k, v in batch["counts"].items():
+            totals[k] = totals.get(k, 0) + v
+    for reason in ("not_jpeg", "cmyk", "exif_rotated"):
+        expected = sum(r == reason for r in EXPECTED_FALLBACK.values()) * 3
+        assert totals[f"decode_fallback_{reason}"] == expected
+    assert totals["decode_fallback_decode_error"] == 0
+
+
+def test_nvjpeg_path_through_loader_and_device_prep(kinds, monkeypatch):
+    """The deferred-decode hook end to end on CPU: workers ship bytes for JPEGs and PIL
+    crops for the rest; device prep decodes and puts every sample back in its position."""
+    backend = make_backend("nvjpeg-on-cpu", monkeypatch)
+    items = mixed_items(kinds, copies=1)
+    storage = BytesStorage(items)
+    ds = ImageDataset(storage, backend, RandomResizedCropFlip(40), seed=0)
+    ref = ImageDataset(storage, PILBackend(), RandomResizedCropFlip(40), seed=0)
+    sampler = EpochSampler(len(ds), rank=0, world_size=1, shuffle=False, seed=0)
+    loader = BaselineLoader(
+        ds, sampler, batch_size=len(ds), device="cpu", normalize=None, num_workers=0
+    )
+    loader.set_epoch(0)
+    batch = next(iter(loader))
+    assert batch["image"].shape == (len(items), 3, 40, 40) and "encoded" not in batch
+    want = collate([ref[(0, i)] for i in range(len(ref))])["image"].float()
+    for i, (kind, _) in enumerate(items):
+        got = batch["image"][i].permute(1, 2, 0).numpy()
+        assert psnr(got, want[i].permute(1, 2, 0).numpy()) >= MIN_PSNR_DB, kind
+    assert batch["counts"]["decode_fallback_not_jpeg"] == 3
+    # normalize_on=cpu cannot work when pixels only exist after the workers
+    ds.normalize = lambda x: x
+    with pytest.raises(ConfigError, match="normalize_on=device"):
+        ds[(0, 0)]
+
+
+@pytest.mark.cuda
+def test_nvjpeg_on_gpu_matches_pil(kinds):
+    from fastload.decode.nvjpeg import NvjpegBackend
+
+    backend = NvjpegBackend()
+    t = RandomResizedCropFlip(224)
+    for kind, data in kinds.items():
+        out = backend.load(data, t, sample_rng(0, 0, 1))
+        if isinstance(out, np.ndarray):
+            continue
+        batch = type(out).collate([out], [0])
+        img = backend.device_decoder(None, batch, torch.device("cuda"))[0]
+        got = img.permute(1, 2, 0).cpu().numpy()
+        want = PILBackend().load(data, t, sample_rng(0, 0, 1))
+        # nvJPEG's IDCT/upsampling differ from libjpeg-turbo's: a looser bound than the CPU one
+        assert psnr(got, want) >= 30.0, kind
