@@ -85,9 +85,10 @@ def pack_split(
     shard_mb: int = 1024,
     initial_map_size: int = 64 << 20,
     workers: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> dict:
-    """Pack one ImageFolder split `src` into `dst` (atomically); returns the metadata."""
+    """Pack one ImageFolder split `src` into `dst` (atomically); returns the metadata.
+    progress=None: a progress bar when stderr is a terminal."""
     from tqdm import tqdm
 
     from fastload.loaders.baseline import usable_cores
@@ -132,7 +133,7 @@ def pack_split(
             desc=f"packing {src} -> {dst} ({fmt})",
             unit="img",
             file=sys.stderr,
-            disable=not progress,
+            disable=not (sys.stderr.isatty() if progress is None else progress),
         )
         with bar:
             for i, (record, h, w) in enumerate(_records(tasks, workers)):
