@@ -21,6 +21,7 @@ from fastload.data.dataset import ImageDataset, Normalize
 from fastload.data.sampling import EpochSampler, ShardSampler
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.optim import build_optimizer, warmup_cosine
+from fastload.storage.base import call_hook
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
@@ -96,8 +97,7 @@ def wrap_ddp(model, cfg, ctx):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def build_loaders(cfg, ctx, channels_last: bool):
-    storage_factory = instantiate(cfg.storage)
+def build_loaders(cfg, ctx, channels_last: bool, storage_factory):
     backend = instantiate(cfg.backend)
     normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
     loader_factory = instantiate(cfg.loader)
@@ -110,9 +110,10 @@ def build_loaders(cfg, ctx, channels_last: bool):
         rank=ctx.rank,
         local_world_size=ctx.local_world_size,
     )
-    loaders = []
+    loaders, storages = [], []
     for split, key, train in (("train", "train_split", True), ("val", "val_split", False)):
         storage = storage_factory(root=cfg.dataset.root, split=cfg.dataset[key])
+        storages.append(storage)
         transform = instantiate(cfg.dataset[f"{split}_transform"])
         data = ImageDataset(
             storage, backend, transform, seed=cfg.seed, skip_corrupt=cfg.dataset.skip_corrupt
@@ -132,7 +133,7 @@ def build_loaders(cfg, ctx, channels_last: bool):
             f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
-    return train_loader, val_loader, backend
+    return train_loader, val_loader, backend, storages[0]
 
 
 def train_one_epoch(
@@ -267,6 +268,20 @@ def reduce_timing(timing, resources, ctx) -> dict:
     }
 
 
+def storage_stats(storage, ctx) -> dict:
+    """Bytes the storage read this epoch (all ranks) and the read bandwidth one reader saw."""
+    stats = getattr(storage, "epoch_stats", None)
+    if stats is None:
+        return {}
+    s = stats()
+    nbytes, seconds = dist.all_reduce([s["read_mb"], s["read_s"]], ctx)
+    return {
+        "read_mb": nbytes,
+        "read_mb_per_s": nbytes / seconds if seconds > 0 else None,
+        "cold_cache": s["cold_cache"],
+    }
+
+
 def resolve_resume(cfg, run_dir: Path) -> Path | None:
     if cfg.resume in (None, "", "null"):
         return None
@@ -298,6 +313,12 @@ def fit(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     if cfg.dataset.prepare is not None and ctx.is_local_main:
         instantiate(cfg.dataset.prepare)  # e.g. generate the synthetic set, once per node
+    # A storage may need a once-per-node step too (stage to tmpfs, pack): its optional
+    # `prepare` hook runs on the local main rank while the others wait at the barrier.
+    storage_factory = instantiate(cfg.storage)
+    storage_splits = [cfg.dataset.train_split, cfg.dataset.val_split]
+    if ctx.is_local_main:
+        call_hook(storage_factory, "prepare", root=cfg.dataset.root, splits=storage_splits)
     dist.barrier(ctx)
 
     channels_last = (
@@ -306,7 +327,9 @@ def fit(cfg: DictConfig) -> dict:
         else bool(cfg.trainer.channels_last)
     )
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
-    train_loader, val_loader, backend = build_loaders(cfg, ctx, channels_last)
+    train_loader, val_loader, backend, train_storage = build_loaders(
+        cfg, ctx, channels_last, storage_factory
+    )
     steps_per_epoch = len(train_loader)
     if cfg.trainer.max_steps_per_epoch:
         steps_per_epoch = min(steps_per_epoch, int(cfg.trainer.max_steps_per_epoch))
@@ -390,6 +413,8 @@ def fit(cfg: DictConfig) -> dict:
                 if first_step == 0:
                     torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
                 train_loader.set_epoch(epoch, skip_batches=first_step)
+                # Optional storage hook: reset read counters, evict the page cache (cold_cache).
+                getattr(train_storage, "before_epoch", lambda: None)()
                 sampler.reset()
                 steps, timing, train_metrics = train_one_epoch(
                     train_model,
@@ -425,6 +450,7 @@ def fit(cfg: DictConfig) -> dict:
                     best_acc1 = max(best_acc1, row["val_acc1"])
                 row.update(reduce_timing(timing, resources, ctx))
                 row.update(world_size=ctx.world_size, **decoder)
+                row.update(storage_stats(train_storage, ctx))
                 history.append(row)
                 if ctx.is_main:
                     files.append_epoch(row)
@@ -445,6 +471,8 @@ def fit(cfg: DictConfig) -> dict:
                     )
     finally:
         sampler.stop()
+        if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
+            call_hook(storage_factory, "finish", root=cfg.dataset.root, splits=storage_splits)
     summary = summarize(history, run_dir, best_acc1)
     if ctx.is_main:
         summary["wandb_sync"] = sink.finish()

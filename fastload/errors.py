@@ -37,3 +37,7 @@ class CorruptImageError(FastloadError):
 
 class CheckpointError(FastloadError):
     """A checkpoint cannot be read or does not fit this run."""
+
+
+class StorageError(FastloadError):
+    """A store (staged copy, LMDB, packed shards) is missing, does not fit, or is corrupt."""

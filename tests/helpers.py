@@ -13,8 +13,8 @@ class SigtermAfterReads(DiskStorage):
     """Disk storage that sends SIGTERM to its own process after `reads` reads of the train
     split: a preemption at a known step (use with loader.num_workers=0)."""
 
-    def __init__(self, root, split, reads: int):
-        super().__init__(root, split)
+    def __init__(self, root, split, reads: int, **kw):
+        super().__init__(root, split, **kw)
         self.left = reads if split == "train" else None
 
     def read(self, i):
@@ -23,3 +23,23 @@ class SigtermAfterReads(DiskStorage):
             if self.left == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
         return super().read(i)
+
+
+class RecordingTmpfs:
+    """storage=tmpfs whose `prepare` hook also appends the calling rank to a file, so a
+    DDP test can count how many processes staged."""
+
+    from fastload.storage.tmpfs import TmpfsStorage as _Base
+
+    def __new__(cls, root, split, record=None, **kw):
+        return cls._Base(root, split, **kw)
+
+    @classmethod
+    def prepare(cls, *, record, **kw):
+        with open(record, "a") as f:
+            f.write(f"{os.environ.get('RANK', '0')}\n")
+        cls._Base.prepare(**kw)
+
+    @classmethod
+    def finish(cls, *, record=None, **kw):
+        cls._Base.finish(**kw)

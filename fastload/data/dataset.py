@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fastload.data import rawimage
 from fastload.errors import ConfigError, CorruptImageError
 
 
@@ -31,8 +32,10 @@ class ImageDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         data, target = self.storage.read(index)
+        # Raw-pixel records (packed shards of decoded images) have nothing to decode.
+        load = rawimage.load if rawimage.is_raw(data) else self.backend.load
         try:
-            pixels = self.backend.load(data, self.transform, sample_rng(self.seed, epoch, index))
+            pixels = load(data, self.transform, sample_rng(self.seed, epoch, index))
         except Exception as exc:  # any decoder's failure on bad bytes
             self._pop_counts()  # a skipped file is counted as skipped, not as a fallback
             if self.skip_corrupt:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
+import time
 
 from fastload.data.folder import FolderIndex, index_image_folder
+from fastload.storage.base import StoreBase
 
 
-class DiskStorage:
+class DiskStorage(StoreBase):
     """`(bytes, target)` for an index of an ImageFolder split; never decodes."""
 
-    def __init__(self, root: str | os.PathLike, split: str):
+    def __init__(self, root: str | os.PathLike, split: str, cold_cache: bool = False):
         self.index: FolderIndex = index_image_folder(os.path.join(root, split))
+        self.cold_cache = bool(cold_cache)
+        self._init_stats()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -28,6 +32,15 @@ class DiskStorage:
         """Where sample i lives, for error messages."""
         return str(self.index.path(i))
 
+    def store_root(self) -> str:
+        return str(self.index.root)
+
+    def store_files(self) -> list[str]:
+        return [str(self.index.path(i)) for i in range(len(self.index))]
+
     def read(self, i: int) -> tuple[bytes, int]:
+        t0 = time.perf_counter()
         with open(self.index.path(i), "rb") as f:
-            return f.read(), int(self.index.targets[i])
+            data = f.read()
+        self._account(len(data), t0)
+        return data, int(self.index.targets[i])

@@ -1,0 +1,236 @@
+"""Pack an ImageFolder dataset into LMDB or memory-mapped shards.
+
+    python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q]
+    python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S]
+    python -m fastload.pack verify DST            # whole-file crc32 of every shard
+
+SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
+folder; DST gets one pack per split (DST/<split>/), in the same sample order as storage=disk.
+Each split is written into a temporary sibling folder and renamed into place when complete,
+so an interrupted pack is never mistaken for a finished one.
+
+Record kinds:
+  jpeg, no --max-side: the source files' bytes unchanged (bit-identical to storage=disk);
+  jpeg --max-side N:   re-encoded JPEG with the longer side at most N (smaller images are kept
+                       as they are if already JPEG), quality Q, 4:2:0: "store less data";
+  raw --size S:        decoded RGB pixels, longer side S (aspect kept), no decode when training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from fastload.data import rawimage
+from fastload.data.folder import index_image_folder
+from fastload.decode.pil import open_rgb
+from fastload.errors import FastloadError, StorageError
+
+
+def _resized(img: Image.Image, max_side: int) -> Image.Image:
+    w, h = img.size
+    if max(w, h) <= max_side:
+        return img
+    s = max_side / max(w, h)
+    size = (max(1, round(w * s)), max(1, round(h * s)))
+    img.draft("RGB", size)  # JPEG DCT-domain downscale when it is at least 2x
+    return img.resize(size, Image.LANCZOS, reducing_gap=3.0)
+
+
+def make_record(task) -> tuple[bytes, int, int]:
+    """Worker: source file -> (record bytes, height, width) for the requested kind."""
+    path, kind, max_side, quality, size = task
+    with open(path, "rb") as f:
+        data = f.read()
+    if kind == "jpeg" and not max_side:
+        return data, 0, 0
+    img = Image.open(io.BytesIO(data))
+    if kind == "jpeg" and img.format == "JPEG" and max(img.size) <= max_side:
+        return data, img.height, img.width
+    img = _resized(open_rgb(data), size if kind == "raw" else max_side)
+    if kind == "raw":
+        return rawimage.encode(np.asarray(img, dtype=np.uint8)), img.height, img.width
+    out = io.BytesIO()
+    img.save(out, "JPEG", quality=quality, subsampling=2)
+    return out.getvalue(), img.height, img.width
+
+
+def _records(tasks, workers: int):
+    if workers <= 1 or all(not t[2] and t[1] == "jpeg" for t in tasks[:1]):
+        yield from map(make_record, tasks)
+        return
+    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads or CUDA
+    with ctx.Pool(workers) as pool:
+        yield from pool.imap(make_record, tasks, chunksize=16)
+
+
+def pack_split(
+    fmt: str,
+    src,
+    dst,
+    *,
+    kind: str = "jpeg",
+    max_side: int | None = None,
+    quality: int = 90,
+    size: int = 256,
+    shard_mb: int = 1024,
+    initial_map_size: int = 64 << 20,
+    workers: int | None = None,
+    progress: bool | None = None,
+) -> dict:
+    """Pack one ImageFolder split `src` into `dst` (atomically); returns the metadata.
+    progress=None: a progress bar when stderr is a terminal."""
+    from tqdm import tqdm
+
+    from fastload.loaders.baseline import usable_cores
+
+    if kind not in ("jpeg", "raw"):
+        raise StorageError(f"pack --kind {kind!r}: use jpeg or raw.")
+    if fmt == "lmdb" and kind != "jpeg":
+        raise StorageError(
+            "LMDB packs hold encoded images; raw pixels: use `fastload.pack shards --kind raw`."
+        )
+    src, dst = Path(src).absolute(), Path(dst).absolute()
+    index = index_image_folder(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"
+    for stale in dst.parent.glob(f".{dst.name}.packing-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    params = {
+        "kind": kind,
+        "max_side": max_side,
+        "quality": quality if (max_side or kind == "raw") else None,
+    }
+    if kind == "raw":
+        params = {"kind": "raw", "size": size}
+    tasks = [(str(index.path(i)), kind, max_side, quality, size) for i in range(len(index))]
+    workers = workers or usable_cores()
+    try:
+        if fmt == "lmdb":
+            from fastload.storage.lmdb_store import LmdbWriter
+
+            writer = LmdbWriter(tmp, initial_map_size=initial_map_size)
+        elif fmt == "shards":
+            from fastload.storage.shards import ShardWriter
+
+            writer = ShardWriter(tmp, kind, shard_bytes=shard_mb << 20)
+        else:
+            raise StorageError(f"unknown pack format {fmt!r}: use lmdb or shards.")
+        bar = tqdm(
+            total=len(tasks),
+            desc=f"packing {src} -> {dst} ({fmt})",
+            unit="img",
+            file=sys.stderr,
+            disable=not (sys.stderr.isatty() if progress is None else progress),
+        )
+        with bar:
+            for i, (record, h, w) in enumerate(_records(tasks, workers)):
+                target, path = int(index.targets[i]), str(index.paths[i])
+                if fmt == "lmdb":
+                    writer.add(record, target, path=path)
+                else:
+                    writer.add(record, target, height=h, width=w, path=path)
+                bar.update()
+        meta = writer.close(classes=index.classes, params=params, source=str(src))
+        if dst.exists():
+            raise StorageError(
+                f"{dst} appeared while packing (another packer?); delete it and retry."
+            )
+        os.rename(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def split_dirs(src: Path) -> list[Path]:
+    """The split folders of a dataset root (train/, val/, ...), or src itself if it is one."""
+    subs = sorted(p for p in src.iterdir() if p.is_dir()) if src.is_dir() else []
+    splits = [p for p in subs if any(c.is_dir() for c in p.iterdir())]
+    if splits and len(splits) == len(subs):
+        return splits
+    return [src]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m fastload.pack",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("format", choices=["lmdb", "shards", "verify"])
+    p.add_argument(
+        "src", type=Path, help="dataset root (or one split folder); for verify: the pack"
+    )
+    p.add_argument("dst", type=Path, nargs="?", help="pack folder (one sub-folder per split)")
+    p.add_argument("--kind", choices=["jpeg", "raw"], default="jpeg")
+    p.add_argument("--max-side", type=int, default=None, help="re-encode JPEGs to this longer side")
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--size", type=int, default=256, help="raw: longer side of the stored pixels")
+    p.add_argument("--shard-mb", type=int, default=1024)
+    p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
+    p.add_argument("--workers", type=int, default=None)
+    args = p.parse_args(argv)
+    try:
+        if args.format == "verify":
+            from fastload.storage.shards import verify_pack
+
+            bad = []
+            for meta in sorted(args.src.glob("**/meta.json")):
+                bad += verify_pack(meta.parent)
+                print(f"checked {meta.parent}")
+            for line in bad:
+                print(f"CORRUPT {line}", file=sys.stderr)
+            return 1 if bad else 0
+        if args.dst is None:
+            p.error("DST is required")
+        dirs = split_dirs(args.src)
+        if args.splits:
+            dirs = [args.src / s for s in args.splits.split(",")]
+        for d in dirs:
+            out = args.dst / d.name
+            if out.exists():
+                print(f"{out} exists: skipped (delete it to re-pack)")
+                continue
+            t0 = time.perf_counter()
+            meta = pack_split(
+                args.format,
+                d,
+                out,
+                kind=args.kind,
+                max_side=args.max_side,
+                quality=args.quality,
+                size=args.size,
+                shard_mb=args.shard_mb,
+                workers=args.workers,
+            )
+            print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+    except FastloadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

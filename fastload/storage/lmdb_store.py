@@ -1,0 +1,272 @@
+"""storage=lmdb: one LMDB environment per split, key = index, value = target + image bytes.
+
+Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
+
+    b"%010d" % i   -> header (<q target, <I crc32 of the image bytes) + encoded image bytes
+    b"__meta__"    -> JSON: format, version, count, classes, params, checksum (crc32 of all
+                      image bytes in index order), source
+    b"__targets__" -> the int64 targets, raw little-endian (so opening needs no full scan)
+    b"__paths__"   -> the source path of each record, newline-separated (errors only)
+
+No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
+so nobody guesses a map size up front. Readers open the environment lazily in their own
+process (readonly, lock=False, readahead=False) and drop it when pickled: an LMDB handle
+must never cross a fork (vision#689, pytorch#11929).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from fastload.errors import StorageError
+from fastload.storage.base import StoreBase
+
+log = logging.getLogger("fastload")
+
+FORMAT = "fastload-lmdb"
+VERSION = 1
+HEADER = struct.Struct("<qI")
+META_KEY, TARGETS_KEY, PATHS_KEY = b"__meta__", b"__targets__", b"__paths__"
+
+
+def _lmdb():
+    try:
+        import lmdb
+    except ImportError:
+        raise StorageError(
+            "storage=lmdb needs the lmdb package: pip install lmdb (or pip install -e .)"
+        ) from None
+    return lmdb
+
+
+# One read-only environment per pack folder and process: LMDB forbids opening the same files
+# twice in a process. An entry inherited through fork belongs to the parent: the child
+# closes its copy (its own fds and mapping, the parent's stay open) and opens its own.
+_ENVS: dict[str, tuple[int, object]] = {}
+
+
+def reader_env(path: str):
+    pid = os.getpid()
+    hit = _ENVS.get(path)
+    if hit is not None and hit[0] == pid:
+        return hit[1]
+    if hit is not None:
+        try:
+            hit[1].close()
+        except Exception:  # noqa: BLE001  (best effort on an inherited handle)
+            pass
+    env = _lmdb().open(
+        path,
+        readonly=True,
+        lock=False,
+        readahead=False,
+        meminit=False,
+        subdir=True,
+        max_readers=1024,
+    )
+    _ENVS[path] = (pid, env)
+    return env
+
+
+def key(i: int) -> bytes:
+    return b"%010d" % i
+
+
+class LmdbWriter:
+    """Writes records in transactions of `batch` records; on MapFullError the transaction is
+    aborted, the map doubled, and the same records written again."""
+
+    def __init__(self, out_dir, initial_map_size: int = 64 << 20, batch: int = 256):
+        lmdb = _lmdb()
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.map_size = int(initial_map_size)
+        self.env = lmdb.open(
+            str(self.dir),
+            map_size=self.map_size,
+            subdir=True,
+            lock=True,
+            readahead=False,
+            meminit=False,
+            map_async=True,
+        )
+        self.batch = int(batch)
+        self.pending: list[tuple[bytes, bytes]] = []
+        self.targets: list[int] = []
+        self.paths: list[str] = []
+        self.crc = 0
+        self.growths = 0
+
+    def add(self, data: bytes, target: int, path: str = "") -> None:
+        i = len(self.targets)
+        self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + data))
+        self.targets.append(int(target))
+        self.paths.append(path)
+        self.crc = zlib.crc32(data, self.crc)
+        if len(self.pending) >= self.batch:
+            self.flush()
+
+    def _put_all(self, items) -> None:
+        lmdb = _lmdb()
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for k, v in items:
+                        txn.put(k, v)
+                return
+            except lmdb.MapFullError:
+                self.map_size *= 2
+                self.growths += 1
+                self.env.set_mapsize(self.map_size)
+                log.debug("LMDB map full: grew to %d MB", self.map_size >> 20)
+
+    def flush(self) -> None:
+        if self.pending:
+            self._put_all(self.pending)
+            self.pending = []
+
+    def close(self, *, classes, params: dict, source: str = "") -> dict:
+        self.flush()
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "count": len(self.targets),
+            "classes": list(classes),
+            "params": params,
+            "checksum": f"crc32:{self.crc:08x}",
+            "source": source,
+            "map_size": self.map_size,
+            "map_growths": self.growths,
+        }
+        # Metadata last: an environment without it is not a complete pack.
+        self._put_all(
+            [
+                (TARGETS_KEY, np.asarray(self.targets, "<i8").tobytes()),
+                (PATHS_KEY, "\n".join(self.paths).encode()),
+                (META_KEY, json.dumps(meta).encode()),
+            ]
+        )
+        self.env.sync(True)
+        self.env.close()
+        return meta
+
+
+def default_path(root, max_side, quality) -> str:
+    tag = f"{max_side}px-q{quality}" if max_side else "orig"
+    return f"{str(root).rstrip('/')}.packs/lmdb-{tag}"
+
+
+class LmdbStorage(StoreBase):
+    """`(bytes, target)` from an LMDB pack; the environment opens on first read."""
+
+    _unpicklable = ("_txn",)
+
+    def __init__(
+        self,
+        root,
+        split,
+        path=None,
+        max_side=None,
+        quality=90,
+        verify=True,
+        auto_pack=True,
+        cold_cache=False,
+    ):
+        self.pack_root = Path(path or default_path(root, max_side, quality))
+        self.dir = self.pack_root / split
+        self.verify = bool(verify)
+        self.cold_cache = bool(cold_cache)
+        self._txn = None
+        self._txn_pid = None
+        if not (self.dir / "data.mdb").is_file():
+            opts = f" --max-side {max_side} --quality {quality}" if max_side else ""
+            raise StorageError(
+                f"no LMDB pack at {self.dir} (storage=lmdb, storage.path="
+                f"{path or 'null, derived from dataset.root'}). Pack it with:\n  python -m "
+                f"fastload.pack lmdb {root} {self.pack_root}{opts}\nor set storage.auto_pack=true."
+            )
+        txn = self._begin()
+        raw_meta = txn.get(META_KEY)
+        if raw_meta is None:
+            raise StorageError(
+                f"{self.dir} has no {META_KEY.decode()} record: the pack is incomplete "
+                f"(interrupted?). Delete {self.pack_root} and re-pack."
+            )
+        self.meta = json.loads(raw_meta)
+        if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
+            raise StorageError(f"{self.dir} is not a {FORMAT} v{VERSION} pack; re-pack it.")
+        self._targets = np.frombuffer(txn.get(TARGETS_KEY), "<i8").astype(np.int64)
+        self._init_stats()
+
+    def _begin(self):
+        """This process's read transaction (opened on first use, reopened after a fork)."""
+        if self._txn is None or self._txn_pid != os.getpid():
+            self._txn = reader_env(str(self.dir)).begin(buffers=False)
+            self._txn_pid = os.getpid()
+        return self._txn
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return tuple(self.meta["classes"])
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self._targets
+
+    def describe(self, i: int) -> str:
+        paths = self._begin().get(PATHS_KEY, b"").decode().split("\n")
+        src = f", packed from {paths[i]}" if i < len(paths) and paths[i] else ""
+        return f"{self.dir} key {key(i).decode()}{src}"
+
+    def read(self, i: int) -> tuple[bytes, int]:
+        t0 = time.perf_counter()
+        value = self._begin().get(key(i))
+        if value is None:
+            raise StorageError(f"{self.describe(i)} is missing from the LMDB pack; re-pack it.")
+        self._account(len(value), t0)
+        target, crc = HEADER.unpack_from(value)
+        data = value[HEADER.size :]
+        if self.verify and zlib.crc32(data) != crc:
+            raise StorageError(
+                f"corrupt record: {self.describe(i)} fails its crc32 check; re-pack."
+            )
+        return data, target
+
+    def store_root(self) -> str:
+        return str(self.dir)
+
+    def store_files(self) -> list[str]:
+        return [str(self.dir / "data.mdb")]
+
+    @classmethod
+    def prepare(cls, *, root, splits, path=None, max_side=None, quality=90, auto_pack=True, **_):
+        if not auto_pack:
+            return
+        from fastload.pack import pack_split
+
+        pack_root = Path(path or default_path(root, max_side, quality))
+        for split in dict.fromkeys(splits):
+            if (pack_root / split / "data.mdb").is_file():
+                continue
+            t0 = time.perf_counter()
+            pack_split(
+                "lmdb", Path(root) / split, pack_root / split, max_side=max_side, quality=quality
+            )
+            log.info(
+                "packed %s/%s into %s in %.1f s",
+                root,
+                split,
+                pack_root / split,
+                time.perf_counter() - t0,
+            )

@@ -1,0 +1,262 @@
+"""storage=tmpfs: stage the dataset into a RAM-backed folder once per node, train from there.
+
+    prepare (local rank 0, the other ranks wait at a barrier):
+      1. list the source splits (relative paths + sizes): the manifest;
+      2. reuse <target_dir>/<name> if its manifest matches the source and its files match
+         the manifest (sizes), else
+      3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
+         against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
+         refuse with the numbers and the fix when the dataset does not fit;
+      4. copy in parallel (threads: the copy is I/O and syscalls, the GIL is released) into
+         <target_dir>/.staging-<name>-<pid>, with a progress bar;
+      5. verify the copy against the manifest, write the manifest, rename into place.
+    An interrupted copy leaves only a .staging-* folder, which is never read and is removed
+    by the next run (when its process is gone).
+
+The storage itself is storage=disk on the staged folder: identical bytes, order and targets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+
+from fastload.errors import StorageError
+from fastload.storage.disk import DiskStorage
+
+log = logging.getLogger("fastload")
+
+MANIFEST = ".fastload-staged.json"
+PAGE = 4096
+
+
+def staged_name(root) -> str:
+    """`<root basename>-<hash of the absolute root>`: two datasets never share a folder."""
+    root = os.path.abspath(os.fspath(root)).rstrip("/")
+    return f"{os.path.basename(root)}-{hashlib.sha1(root.encode()).hexdigest()[:8]}"
+
+
+def staged_root(root, target_dir) -> Path:
+    return Path(target_dir) / staged_name(root)
+
+
+def build_manifest(root, splits) -> dict:
+    root = Path(root).absolute()
+    files = []
+    for split in dict.fromkeys(splits):
+        base = root / split
+        if not base.is_dir():
+            raise StorageError(
+                f"cannot stage {base}: no such folder. Point dataset.root at a folder holding "
+                f"'{split}/<class>/<image>'."
+            )
+        for dirpath, dirnames, names in os.walk(base, followlinks=True):
+            dirnames.sort()
+            for n in sorted(names):
+                p = os.path.join(dirpath, n)
+                files.append([os.path.relpath(p, root), os.stat(p).st_size])
+    return {"source": str(root), "splits": list(dict.fromkeys(splits)), "files": files}
+
+
+def _matches(folder: Path, manifest: dict) -> bool:
+    try:
+        have = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if have != manifest:
+        return False
+    try:
+        return all(os.stat(folder / rel).st_size == size for rel, size in manifest["files"])
+    except OSError:
+        return False
+
+
+def memory_limit_available() -> int | None:
+    """Bytes the container may still allocate (cgroup v2 or v1), or None without a limit."""
+    for limit_f, usage_f in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit = Path(limit_f).read_text().strip()
+            usage = int(Path(usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return int(limit) - usage
+    return None
+
+
+def room(target_dir: Path) -> dict:
+    """What limits a copy into target_dir (each in bytes; None = no such limit)."""
+    return {
+        "free space": shutil.disk_usage(target_dir).free,
+        "available RAM": psutil.virtual_memory().available,
+        "container memory limit headroom": memory_limit_available(),
+    }
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
+    """Refuse (with the numbers and the fix) when `need` + `reserve` bytes do not fit."""
+    limits = room(target_dir)
+    short = {k: v for k, v in limits.items() if v is not None and v < need + reserve}
+    if not short:
+        return
+    have = ", ".join(f"{k} {_size(v)}" for k, v in limits.items() if v is not None)
+    raise StorageError(
+        f"storage=tmpfs: the dataset {root} needs {_size(need)} (+{_size(reserve)} "
+        f"kept free: storage.reserve_gb) in {target_dir}, but {have}; short on: "
+        f"{', '.join(short)}. Fixes: grow the tmpfs (`mount -o remount,size=<N>G {target_dir}`, "
+        f"or in Docker `--shm-size=<N>g`; scripts/stage_tmpfs.sh mounts one), point "
+        f"storage.target_dir at a larger tmpfs, train on a subset, or use storage=disk / "
+        f"storage=shards (kind=jpeg with max_side=256 stores several times less)."
+    )
+
+
+def _remove_stale(target_dir: Path, name: str) -> None:
+    for entry in target_dir.glob(f".staging-{name}-*"):
+        pid = entry.name.rsplit("-", 1)[-1]
+        alive = True
+        if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                alive = False
+            except OSError:
+                pass
+        if not alive:
+            log.info("removing an interrupted staging %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def copy_files(src_root: Path, dst_root: Path, files, threads: int, progress: bool) -> None:
+    from tqdm import tqdm
+
+    total = sum(size for _, size in files)
+    for d in sorted({os.path.dirname(rel) for rel, _ in files}):
+        (dst_root / d).mkdir(parents=True, exist_ok=True)
+
+    def one(item):
+        rel, size = item
+        shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+        return size
+
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc=f"staging to {dst_root.parent}",
+        file=sys.stderr,
+        disable=not progress,
+    ) as bar:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            for size in pool.map(one, files, chunksize=64):
+                bar.update(size)
+
+
+def stage(
+    root, splits, target_dir="/dev/shm/fastload", threads=8, reserve_gb=1.0, progress=True
+) -> Path:
+    """Stage root's splits into target_dir (atomically) unless a complete copy is there."""
+    root = Path(root).absolute()
+    target_dir = Path(target_dir)
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(
+            f"storage.target_dir={target_dir}: cannot create it ({exc.strerror}); point it at a "
+            f"writable tmpfs (df -t tmpfs lists them)."
+        ) from None
+    name = staged_name(root)
+    final = target_dir / name
+    manifest = build_manifest(root, splits)
+    if _matches(final, manifest):
+        log.info("storage=tmpfs: reusing the complete staged copy %s", final)
+        return final
+    _remove_stale(target_dir, name)
+    need = sum(-(-size // PAGE) * PAGE for _, size in manifest["files"])
+    old = final if final.exists() else None  # an outdated or damaged copy: replaced below
+    freed = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old else 0
+    check_room(target_dir, max(0, need - freed), int(reserve_gb * 2**30), root)
+    if old is not None:
+        log.warning(
+            "storage=tmpfs: %s does not match %s (changed or incomplete): re-staging", final, root
+        )
+        shutil.rmtree(final)
+    tmp = target_dir / f".staging-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.perf_counter()
+    try:
+        copy_files(root, tmp, manifest["files"], threads, progress)
+        bad = [rel for rel, size in manifest["files"] if os.stat(tmp / rel).st_size != size]
+        if bad:
+            raise StorageError(
+                f"staging {root} into {tmp}: {len(bad)} file(s) differ from the source after "
+                f"copying (first: {bad[0]}); was the source modified during the copy? Retry."
+            )
+        (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dt = time.perf_counter() - t0
+    log.info(
+        "storage=tmpfs: staged %d files (%.1f MB) into %s in %.1f s (%.0f MB/s)",
+        len(manifest["files"]),
+        need / 1e6,
+        final,
+        dt,
+        need / 1e6 / max(dt, 1e-9),
+    )
+    return final
+
+
+class TmpfsStorage(DiskStorage):
+    """storage=disk over the staged copy (staged by `prepare` before the loaders exist)."""
+
+    def __init__(self, root, split, target_dir="/dev/shm/fastload", cold_cache=False, **_):
+        final = staged_root(root, target_dir)
+        if not (final / MANIFEST).is_file():
+            raise StorageError(
+                f"storage=tmpfs: {final} holds no complete staged copy of {root}. The engine "
+                f"stages it before training (TmpfsStorage.prepare); from Python call "
+                f"fastload.storage.tmpfs.stage({str(root)!r}, splits, {str(target_dir)!r})."
+            )
+        super().__init__(final, split, cold_cache=cold_cache)
+
+    @classmethod
+    def prepare(
+        cls,
+        *,
+        root,
+        splits,
+        target_dir="/dev/shm/fastload",
+        threads=8,
+        reserve_gb=1.0,
+        progress=True,
+        **_,
+    ):
+        stage(root, splits, target_dir, threads=threads, reserve_gb=reserve_gb, progress=progress)
+
+    @classmethod
+    def finish(cls, *, root, target_dir="/dev/shm/fastload", cleanup=False, **_):
+        if cleanup:
+            final = staged_root(root, target_dir)
+            shutil.rmtree(final, ignore_errors=True)
+            log.info("storage.cleanup=true: removed the staged copy %s", final)

@@ -1,0 +1,348 @@
+"""storage=disk|tmpfs|lmdb|shards: same samples, atomic staging, packs, integrity, hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, make_image_folder, run_train, tiny_overrides
+
+from fastload.data import rawimage
+from fastload.data.dataset import ImageDataset, collate
+from fastload.data.transforms import RandomResizedCropFlip
+from fastload.decode.pil import PILBackend, open_rgb
+from fastload.errors import StorageError
+from fastload.pack import main as pack_main
+from fastload.pack import pack_split
+from fastload.storage import base as storage_base
+from fastload.storage import tmpfs
+from fastload.storage.disk import DiskStorage
+from fastload.storage.lmdb_store import LmdbStorage
+from fastload.storage.shards import ShardStorage
+
+
+@pytest.fixture(scope="module")
+def packs(tiny_folder, tmp_path_factory):
+    """Every pack of the tiny folder, built once through the CLI."""
+    out = tmp_path_factory.mktemp("packs")
+    assert pack_main(["lmdb", str(tiny_folder), str(out / "lmdb")]) == 0
+    assert pack_main(["shards", str(tiny_folder), str(out / "sj")]) == 0
+    assert pack_main(["shards", str(tiny_folder), str(out / "sj64"), "--max-side", "64"]) == 0
+    assert pack_main(["shards", str(tiny_folder), str(out / "sr"), "--kind", "raw"]) == 0
+    return out
+
+
+def open_store(kind, root, split, packs):
+    if kind == "disk":
+        return DiskStorage(root, split)
+    if kind == "lmdb":
+        return LmdbStorage(root, split, path=packs / "lmdb", auto_pack=False)
+    return ShardStorage(root, split, path=packs / kind, auto_pack=False)
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "sj"])
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_packed_stores_give_the_disk_bytes_and_targets(tiny_folder, packs, kind, split):
+    disk = DiskStorage(tiny_folder, split)
+    store = open_store(kind, tiny_folder, split, packs)
+    assert len(store) == len(disk) and store.classes == disk.classes
+    assert store.targets.dtype == np.int64 and np.array_equal(store.targets, disk.targets)
+    for i in range(len(disk)):
+        assert store.read(i) == disk.read(i), (i, store.describe(i))
+    assert str(disk.index.paths[3]) in store.describe(3)  # errors name the source file
+
+
+def test_tmpfs_stage_gives_the_disk_bytes_and_targets(tiny_folder, tmp_path):
+    target = tmp_path / "shm"
+    tmpfs.TmpfsStorage.prepare(root=tiny_folder, splits=["train", "val"], target_dir=target)
+    for split in ("train", "val"):
+        disk, staged = (
+            DiskStorage(tiny_folder, split),
+            tmpfs.TmpfsStorage(tiny_folder, split, target_dir=target),
+        )
+        assert staged.describe(0).startswith(str(target))
+        assert np.array_equal(staged.targets, disk.targets) and staged.classes == disk.classes
+        assert [staged.read(i) for i in range(len(disk))] == [
+            disk.read(i) for i in range(len(disk))
+        ]
+
+
+def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, packs):
+    disk = DiskStorage(tiny_folder, "train")
+    raw = open_store("sr", tiny_folder, "train", packs)
+    assert raw.meta["kind"] == "raw" and np.array_equal(raw.targets, disk.targets)
+    for i in range(len(disk)):
+        data, target = raw.read(i)
+        assert rawimage.is_raw(data) and target == disk.targets[i]
+        # The tiny images are smaller than size=256: stored as decoded, pixel for pixel.
+        assert np.array_equal(
+            np.asarray(rawimage.to_image(data)), np.asarray(open_rgb(disk.read(i)[0]))
+        )
+
+    class NoDecode:
+        def load(self, *a):
+            raise AssertionError("the backend must not see raw records")
+
+    tf = RandomResizedCropFlip(24)
+    a = ImageDataset(disk, PILBackend(), tf, seed=3)
+    b = ImageDataset(raw, NoDecode(), tf, seed=3)
+    for key in [(0, 0), (1, 5), (2, 17)]:  # same crop + flip as decoding the JPEG
+        assert torch.equal(a[key][0], b[key][0]) and a[key][1] == b[key][1]
+
+
+def test_reencoded_shards_respect_max_side(tiny_folder, packs):
+    store = open_store("sj64", tiny_folder, "train", packs)
+    idx = np.load(packs / "sj64" / "train" / "index.npy")
+    assert max(idx["height"].max(), idx["width"].max()) == 64  # tiny images are 96x72
+    img = open_rgb(store.read(0)[0])
+    assert max(img.size) == 64 and store.meta["params"]["max_side"] == 64
+
+
+def test_lmdb_map_grows_while_packing(tiny_folder, tmp_path):
+    meta = pack_split(
+        "lmdb", tiny_folder / "train", tmp_path / "train", initial_map_size=32 << 10, progress=False
+    )
+    total = sum(p.stat().st_size for p in (tiny_folder / "train").rglob("*.jpg"))
+    assert total > 32 << 10 and meta["map_growths"] >= 1, meta
+    store = LmdbStorage(tiny_folder, "train", path=tmp_path)  # pack_root/<split>: path is parent
+    disk = DiskStorage(tiny_folder, "train")
+    assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
+    assert meta["count"] == len(disk) and meta["checksum"].startswith("crc32:")
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "sr"])
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_readers_under_fork_and_spawn_workers(tiny_folder, packs, kind, context):
+    store = open_store(kind, tiny_folder, "train", packs)
+    store.read(0)  # a handle opened in the parent must not travel to the workers
+    assert pickle.loads(pickle.dumps(store)).read(1) == store.read(1)
+    tf = RandomResizedCropFlip(24)
+    ref = ImageDataset(DiskStorage(tiny_folder, "train"), PILBackend(), tf, seed=0)
+    data = ImageDataset(store, PILBackend(), tf, seed=0)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=4, num_workers=2, collate_fn=collate, multiprocessing_context=context
+    )
+    got = torch.cat([b["image"] for b in loader])
+    want = torch.stack([ref[i][0] for i in range(len(ref))])
+    assert torch.equal(got, want)
+    stats = store.epoch_stats()  # workers' reads are counted in the parent
+    assert stats["read_mb"] > 0 and stats["read_s"] > 0
+
+
+def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
+    import shutil
+
+    shutil.copytree(packs / "sj", tmp_path / "sj")
+    shard = tmp_path / "sj" / "train" / "shard-00000.bin"
+    idx = np.load(tmp_path / "sj" / "train" / "index.npy")
+    with open(shard, "r+b") as f:
+        f.seek(int(idx["offset"][7]) + 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    store.read(6)
+    with pytest.raises(StorageError, match=rf"{shard} record 7 .*crc32.*fastload.pack verify"):
+        store.read(7)
+    assert pack_main(["verify", str(tmp_path / "sj")]) == 1
+
+
+def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, packs, tmp_path):
+    import shutil
+
+    shutil.copytree(packs / "sj", tmp_path / "sj")
+    shard = tmp_path / "sj" / "train" / "shard-00000.bin"
+    idx = np.load(tmp_path / "sj" / "train" / "index.npy")
+    os.truncate(shard, int(idx["offset"][11]) + 10)
+    with pytest.raises(StorageError, match=rf"{shard} is truncated.*first damaged record: 11"):
+        ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+
+
+def test_missing_pack_gives_the_pack_command(tiny_folder, tmp_path):
+    with pytest.raises(
+        StorageError, match=r"python -m fastload.pack shards .* --kind raw --size 128"
+    ):
+        ShardStorage(
+            tiny_folder, "train", path=tmp_path / "none", kind="raw", size=128, auto_pack=False
+        )
+    with pytest.raises(StorageError, match=r"python -m fastload.pack lmdb "):
+        LmdbStorage(tiny_folder, "train", path=tmp_path / "none", auto_pack=False)
+
+
+# -- tmpfs staging -----------------------------------------------------------------------------
+
+_KILL_MIDWAY = """
+import os, shutil, signal, sys
+from fastload.storage import tmpfs
+copied = [0]
+real = shutil.copyfile
+def copy_then_die(src, dst):
+    real(src, dst)
+    copied[0] += 1
+    if copied[0] == 10:
+        os.kill(os.getpid(), signal.SIGKILL)
+tmpfs.shutil.copyfile = copy_then_die
+tmpfs.stage(sys.argv[1], ["train", "val"], sys.argv[2], threads=1, progress=False)
+"""
+
+
+def test_staging_is_atomic_when_killed_midway_then_restaged(tmp_path):
+    root = make_image_folder(tmp_path / "data")
+    target = tmp_path / "shm"
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILL_MIDWAY, str(root), str(target)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    final = tmpfs.staged_root(root, target)
+    leftovers = list(target.glob(".staging-*"))
+    assert not final.exists() and len(leftovers) == 1  # only a partial, never read
+    assert len(list(leftovers[0].rglob("*.jpg"))) == 10
+    with pytest.raises(StorageError, match="no complete staged copy"):
+        tmpfs.TmpfsStorage(root, "train", target_dir=target)
+    tmpfs.stage(root, ["train", "val"], target, progress=False)
+    assert not list(target.glob(".staging-*"))  # the stale partial copy is gone
+    disk, staged = DiskStorage(root, "train"), tmpfs.TmpfsStorage(root, "train", target_dir=target)
+    assert [staged.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
+
+
+def test_complete_staging_is_reused_and_a_damaged_one_restaged(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data")
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["train", "val"], target, progress=False)
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    assert tmpfs.stage(root, ["train", "val"], target, progress=False) == final
+    assert calls == []  # reused: nothing copied
+    victim = next(final.rglob("*.jpg"))
+    victim.write_bytes(victim.read_bytes()[:50])  # a damaged staged file
+    tmpfs.stage(root, ["train", "val"], target, progress=False)
+    assert (
+        calls == [1] and victim.stat().st_size == (root / victim.relative_to(final)).stat().st_size
+    )
+
+
+def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch):
+    root = make_image_folder(tmp_path / "data")
+    monkeypatch.setattr(
+        tmpfs,
+        "room",
+        lambda d: {
+            "free space": 10_000,
+            "available RAM": 8 << 30,
+            "container memory limit headroom": None,
+        },
+    )
+    with pytest.raises(StorageError) as err:
+        tmpfs.stage(root, ["train", "val"], tmp_path / "shm", progress=False, reserve_gb=0)
+    msg = str(err.value)
+    assert str(root) in msg and "short on: free space" in msg and "MiB" in msg
+    assert "mount -o remount,size=" in msg and "storage.target_dir" in msg
+    assert not list((tmp_path / "shm").iterdir())  # nothing half-copied
+
+
+def test_memory_limit_headroom_counts(monkeypatch, tmp_path):
+    monkeypatch.setattr(tmpfs, "memory_limit_available", lambda: 1000)
+    assert tmpfs.room(tmp_path)["container memory limit headroom"] == 1000
+    with pytest.raises(StorageError, match="container memory limit headroom"):
+        tmpfs.check_room(tmp_path, 5000, 0, "x")
+
+
+# -- cold cache --------------------------------------------------------------------------------
+
+
+def test_cold_cache_evicts_every_store_file(tiny_folder, packs, monkeypatch):
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(
+        os,
+        "posix_fadvise",
+        lambda fd, o, n, a: (
+            advised.append((os.readlink(f"/proc/self/fd/{fd}"), a)) or real(fd, o, n, a)
+        ),
+    )
+    disk = DiskStorage(tiny_folder, "train", cold_cache=True)
+    disk.before_epoch()
+    assert sorted(p for p, _ in advised) == sorted(disk.store_files())
+    assert {a for _, a in advised} == {os.POSIX_FADV_DONTNEED}
+    advised.clear()
+    shards = ShardStorage(tiny_folder, "train", path=packs / "sj", cold_cache=True)
+    shards.before_epoch()
+    assert str(packs / "sj" / "train" / "shard-00000.bin") in [p for p, _ in advised]
+
+
+def test_cold_cache_on_tmpfs_says_it_does_nothing(tiny_folder, monkeypatch, caplog):
+    monkeypatch.setattr(storage_base, "fs_type", lambda p: "tmpfs")
+    monkeypatch.setattr(storage_base, "evict_page_cache", lambda p: pytest.fail("evicted tmpfs"))
+    with caplog.at_level("WARNING", logger="fastload"):
+        DiskStorage(tiny_folder, "val", cold_cache=True).before_epoch()
+    assert "IS the page cache" in caplog.text
+
+
+# -- through train.py --------------------------------------------------------------------------
+
+
+def test_train_packs_on_first_use_and_logs_read_bandwidth(tmp_path):
+    root = make_image_folder(tmp_path / "data")
+    run_dir = tmp_path / "run"
+    out = run_train(
+        tiny_overrides(
+            root, run_dir, "storage=shards", "storage.kind=raw", "storage.cold_cache=true"
+        )
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "data.packs" / "shards-raw-256px" / "train" / "meta.json").is_file()
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["cold_cache"] is True for r in rows)
+    per_epoch = 4 * 4 * (96 * 72 * 3 + rawimage.HEADER_SIZE) / 1e6  # 4 steps x batch 4 images
+    assert [round(r["read_mb"], 6) for r in rows] == [round(per_epoch, 6)] * 2, rows
+    assert all(r["read_mb_per_s"] > 0 for r in rows)
+
+
+def test_two_ranks_stage_once_per_node(tmp_path):
+    root = make_image_folder(tmp_path / "data")
+    record, target = tmp_path / "staged-by.txt", tmp_path / "shm"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    overrides = [
+        o
+        for o in tiny_overrides(root, tmp_path / "unused", "trainer.epochs=1")
+        if not o.startswith(("hydra.run.dir", "output_root"))
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        *overrides,
+        f"output_root={tmp_path / 'out'}",
+        "name=stage",
+        "storage=tmpfs",
+        "storage._target_=tests.helpers.RecordingTmpfs",
+        f"+storage.record={record}",
+        f"storage.target_dir={target}",
+        "storage.cleanup=true",
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert record.read_text().split() == ["0"]  # local rank 0 staged, rank 1 waited
+    assert not tmpfs.staged_root(root, target).exists()  # storage.cleanup=true
