@@ -37,3 +37,7 @@ class CorruptImageError(FastloadError):
 
 class CheckpointError(FastloadError):
     """A checkpoint cannot be read or does not fit this run."""
+
+
+class LoaderStallError(FastloadError):
+    """The loader produced no batch within loader.timeout; the message names the stuck worker."""
