@@ -3,6 +3,7 @@ no leaks, seeding, watchdog, pinned-memory and /dev/shm checks. CUDA-only tests 
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import subprocess
@@ -484,3 +485,18 @@ def test_cuda_prefetch_channels_last_and_bf16():
     assert b["image"].is_contiguous(memory_format=torch.channels_last)
     assert b["targets"][0]["boxes"].is_cuda and b["meta"][0]["id"] == int(b["pair"][0][0])
     assert b["pair"][0].is_cuda and b["pair"][1] == "tag"
+
+
+def test_benchmark_cli_smoke(tiny_folder, tmp_path, capsys):
+    from fastload.bench.__main__ import main
+
+    out = tmp_path / "loaders.json"
+    argv = ["loaders", "--root", str(tiny_folder), "--batch-size", "4", "--size", "16"]
+    argv += ["--warmup", "1", "--steps", "2", "--step-ms", "1", "--workers", "0"]
+    argv += ["--strategies", "baseline,prefetch+bg", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "data_wait_share" in text and "prefetch+bg" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [r["strategy"] for r in rows] == ["baseline", "prefetch+bg"]
+    assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in rows)
