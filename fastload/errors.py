@@ -41,3 +41,7 @@ class CheckpointError(FastloadError):
 
 class StorageError(FastloadError):
     """A store (staged copy, LMDB, packed shards) is missing, does not fit, or is corrupt."""
+
+
+class LoaderStallError(FastloadError):
+    """The loader produced no batch within loader.timeout; the message names the stuck worker."""

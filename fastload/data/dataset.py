@@ -103,6 +103,12 @@ class Normalize:
         self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1) * 255
         self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1) * 255
 
+    def to(self, device) -> Normalize:
+        """A copy whose mean/std live on `device`, so each call does not copy them there."""
+        moved = Normalize.__new__(Normalize)
+        moved.mean, moved.std = self.mean.to(device), self.std.to(device)
+        return moved
+
     def __call__(self, x: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         mean, std = self.mean.to(x.device), self.std.to(x.device)
         return ((x.float() - mean) / std).to(dtype)

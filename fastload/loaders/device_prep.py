@@ -7,27 +7,62 @@ device decoder on it, which yields the uint8 image batch, then goes on as usual.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fastload.errors import ConfigError
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def map_tensors(fn: Callable[[torch.Tensor], object], obj):
+    """Apply `fn` to every tensor of a nested batch (dicts, lists, tuples, namedtuples);
+    everything else (strings, numbers, a `meta` dict of them, None) passes through as is."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(fn, v) for v in obj)
+    return obj
+
+
+def iter_tensors(obj):
+    """Every tensor of a nested batch, depth first."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+
 
 class DevicePrep:
     def __init__(
-        self, device: torch.device, normalize=None, channels_last: bool = False, decoder=None
+        self,
+        device: torch.device,
+        normalize=None,
+        channels_last: bool = False,
+        dtype: torch.dtype = torch.float32,
+        decoder=None,
     ):
         self.device = torch.device(device)
-        self.normalize = normalize  # a fastload.data.dataset.Normalize, or None (done on CPU)
+        # a fastload.data.dataset.Normalize, or None (done on CPU); its mean/std are moved to
+        # the device once here, not copied host-to-device at every batch.
+        self.normalize = normalize.to(self.device) if normalize is not None else None
         self.channels_last = channels_last
+        self.dtype = dtype
         self.decoder = decoder  # backend.device_decoder (backend=nvjpeg), else None
 
-    def transfer(self, batch: dict) -> dict:
-        """Copy every tensor of the batch to the device; non_blocking only for pinned
-        sources, where it is truly asynchronous (for pageable memory it buys nothing)."""
-        return {
-            k: v.to(self.device, non_blocking=v.is_pinned()) if torch.is_tensor(v) else v
-            for k, v in batch.items()
-        }
+    def transfer(self, batch):
+        """Copy every tensor of the (nested) batch to the device; non_blocking only for
+        pinned sources, where it is truly asynchronous (for pageable memory it buys nothing)."""
+        return map_tensors(lambda v: v.to(self.device, non_blocking=v.is_pinned()), batch)
 
     def decode(self, batch: dict) -> dict:
         """Finish the deferred decode: (CPU-decoded part, encoded part) -> uint8 batch."""
@@ -40,19 +75,31 @@ class DevicePrep:
         rest["image"] = self.decoder(batch["image"], batch["encoded"], self.device)
         return rest
 
-    def convert(self, batch: dict) -> dict:
-        if "encoded" in batch:
-            batch = self.decode(batch)
-        image = batch["image"]
-        if image is None:
-            return batch
+    def _convert_image(self, image: torch.Tensor) -> torch.Tensor:
         if self.normalize is not None:
-            image = self.normalize(image)
-        elif not image.is_floating_point():
-            image = image.float()
-        if self.channels_last:
+            image = self.normalize(image, self.dtype)
+        elif image.dtype != self.dtype:
+            image = image.to(self.dtype)
+        if self.channels_last and image.dim() == 4:
             image = image.contiguous(memory_format=torch.channels_last)
+        return image
+
+    def convert(self, batch):
+        """uint8 -> float (or the configured dtype), normalise, channels_last: the batch's
+        "image" entry only (a tensor, or a list of tensors of different sizes); every other
+        entry is left as it is."""
+        if not isinstance(batch, dict):
+            return batch
+        if "encoded" in batch:  # a GPU-decoding backend: decode first, then as usual
+            batch = self.decode(batch)
+        image = batch.get("image")
+        if torch.is_tensor(image):
+            image = self._convert_image(image)
+        elif isinstance(image, (list, tuple)) and all(torch.is_tensor(i) for i in image):
+            image = type(image)(self._convert_image(i) for i in image)
+        else:
+            return batch  # None: every sample of the batch was skipped
         return {**batch, "image": image}
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch):
         return self.convert(self.transfer(batch))

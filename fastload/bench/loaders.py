@@ -1,0 +1,198 @@
+"""python -m fastload.bench loaders: each loader strategy x num_workers, feeding a consumer.
+
+For every combination it runs a training-like loop over the synthetic dataset and prints
+images/s and the data-wait share (time blocked in `next()` over wall time).
+
+The consumer step:
+* on CPU (default): a fixed `--step-ms` sleep, which releases the GIL like a GPU step does
+  (CUDA kernels launch asynchronously), so overlap between loading and the step is visible:
+  with num_workers=0 the baseline pays load + step per batch, the background thread pays
+  about max(load, step);
+* `--model resnet50` on CUDA: a real bf16 autocast, channels_last training step, plus the
+  same model fed one GPU-resident synthetic batch (the compute ceiling); the `vs_ceiling`
+  column is real-data throughput / ceiling (target >= 0.95 for the best strategy).
+
+Loaders are built from the real conf/loader/<strategy>.yaml, as `python train.py` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from fastload.bench.common import default_dataset, format_table, write_json
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+def build_loader(strategy: str, workers: int, args, root: Path, device: torch.device):
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    import fastload.config  # noqa: F401  (resolvers)
+    from fastload.data.dataset import ImageDataset, Normalize
+    from fastload.data.sampling import EpochSampler
+    from fastload.data.transforms import RandomResizedCropFlip
+    from fastload.decode.pil import PILBackend
+    from fastload.storage.disk import DiskStorage
+
+    overrides = [f"loader={strategy}", f"loader.num_workers={workers}", *args.override]
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    dataset = ImageDataset(
+        DiskStorage(root, "train"), PILBackend(), RandomResizedCropFlip(args.size), seed=0
+    )
+    sampler = EpochSampler(len(dataset), rank=0, world_size=1, shuffle=True, seed=0)
+    return instantiate(cfg.loader)(
+        dataset,
+        sampler,
+        train=True,
+        batch_size=args.batch_size,
+        device=device,
+        normalize=Normalize(cfg.dataset.mean, cfg.dataset.std),
+        channels_last=device.type == "cuda",
+        seed=0,
+        rank=0,
+        local_world_size=1,
+    )
+
+
+class SleepStep:
+    """A consumer step of fixed duration that releases the GIL."""
+
+    def __init__(self, ms: float):
+        self.seconds = ms / 1000
+
+    def __call__(self, x, y) -> None:
+        time.sleep(self.seconds)
+
+    def sync(self) -> None:
+        pass
+
+
+class ModelStep:
+    """One bf16 autocast, channels_last SGD step of a torchvision model on CUDA."""
+
+    def __init__(self, arch: str, device: torch.device):
+        import torchvision
+
+        self.model = getattr(torchvision.models, arch)(num_classes=1000).to(device)
+        self.model = self.model.to(memory_format=torch.channels_last).train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.loss = torch.nn.CrossEntropyLoss()
+
+    def __call__(self, x, y) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = self.loss(self.model(x), y)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+
+def measure(batches, step, warmup: int, steps: int) -> dict:
+    """Images/s and data-wait share over `steps` steps after `warmup` untimed ones."""
+    it = iter(batches)
+    try:
+        for _ in range(warmup):
+            b = next(it)
+            step(b["image"], b["target"])
+        step.sync()
+        wait = 0.0
+        images = 0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            b = next(it)
+            wait += time.perf_counter() - t
+            step(b["image"], b["target"])
+            images += len(b["target"])
+        step.sync()
+        wall = time.perf_counter() - t0
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return {
+        "images_per_s": images / wall,
+        "data_wait_share": wait / wall,
+        "ms_per_step": 1000 * wall / steps,
+    }
+
+
+def resident_batches(args, device):
+    """The compute ceiling's input: one normalised batch that never leaves the GPU."""
+    x = torch.randn(args.batch_size, 3, args.size, args.size, device=device)
+    x = x.contiguous(memory_format=torch.channels_last)
+    batch = {"image": x, "target": torch.randint(0, 10, (args.batch_size,), device=device)}
+    while True:
+        yield batch
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m fastload.bench loaders", description=__doc__)
+    p.add_argument("--strategies", default="baseline,bg,prefetch,prefetch+bg")
+    p.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--size", type=int, default=64, help="crop size (224 for ResNet-50)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (worker start)")
+    p.add_argument("--steps", type=int, default=25, help="timed steps")
+    p.add_argument("--step-ms", type=float, default=50.0, help="CPU consumer step (sleep)")
+    p.add_argument("--model", default=None, help="e.g. resnet50: real step on CUDA + ceiling")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--root", default=None, help="dataset root (default: the synthetic set)")
+    p.add_argument("--train-per-class", type=int, default=100, help="synthetic set size / 10")
+    p.add_argument("--json", default="outputs/bench/loaders.json")
+    p.add_argument("override", nargs="*", help="extra loader overrides, e.g. loader.timeout=60")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv or [])
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    if args.model and device.type != "cuda":
+        print("--model needs CUDA; on CPU use --step-ms (a GIL-releasing consumer step)")
+        return 2
+    root = Path(args.root) if args.root else default_dataset(train_per_class=args.train_per_class)
+    step = ModelStep(args.model, device) if args.model else SleepStep(args.step_ms)
+    ceiling = None
+    if args.model:
+        ceiling = measure(resident_batches(args, device), step, args.warmup, args.steps)
+        print(f"compute ceiling (GPU-resident batch): {ceiling['images_per_s']:,.0f} images/s")
+    rows = []
+    for workers in [int(w) for w in args.workers.split(",")]:
+        for strategy in args.strategies.split(","):
+            loader = build_loader(strategy, workers, args, root, device)
+            if args.warmup + args.steps > len(loader):
+                print(f"note: {len(loader)} batches per epoch < warmup + steps; use a bigger set")
+                return 2
+            loader.set_epoch(0)
+            row = {"strategy": strategy, "num_workers": workers}
+            row.update(measure(loader, step, args.warmup, args.steps))
+            if ceiling:
+                row["vs_ceiling"] = row["images_per_s"] / ceiling["images_per_s"]
+            rows.append(row)
+            print(
+                f"{strategy:>12} workers={workers}: {row['images_per_s']:8.1f} img/s, "
+                f"data wait {100 * row['data_wait_share']:.0f}%",
+                flush=True,
+            )
+    columns = ["strategy", "num_workers", "images_per_s", "data_wait_share", "ms_per_step"]
+    columns += ["vs_ceiling"] if ceiling else []
+    consumer = f"{args.model} bf16 channels_last" if args.model else f"sleep {args.step_ms:g} ms"
+    print(
+        f"\nloaders: batch {args.batch_size}, crop {args.size}, {args.steps} timed steps after "
+        f"{args.warmup}, consumer step: {consumer}, device {device}"
+    )
+    print(format_table(rows, columns))
+    params = {k: v for k, v in vars(args).items() if k != "json"}
+    params.update(device=str(device), root=str(root), ceiling=ceiling)
+    print(f"\nwrote {write_json(args.json, 'loaders', params, rows)}")
+    return 0

@@ -1,0 +1,502 @@
+"""Loader strategies (baseline, bg, prefetch, prefetch+bg): same content, clean failure,
+no leaks, seeding, watchdog, pinned-memory and /dev/shm checks. CUDA-only tests are marked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import traceback
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
+from hydra.utils import instantiate
+
+import fastload.loaders.baseline as baseline_mod
+import fastload.loaders.cuda_prefetch as prefetch_mod
+from fastload.data.dataset import ImageDataset, Normalize
+from fastload.data.sampling import EpochSampler
+from fastload.data.transforms import RandomResizedCropFlip
+from fastload.decode.pil import PILBackend
+from fastload.errors import ConfigError, LoaderStallError
+from fastload.loaders.background import BackgroundIterator
+from fastload.storage.disk import DiskStorage
+
+STRATEGIES = ["baseline", "bg", "prefetch", "prefetch+bg"]
+NORM = Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+def loader_factory(strategy: str, *overrides: str):
+    """The `_partial_` factory of conf/loader/<strategy>.yaml, as the engine builds it."""
+    cfg = compose_config([f"loader={strategy}", *overrides])
+    return instantiate(cfg.loader)
+
+
+def make_loader(
+    strategy, dataset, *overrides, batch_size=4, device="cpu", seed=0, shuffle=True, **kw
+):
+    sampler = EpochSampler(len(dataset), rank=0, world_size=1, shuffle=shuffle, seed=seed)
+    return loader_factory(strategy, *overrides)(
+        dataset,
+        sampler,
+        train=True,
+        batch_size=batch_size,
+        device=device,
+        normalize=kw.pop("normalize", NORM),
+        channels_last=kw.pop("channels_last", False),
+        seed=seed,
+        rank=0,
+        local_world_size=1,
+        **kw,
+    )
+
+
+def image_dataset(root, seed=0):
+    return ImageDataset(
+        DiskStorage(root, "train"), PILBackend(), RandomResizedCropFlip(24), seed=seed
+    )
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("loaders") / "d", per_split=(6, 1))
+
+
+def epoch(loader, n=0):
+    loader.set_epoch(n)
+    return list(loader)
+
+
+# -- same content from every strategy ------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_strategy_yields_the_same_batches(folder, workers):
+    for drop_last in (True, False):
+        opts = [f"loader.num_workers={workers}", f"loader.drop_last={drop_last}"]
+        runs = {s: epoch(make_loader(s, image_dataset(folder), *opts), 1) for s in STRATEGIES}
+        ref = runs["baseline"]
+        assert len(ref) == (4 if drop_last else 5)  # 18 images, batch 4
+        for name, batches in runs.items():
+            assert len(batches) == len(ref), name
+            for a, b in zip(ref, batches, strict=True):
+                assert a["image"].dtype == b["image"].dtype == torch.float32, name
+                assert torch.equal(a["image"], b["image"]), name  # bit-identical
+                assert torch.equal(a["target"], b["target"]) and a["skipped"] == b["skipped"]
+
+
+def test_uint8_path_and_cpu_normalisation_agree(folder):
+    # normalize=None: the uint8 crops themselves, converted to float without rounding.
+    raw = epoch(make_loader("bg", image_dataset(folder), "loader.num_workers=0", normalize=None))
+    assert all(torch.equal(b["image"], b["image"].round()) for b in raw)
+    cpu = epoch(make_loader("bg", image_dataset(folder), "loader.normalize_on=cpu"))
+    dev = epoch(make_loader("prefetch+bg", image_dataset(folder)))
+    for a, b, r in zip(cpu, dev, raw, strict=True):
+        torch.testing.assert_close(a["image"], b["image"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(NORM(r["image"].to(torch.uint8)), b["image"], rtol=0, atol=1e-5)
+
+
+class NestedDataset(torch.utils.data.Dataset):
+    """Detection-like items: an image plus a dict of variable-length targets and a meta dict."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, key):
+        _, i = key
+        g = torch.Generator().manual_seed(i)
+        n = i % 3 + 1
+        return {
+            "image": torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g),
+            "target": {"boxes": torch.rand(n, 4, generator=g), "labels": torch.arange(n)},
+            "meta": {"id": i, "path": f"img_{i}.jpg", "size": (8, 8)},
+        }
+
+
+def nested_collate(items):
+    return {
+        "image": torch.stack([it["image"] for it in items]),
+        "targets": [it["target"] for it in items],
+        "meta": [it["meta"] for it in items],
+        "pair": (torch.tensor([it["meta"]["id"] for it in items]), "tag"),
+        "skipped": 0,
+    }
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_nested_batches_pass_through_unchanged(workers):
+    def run(strategy):
+        loader = make_loader(
+            strategy,
+            NestedDataset(),
+            f"loader.num_workers={workers}",
+            "loader.drop_last=false",
+            batch_size=4,
+            collate_fn=nested_collate,
+        )
+        return epoch(loader)
+
+    ref = run("baseline")
+    assert len(ref) == 3 and ref[0]["meta"][0]["path"].startswith("img_")
+    for strategy in STRATEGIES:
+        for a, b in zip(ref, run(strategy), strict=True):
+            assert set(b) == {"image", "targets", "meta", "pair", "skipped"}
+            assert b["image"].dtype == torch.float32 and torch.equal(a["image"], b["image"])
+            assert b["meta"] == a["meta"] and b["pair"][1] == "tag"
+            assert torch.equal(a["pair"][0], b["pair"][0]) and isinstance(b["pair"], tuple)
+            for ta, tb in zip(a["targets"], b["targets"], strict=True):
+                assert torch.equal(ta["boxes"], tb["boxes"]) and torch.equal(
+                    ta["labels"], tb["labels"]
+                )
+            # the images are the collated uint8 pixels, normalised once
+            raw = nested_collate([NestedDataset()[(0, int(i))] for i in b["pair"][0]])["image"]
+            torch.testing.assert_close(b["image"], NORM(raw), rtol=0, atol=1e-5)
+
+
+# -- failures surface, nothing leaks ---------------------------------------------------------
+
+
+class Exploding(torch.utils.data.Dataset):
+    def __init__(self, bad=5, n=12):
+        self.bad, self.n = bad, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        i = key[1]
+        if i == self.bad:
+            raise ValueError(f"item {i} is broken")
+        return torch.full((3, 4, 4), i, dtype=torch.uint8), i
+
+
+def children() -> set:
+    return {p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"}
+
+
+def wait_clean(threads_before, kids_before=frozenset(), timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        extra = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
+        kids = children() - kids_before
+        if not extra and not kids:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"leaked threads {extra} / processes {kids}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("workers", [0, 1])
+def test_item_error_surfaces_in_main_thread_and_nothing_leaks(strategy, workers):
+    before, kids = set(threading.enumerate()), children()
+    loader = make_loader(strategy, Exploding(), f"loader.num_workers={workers}")
+    loader.set_epoch(0)
+    with pytest.raises(ValueError, match="item 5 is broken") as err:
+        for _ in loader:
+            pass
+    if workers:  # torch re-raises in the main process with the worker's traceback as text
+        assert "in __getitem__" in str(err.value)
+    else:  # the same exception object: its traceback still reaches the dataset's frame
+        frames = [f.name for f in traceback.extract_tb(err.value.__traceback__)]
+        assert frames[-1] == "__getitem__", frames
+    del err
+    wait_clean(before, kids)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_early_break_leaves_no_thread_or_worker(folder, strategy, workers):
+    before, kids = set(threading.enumerate()), children()
+    loader = make_loader(
+        strategy, image_dataset(folder), f"loader.num_workers={workers}", batch_size=1
+    )  # 18 batches: more than the workers and the thread can run ahead
+    loader.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            assert len(children() - kids) == workers  # they were running...
+            break
+    wait_clean(before, kids)  # ...and are gone, with no thread left behind
+    assert len(epoch(loader)) == 18  # and the loader starts the next epoch cleanly
+
+
+def test_background_iterator_reraises_closes_and_is_collected():
+    def source():
+        yield 1
+        raise KeyError("from the thread")
+
+    it = BackgroundIterator(source(), max_prefetch=1)
+    assert next(it) == 1
+    with pytest.raises(KeyError) as err:
+        next(it)
+    assert "source" in [f.name for f in traceback.extract_tb(err.value.__traceback__)]
+    with pytest.raises(StopIteration):
+        next(it)
+
+    stopped = threading.Event()
+
+    def endless():
+        try:
+            while True:
+                yield np.zeros(10)
+        finally:
+            stopped.set()  # closed in the producer thread on the way out
+
+    it = BackgroundIterator(endless(), max_prefetch=2)
+    next(it)
+    thread = it._thread
+    del it  # garbage collection stops a producer blocked on its full queue
+    thread.join(5)
+    assert not thread.is_alive() and stopped.is_set()
+    with pytest.raises(ConfigError, match="loader.max_prefetch"):
+        BackgroundIterator(iter([]), max_prefetch=0)
+
+
+def test_no_hang_at_interpreter_exit(folder):
+    script = textwrap.dedent(
+        f"""
+        import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from test_loaders import make_loader, image_dataset
+        from pathlib import Path
+        loader = make_loader("prefetch+bg", image_dataset(Path({str(folder)!r})),
+                             "loader.num_workers=1", "loader.max_prefetch=1")
+        loader.set_epoch(0)
+        it = iter(loader)
+        next(it)
+        print("exiting with the thread and the worker running", flush=True)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0 and "exiting" in out.stdout, out.stderr[-3000:]
+
+
+# -- seeding ---------------------------------------------------------------------------------
+
+
+class GlobalRngDraws(torch.utils.data.Dataset):
+    """An item whose 'augmentation' draws from the global RNGs (what user code often does)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, key):
+        return (key, np.random.randint(2**31), random.random(), torch.randint(2**31, ()).item())
+
+
+def draws_collate(items):
+    return {"draws": items, "skipped": 0}
+
+
+def test_workers_draw_distinct_reproducible_numbers_every_epoch():
+    def run(epochs=(0, 1)):
+        loader = make_loader(
+            "baseline",
+            GlobalRngDraws(),
+            "loader.num_workers=2",
+            "loader.persistent_workers=true",
+            "loader.prefetch_factor=1",
+            collate_fn=draws_collate,
+        )
+        return [[d for b in epoch(loader, e) for d in b["draws"]] for e in epochs]
+
+    first = run()
+    for draws in first:
+        for column in (1, 2, 3):  # numpy, random, torch: no two items share a draw
+            values = [d[column] for d in draws]
+            assert len(set(values)) == len(values), column
+    assert {d[1] for d in first[0]}.isdisjoint({d[1] for d in first[1]})  # new every epoch
+    assert run() == first  # and the same on a re-run
+    # epoch 1 depends on the epoch, not on the persistent workers' history (exact resume)
+    assert run(epochs=(1,)) == first[1:]
+
+
+def test_crops_differ_between_items_and_repeat_with_the_seed(folder):
+    class SameBytes(DiskStorage):  # every item is the same picture: only the RNG differs
+        def read(self, i):
+            return super().read(0)[0], 0
+
+    def crops(seed):
+        ds = ImageDataset(
+            SameBytes(folder, "train"), PILBackend(), RandomResizedCropFlip(24), seed=seed
+        )
+        loader = make_loader("bg", ds, "loader.num_workers=2", normalize=None, seed=seed)
+        return torch.cat([b["image"] for b in epoch(loader, 3)])
+
+    a = crops(0)
+    flat = {tuple(c.flatten().tolist()) for c in a}
+    assert len(flat) == len(a) == 16  # two workers, 16 items, 16 different crops
+    assert torch.equal(a, crops(0)) and not torch.equal(a, crops(1))
+
+
+# -- watchdog, config checks --------------------------------------------------------------
+
+
+class Sleepy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, key):
+        if key[1] == 3:
+            time.sleep(3)
+        return torch.zeros(3, 4, 4, dtype=torch.uint8), 0
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "bg"])
+def test_stall_watchdog_names_the_stuck_worker(strategy, caplog, capfd):
+    # In order, batch #1 (items 2, 3) goes to worker 1, and item 3 takes 3 s.
+    loader = make_loader(
+        strategy, Sleepy(), "loader.num_workers=2", "loader.timeout=1", batch_size=2, shuffle=False
+    )
+    loader.set_epoch(0)
+    with caplog.at_level(logging.ERROR), pytest.raises(LoaderStallError) as err:
+        list(loader)
+    msg = err.value.user_message
+    assert "loader.timeout=1s" in msg and "worker 1 (pid " in msg and "--shm-size" in msg
+    assert "Main-process stacks" in caplog.text and "_stall_error" in caplog.text
+    assert "in __getitem__" in capfd.readouterr().err  # the stuck worker's own stack
+
+
+def test_prefetch_refuses_cpu_normalisation():
+    for strategy in ("prefetch", "prefetch+bg"):
+        with pytest.raises(ConfigError) as err:
+            make_loader(strategy, Exploding(), "loader.normalize_on=cpu")
+        assert "loader.normalize_on=device" in str(err.value)
+
+
+def test_prefetch_without_cuda_says_so_once(monkeypatch, caplog):
+    monkeypatch.setattr(prefetch_mod, "_said_no_cuda", False)
+    with caplog.at_level(logging.INFO, logger="fastload.loaders"):
+        for strategy in ("prefetch", "prefetch+bg", "prefetch"):
+            loader = make_loader(strategy, Exploding(), "loader.num_workers=0")
+            assert loader.stream is None
+    assert caplog.text.count("same-thread transfer") == 1
+
+
+def test_pinned_memory_cap_and_unpinnable_entries(monkeypatch, caplog):
+    loader = make_loader("bg", Exploding(), "loader.num_workers=2", "loader.pin_memory_max_mb=1")
+    loader.pin_memory = True  # no GPU here to pin with: check the first-batch logic directly
+    small = {"image": torch.zeros(4, 3, 32, 32, dtype=torch.uint8), "meta": object()}
+    with caplog.at_level(logging.WARNING):
+        loader._check_first_batch(small)  # 12 KB x (2 x 2 + 1 + 3) batches: fine
+    assert "batch['image'] (tensor)" in caplog.text and "batch['meta'] (object" in caplog.text
+    big = {"image": torch.zeros(64, 3, 64, 64, dtype=torch.uint8)}  # 0.75 MB x 8 > 1 MB
+    with pytest.raises(ConfigError) as err:
+        loader._check_first_batch(big)
+    assert "loader.pin_memory_max_mb=1" in str(err.value) and "x 8" in str(err.value)
+
+
+def test_small_dev_shm_is_reported_with_the_fix(monkeypatch, caplog, folder):
+    monkeypatch.setattr(baseline_mod, "shm_bytes", lambda: (64 * 2**20, 1000))
+    with caplog.at_level(logging.WARNING):
+        loader = make_loader("baseline", image_dataset(folder), "loader.num_workers=1")
+        assert "only 64 MB" in caplog.text and "--shm-size" in caplog.text
+        epoch(loader)
+    assert "has 0 MB free" in caplog.text and "want about" in caplog.text
+
+
+def test_num_workers_auto_splits_the_cpuset_across_local_ranks(monkeypatch):
+    monkeypatch.setattr(baseline_mod.os, "sched_getaffinity", lambda pid: set(range(12)))
+    assert baseline_mod.resolve_num_workers("auto", 4) == 3
+    assert baseline_mod.resolve_num_workers("auto", 24) == 1
+    with pytest.raises(ConfigError, match="loader.num_workers"):
+        baseline_mod.resolve_num_workers(-1, 1)
+
+
+@pytest.mark.parametrize("strategy", ["bg", "prefetch+bg"])
+def test_train_py_runs_with_the_strategy(tiny_folder, tmp_path, strategy):
+    run_dir = tmp_path / "run"
+    out = run_train(
+        tiny_overrides(
+            tiny_folder, run_dir, f"loader={strategy}", "loader.num_workers=1", "trainer.epochs=1"
+        )
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 1
+
+
+# -- CUDA (run with -m cuda on a GPU machine) ------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cuda_strategies_match_and_keep_one_stream(folder, workers):
+    runs = {}
+    for s in STRATEGIES:
+        loader = make_loader(
+            s, image_dataset(folder), f"loader.num_workers={workers}", device="cuda"
+        )
+        runs[s] = [epoch(loader, e) for e in (0, 1)]
+        if s.startswith("prefetch"):
+            stream = loader.stream
+            epoch(loader, 2)
+            assert loader.stream is stream and stream != torch.cuda.current_stream()
+    for s, epochs in runs.items():
+        for a_epoch, b_epoch in zip(runs["baseline"], epochs, strict=True):
+            assert len(a_epoch) == len(b_epoch)
+            for a, b in zip(a_epoch, b_epoch, strict=True):
+                assert b["image"].is_cuda and b["target"].is_cuda, s
+                torch.testing.assert_close(a["image"], b["image"], rtol=0, atol=1e-6)
+                assert torch.equal(a["target"], b["target"])
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_batches_are_not_overwritten_while_in_use(folder):
+    """Slow consumer kernels + kept references: if the side stream reused memory too early,
+    a batch would change under the consumer."""
+    expected = [b["image"].cpu() for b in epoch(make_loader("baseline", image_dataset(folder)))]
+    loader = make_loader(
+        "prefetch+bg", image_dataset(folder), "loader.num_workers=2", device="cuda"
+    )
+    loader.set_epoch(0)
+    big = torch.randn(4096, 4096, device="cuda")
+    kept = []
+    for b in loader:
+        for _ in range(20):  # queue ~100 ms of work before the batch is read
+            big = big @ big
+            big = big / big.norm()
+        kept.append(b["image"].clone())  # read only after the slow work
+    torch.cuda.synchronize()
+    for e, g in zip(expected, kept, strict=True):
+        torch.testing.assert_close(e, g.cpu(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_prefetch_channels_last_and_bf16():
+    loader = make_loader(
+        "prefetch",
+        NestedDataset(),
+        "loader.input_dtype=bf16",
+        "loader.drop_last=false",
+        device="cuda",
+        channels_last=True,
+        collate_fn=nested_collate,
+    )
+    b = epoch(loader)[0]
+    assert b["image"].dtype == torch.bfloat16
+    assert b["image"].is_contiguous(memory_format=torch.channels_last)
+    assert b["targets"][0]["boxes"].is_cuda and b["meta"][0]["id"] == int(b["pair"][0][0])
+    assert b["pair"][0].is_cuda and b["pair"][1] == "tag"
+
+
+def test_benchmark_cli_smoke(tiny_folder, tmp_path, capsys):
+    from fastload.bench.__main__ import main
+
+    out = tmp_path / "loaders.json"
+    argv = ["loaders", "--root", str(tiny_folder), "--batch-size", "4", "--size", "16"]
+    argv += ["--warmup", "1", "--steps", "2", "--step-ms", "1", "--workers", "0"]
+    argv += ["--strategies", "baseline,prefetch+bg", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "data_wait_share" in text and "prefetch+bg" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [r["strategy"] for r in rows] == ["baseline", "prefetch+bg"]
+    assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in rows)
