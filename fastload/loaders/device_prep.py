@@ -50,8 +50,11 @@ class DevicePrep:
             image = self.normalize(image)
         elif not image.is_floating_point():
             image = image.float()
-        if self.channels_last:
-            image = image.contiguous(memory_format=torch.channels_last)
+        # The CPU batch may be NCHW with channels_last strides (collate's stack_images): give
+        # the model the layout it asked for either way (a no-op when it already is).
+        image = image.contiguous(
+            memory_format=torch.channels_last if self.channels_last else torch.contiguous_format
+        )
         return {**batch, "image": image}
 
     def __call__(self, batch: dict) -> dict:
