@@ -2,11 +2,16 @@
 reference, real-world image kinds, fallbacks counted end to end, clear missing-dep errors.
 
 PSNR threshold: MIN_PSNR_DB = 35. Measured on the synthetic photo set (200 images, crop
-sizes 224/64/32, every 5th training image vs backend=pil): turbo without DCT scaling is
-bit-identical to PIL (same libjpeg-turbo, same resize); DCT-domain downscale (PIL draft or
-turbo) gives min 43.1 dB, median ~51 dB; turbo with fastdct+fastupsample min 40.2 dB.
-35 dB leaves ~5 dB of margin below the worst measured case yet is far above what a wrong
-box or a channel swap gives (< 20 dB), so the test still catches geometry bugs.
+sizes 224/64/32, every 5th training image vs backend=pil): turbo with resize=pil and without
+DCT scaling is bit-identical to PIL (same libjpeg-turbo, same resize); DCT-domain downscale
+(PIL draft or turbo resize=pil) gives min 43.1 dB, median ~51 dB; turbo with
+fastdct+fastupsample min 40.2 dB. turbo with resize=cv2 (OpenCV bilinear without PIL's
+antialiasing below 2x, block pre-averaging from 2x): min 44.5 / median 53.7 dB at 224,
+41.0 / 47.0 at 64, 37.5 / 45.1 at 32 (the smallest crops alias most); on this file's test
+images (224 and 48) min 40.1, median 44.4. 35 dB stays below the worst measured case, yet
+above what geometry bugs give on the same images: a missing flip <= 19 dB, swapped channels
+<= 15 dB, a box shifted by 8 source pixels <= 31 dB, a box 10% too large <= 28 dB
+(test_psnr_threshold_catches_geometry_bugs keeps that true).
 """
 
 from __future__ import annotations
@@ -156,6 +161,11 @@ def make_backend(name, monkeypatch):
         from fastload.decode.turbo import TurboBackend
 
         return TurboBackend(fastdct=True, fastupsample=True)
+    if name.startswith("turbo-"):  # turbo-pil, turbo-cv2, turbo-cv2-nodct: backend.resize
+        from fastload.decode.turbo import TurboBackend
+
+        _, resize, *nodct = name.split("-")
+        return TurboBackend(resize=resize, dct_scale=not nodct)
     if name == "accimage":
         from fastload.decode.accimage import AccimageBackend
 
@@ -179,7 +189,15 @@ def run_load(backend, data, transform, seed):
     return img.permute(1, 2, 0).numpy()
 
 
-BACKENDS = ["pil-draft", "turbo", "turbo-fast", "accimage", "nvjpeg-on-cpu"]
+BACKENDS = [
+    "pil-draft",
+    "turbo",  # resize=auto: cv2 here
+    "turbo-pil",
+    "turbo-cv2-nodct",  # whole-pixel boxes and crops >= 2x the output (block pre-averaging)
+    "turbo-fast",
+    "accimage",
+    "nvjpeg-on-cpu",
+]
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -201,7 +219,7 @@ def test_same_box_and_close_pixels_on_real_world_kinds(kinds, backend_name, size
         expected = sum(r == reason for r in EXPECTED_FALLBACK.values()) * len(SEEDS)
         if backend_name != "pil-draft":
             assert counts[f"decode_fallback_{reason}"] == expected, (reason, counts)
-    if backend_name in ("pil-draft", "turbo", "turbo-fast") and size == 48:
+    if backend_name in ("pil-draft", "turbo", "turbo-pil", "turbo-fast") and size == 48:
         assert counts["decode_dct_scaled"] > 0
     assert set(backend.pop_counts().values()) <= {0}  # pop resets
 
@@ -356,3 +374,83 @@ def test_nvjpeg_on_gpu_matches_pil(kinds):
         want = PILBackend().load(data, t, sample_rng(0, 0, 1))
         # nvJPEG's IDCT/upsampling differ from libjpeg-turbo's: a looser bound than the CPU one
         assert psnr(got, want) >= 30.0, kind
+
+
+@pytest.mark.parametrize("size", [224, 48])  # 224: mostly whole-pixel boxes; 48: DCT-scaled
+def test_turbo_resize_cv2_matches_resize_pil(kinds, size):
+    """resize=cv2 and resize=pil: one RNG draw, the same box, close pixels, and an array
+    torch can wrap (a flip must not leave a negative stride)."""
+    from fastload.decode.turbo import TurboBackend
+
+    cv, pil = TurboBackend(resize="cv2"), TurboBackend(resize="pil")
+    assert (cv.resize, pil.resize) == ("cv2", "pil")
+    assert cv.info()["resize"].startswith("cv2-") and not pil.info()["resize"].startswith("cv2")
+    flips = set()
+    for kind in ("baseline", "progressive", "grayscale"):
+        for seed in range(12):
+            t_cv = Recording(RandomResizedCropFlip(size))
+            t_pil = Recording(RandomResizedCropFlip(size))
+            got = cv.load(kinds[kind], t_cv, sample_rng(0, 0, seed))
+            want = pil.load(kinds[kind], t_pil, sample_rng(0, 0, seed))
+            assert t_cv.boxes == t_pil.boxes and len(t_cv.boxes) == 1, kind
+            assert got.shape == want.shape == (size, size, 3) and got.dtype == np.uint8
+            assert psnr(got, want) >= MIN_PSNR_DB, (kind, seed, psnr(got, want))
+            torch.from_numpy(got)  # raises on negative strides
+            flips.add(t_cv.boxes[0][1][1])
+    assert flips == {True, False}  # both branches ran
+    if size == 48:
+        assert cv.pop_counts()["decode_dct_scaled"] > 0
+
+
+def test_turbo_resize_option(monkeypatch):
+    import pickle
+
+    from fastload.decode.turbo import TurboBackend
+
+    auto = TurboBackend()  # conf/backend/turbo.yaml: resize: auto
+    assert auto.resize == "cv2"  # opencv-python-headless is a dependency
+    assert pickle.loads(pickle.dumps(auto)).cv2 is not None  # spawn-started workers
+    with pytest.raises(ConfigError, match="auto, pil, cv2"):
+        TurboBackend(resize="bicubic")
+    monkeypatch.setitem(sys.modules, "cv2", None)  # OpenCV missing
+    assert TurboBackend(resize="auto").resize == "pil"
+    with pytest.raises(ConfigError, match="pip install opencv-python-headless"):
+        TurboBackend(resize="cv2")
+
+
+def test_psnr_threshold_catches_geometry_bugs(kinds):
+    """The bound of the tests above must fail a wrong box, swapped channels, a missing flip."""
+    import cv2
+    import simplejpeg
+
+    from fastload.decode.turbo import cv2_resized_crop
+
+    data = kinds["baseline"]
+    pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    height, width = pixels.shape[:2]
+    for size in (224, 48):
+        for seed in SEEDS:
+            t = RandomResizedCropFlip(size)
+            want = PILBackend().load(data, t, sample_rng(0, 0, seed))
+            (left, top, w, h), flip = t.sample(width, height, sample_rng(0, 0, seed))
+            shifted = (left + 8 if left + 8 <= width - w else left - 8, top, w, h)
+            larger = (max(0, left - w / 20), max(0, top - h / 20), w * 1.1, h * 1.1)
+            larger = (
+                *larger[:2],
+                min(larger[2], width - larger[0]),
+                min(larger[3], height - larger[1]),
+            )
+            bugs = {
+                "no flip": cv2_resized_crop(cv2, pixels, (left, top, w, h), size, not flip),
+                "swapped channels": cv2_resized_crop(
+                    cv2, pixels[..., ::-1].copy(), (left, top, w, h), size, flip
+                ),
+                "box shifted": cv2_resized_crop(cv2, pixels, shifted, size, flip),
+                "box too large": cv2_resized_crop(cv2, pixels, larger, size, flip),
+            }
+            assert (
+                psnr(cv2_resized_crop(cv2, pixels, (left, top, w, h), size, flip), want)
+                >= MIN_PSNR_DB
+            )
+            for bug, got in bugs.items():
+                assert psnr(got, want) < MIN_PSNR_DB, (bug, size, seed, psnr(got, want))

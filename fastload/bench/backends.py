@@ -37,8 +37,12 @@ BACKENDS = {
     "pil+draft": ("fastload.decode.pil.PILBackend", {"draft": True}),
     "pillow-simd": ("fastload.decode.pillow_simd.PillowSIMDBackend", {}),
     "accimage": ("fastload.decode.accimage.AccimageBackend", {}),
-    "turbo": ("fastload.decode.turbo.TurboBackend", {}),
-    "turbo+fast": ("fastload.decode.turbo.TurboBackend", {"fastdct": True, "fastupsample": True}),
+    "turbo+pilresize": ("fastload.decode.turbo.TurboBackend", {"resize": "pil"}),
+    "turbo+cv2": ("fastload.decode.turbo.TurboBackend", {"resize": "cv2"}),
+    "turbo+cv2+fast": (
+        "fastload.decode.turbo.TurboBackend",
+        {"resize": "cv2", "fastdct": True, "fastupsample": True},
+    ),
 }
 
 _JOB: dict = {}  # set before forking the pool: the children inherit it (nothing pickled)
@@ -227,7 +231,15 @@ def main(argv: list[str]) -> int:
         _JOB["backend"] = backend
         one = timed(_run_backend, n, 1, args.repeats)
         many = timed(_run_backend, n, w, args.repeats)
-        row(f"backend={name}", "backend", one, many, decoder=backend.info().get("decoder"))
+        info = backend.info()
+        row(
+            f"backend={name}",
+            "backend",
+            one,
+            many,
+            decoder=info.get("decoder"),
+            resize=info.get("resize"),
+        )
         if many > best_rate:
             best_name, best_rate, best_backend = name, many, backend
     gpu = nvjpeg_rate(datas)

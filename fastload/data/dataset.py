@@ -68,7 +68,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
 
 def collate(samples: list) -> dict:
-    """One contiguous NCHW batch; skipped (corrupt) samples are dropped and counted.
+    """One NCHW batch (see `stack_images` for its memory layout); skipped (corrupt) samples are dropped and counted.
 
     Two optional parts: "counts" sums the backend's per-sample counters (python ints; the
     engine adds them into the epoch metrics), and "encoded" holds samples whose decode is
@@ -84,7 +84,7 @@ def collate(samples: list) -> dict:
     else:
         ready = [i for i, s in enumerate(kept) if torch.is_tensor(s[0])]
         deferred = [i for i, s in enumerate(kept) if not torch.is_tensor(s[0])]
-        images = torch.stack([kept[i][0] for i in ready]) if ready else None
+        images = stack_images([kept[i][0] for i in ready]) if ready else None
         targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
         batch = {"image": images, "target": targets, "skipped": len(samples) - len(kept)}
         if deferred:
@@ -93,6 +93,17 @@ def collate(samples: list) -> dict:
     if counts:
         batch["counts"] = counts
     return batch
+
+
+def stack_images(images: list) -> torch.Tensor:
+    """torch.stack of CHW samples. The backends' samples are CHW views of HWC arrays; stacking
+    those into contiguous NCHW is a strided gather (~0.2-0.4 ms per 224 px image on one core,
+    as much as the resize), so they are stacked as NHWC (plain copies) and returned as an
+    NCHW view with channels_last strides: same values and shape, and device prep makes the
+    memory format the model wants on the device, where it is cheap."""
+    if all(x.dim() == 3 and x.permute(1, 2, 0).is_contiguous() for x in images):
+        return torch.stack([x.permute(1, 2, 0) for x in images]).permute(0, 3, 1, 2)
+    return torch.stack(images)
 
 
 class Normalize:

@@ -80,8 +80,11 @@ class DevicePrep:
             image = self.normalize(image, self.dtype)
         elif image.dtype != self.dtype:
             image = image.to(self.dtype)
-        if self.channels_last and image.dim() == 4:
-            image = image.contiguous(memory_format=torch.channels_last)
+        if image.dim() == 4:
+            # The CPU batch may be NCHW with channels_last strides (collate's stack_images):
+            # give the model the layout it asked for either way (a no-op when it already is).
+            fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+            image = image.contiguous(memory_format=fmt)
         return image
 
     def convert(self, batch):
