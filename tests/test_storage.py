@@ -97,6 +97,27 @@ def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, pa
         assert torch.equal(a[key][0], b[key][0]) and a[key][1] == b[key][1]
 
 
+def test_raw_records_are_cropped_by_the_backends_own_resize(tiny_folder, packs):
+    """backend=turbo crops raw records with OpenCV (its fast path): the same box as the PIL
+    crop of the same record, pixels within the backends' PSNR bound (tests/test_backends.py)."""
+    from fastload.decode.turbo import TurboBackend
+
+    raw = open_store("sr", tiny_folder, "train", packs)
+    tf = RandomResizedCropFlip(24)
+    fast = TurboBackend(resize="cv2")
+    calls = []
+    fast.load_pixels = lambda px, t, rng, f=fast.load_pixels: calls.append(1) or f(px, t, rng)
+    a = ImageDataset(raw, TurboBackend(resize="pil"), tf, seed=3)
+    b = ImageDataset(raw, fast, tf, seed=3)
+    pil_ref = ImageDataset(raw, PILBackend(), tf, seed=3)
+    for key in [(0, 0), (1, 5), (2, 17)]:
+        assert torch.equal(a[key][0], pil_ref[key][0])  # resize=pil: exactly the PIL crop
+        x, y = a[key][0].numpy().astype(np.float64), b[key][0].numpy().astype(np.float64)
+        mse = np.mean((x - y) ** 2)
+        assert mse == 0 or 10 * np.log10(255**2 / mse) >= 35
+    assert len(calls) == 3
+
+
 def test_reencoded_shards_respect_max_side(tiny_folder, packs):
     store = open_store("sj64", tiny_folder, "train", packs)
     idx = np.load(packs / "sj64" / "train" / "index.npy")

@@ -33,9 +33,12 @@ class ImageDataset(torch.utils.data.Dataset):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         data, target = self.storage.read(index)
         # Raw-pixel records (packed shards of decoded images) have nothing to decode.
-        load = rawimage.load if rawimage.is_raw(data) else self.backend.load
+        rng = sample_rng(self.seed, epoch, index)
         try:
-            pixels = load(data, self.transform, sample_rng(self.seed, epoch, index))
+            if rawimage.is_raw(data):
+                pixels = rawimage.load(data, self.transform, rng, self.backend)
+            else:
+                pixels = self.backend.load(data, self.transform, rng)
         except Exception as exc:  # any decoder's failure on bad bytes
             self._pop_counts()  # a skipped file is counted as skipped, not as a fallback
             if self.skip_corrupt:

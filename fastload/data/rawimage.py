@@ -45,6 +45,12 @@ def to_image(data) -> Image.Image:
     return Image.frombuffer("RGB", (w, h), memoryview(data)[HEADER_SIZE:], "raw", "RGB", 0, 1)
 
 
-def load(data, transform, rng: np.random.Generator) -> np.ndarray:
-    """Same contract as a backend's `load`: bytes -> transformed uint8 HWC array."""
+def load(data, transform, rng: np.random.Generator, backend=None) -> np.ndarray:
+    """Same contract as a backend's `load`: bytes -> transformed uint8 HWC array. A backend
+    with a `load_pixels(pixels, transform, rng)` method (turbo: OpenCV resize) does the crop
+    its own way; otherwise PIL, exactly as `backend=pil` crops a decoded image."""
+    if backend is not None and hasattr(backend, "load_pixels"):
+        h, w, c = shape(data)
+        pixels = np.frombuffer(memoryview(data)[HEADER_SIZE:], np.uint8).reshape(h, w, c)
+        return backend.load_pixels(pixels, transform, rng)
     return np.array(transform(to_image(data), rng), dtype=np.uint8)

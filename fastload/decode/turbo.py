@@ -188,7 +188,15 @@ class TurboBackend:
             s = max(1, round(info.width / pixels.shape[1]))
             box = tuple(v / s for v in box)
             self.counts.add("decode_dct_scaled", int(s > 1))
+        return self._resized_crop(pixels, box, transform.size, flip)
+
+    def load_pixels(self, pixels: np.ndarray, transform, rng: np.random.Generator) -> np.ndarray:
+        """Already-decoded HWC pixels (raw-pixel shards): the same crop, resized this
+        backend's way, so storage=shards kind=raw gets the fast resize too."""
+        box, flip = transform.sample(pixels.shape[1], pixels.shape[0], rng)
+        return self._resized_crop(pixels, box, transform.size, flip)
+
+    def _resized_crop(self, pixels, box, size: int, flip: bool) -> np.ndarray:
         if self.cv2 is not None:
-            return cv2_resized_crop(self.cv2, pixels, box, transform.size, flip)
-        img = resized_crop(Image.fromarray(pixels), box, transform.size, flip)
-        return np.array(img, dtype=np.uint8)
+            return cv2_resized_crop(self.cv2, pixels, box, size, flip)
+        return np.array(resized_crop(Image.fromarray(pixels), box, size, flip), dtype=np.uint8)
