@@ -1,6 +1,6 @@
 """python -m fastload.bench storage: images/s of the full training input pipeline per storage.
 
-Pipeline = storage read + decode (PIL backend; raw shards: no decode) + RandomResizedCrop 224
+Pipeline = storage read + decode (--backend, default pil; raw shards: no decode) + RandomResizedCrop 224
 + flip + collate, through a DataLoader with usable_cores() workers (fresh workers each pass,
 the default persistent_workers=false), on the train split of the default synthetic set.
 
@@ -28,7 +28,6 @@ from fastload.bench.common import default_dataset, format_table, write_json
 from fastload.data.dataset import ImageDataset, collate
 from fastload.data.sampling import EpochSampler
 from fastload.data.transforms import RandomResizedCropFlip
-from fastload.decode.pil import PILBackend
 from fastload.loaders.baseline import usable_cores, worker_init
 from fastload.storage.base import du_bytes, fs_type
 
@@ -67,12 +66,23 @@ def open_store(name: str, root: Path, split: str, args):
     return s, s.dir, time.perf_counter() - t0
 
 
+def make_backend(name: str):
+    """The decode backend as `backend=<name>` builds it (conf/backend/<name>.yaml)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "backend" / f"{name}.yaml"
+    return instantiate(OmegaConf.load(conf))
+
+
 def one_pass(storage, args, cold: bool, epoch: int) -> dict:
     if cold:
         storage.before_epoch()  # evicts (cold_cache=True) and resets the read counters
     else:
         storage._stats.zero_()
-    data = ImageDataset(storage, PILBackend(), RandomResizedCropFlip(args.crop), seed=0)
+    data = ImageDataset(
+        storage, make_backend(args.backend), RandomResizedCropFlip(args.crop), seed=0
+    )
     sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
     sampler.set_epoch(epoch)
     loader = torch.utils.data.DataLoader(
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--crop", type=int, default=224)
+    p.add_argument(
+        "--backend", default="pil", help="decode backend (conf/backend/*.yaml): pil, turbo, ..."
+    )
     p.add_argument("--max-side", type=int, default=256, help="shards-jpeg: re-encode side")
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--raw-size", type=int, default=256, help="shards-raw: stored longer side")
