@@ -31,6 +31,13 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--beton", help="reuse/write this .beton (default: a temp file)")
+    p.add_argument(
+        "--write-mode",
+        default="jpg",
+        choices=["jpg", "raw"],
+        help="raw: decoded pixels (FFCV's no-decode format, compare with shards-raw)",
+    )
+    p.add_argument("--max-resolution", type=int, default=512)
     args = p.parse_args()
 
     import torchvision
@@ -46,7 +53,11 @@ def main() -> None:
         writer = DatasetWriter(
             beton,
             {
-                "image": RGBImageField(write_mode="jpg", max_resolution=512, jpeg_quality=90),
+                "image": RGBImageField(
+                    write_mode=args.write_mode,
+                    max_resolution=args.max_resolution,
+                    jpeg_quality=90,
+                ),
                 "label": IntField(),
             },
             num_workers=args.workers,
@@ -81,6 +92,8 @@ def main() -> None:
                 "images_per_s": max(rates),
                 "epochs_images_per_s": rates,
                 "workers": args.workers,
+                "write_mode": args.write_mode,
+                "max_resolution": args.max_resolution,
                 "beton_bytes": os.path.getsize(beton),
             }
         )
