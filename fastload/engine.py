@@ -305,7 +305,19 @@ def check_model_matches(state, cfg, path):
         )
 
 
+def check_required(cfg: DictConfig) -> None:
+    """`???` values (e.g. dataset=imagenet's root) fail with the option's name, not a trace."""
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        example = " ".join(f"{k}=..." for k in missing)
+        raise ConfigError(
+            f"{', '.join(missing)} must be set for this configuration: add {example} to the "
+            f"command (e.g. dataset.root=/data/imagenet)."
+        )
+
+
 def fit(cfg: DictConfig) -> dict:
+    check_required(cfg)
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:

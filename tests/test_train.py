@@ -148,6 +148,7 @@ def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
         "batch_too_big",
         "unwritable_output",
         "other_model_checkpoint",
+        "root_not_set",
     ],
 )
 def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
@@ -179,7 +180,12 @@ def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
         assert first.returncode == 0, first.stderr
         extra = ["model=resnet50", f"resume={tmp_path / 'first' / 'checkpoints' / 'last.pt'}"]
         needles = ["resnet18", "resnet50", "resume=null"]
+    elif case == "root_not_set":
+        extra = ["dataset=imagenet", "dataset.num_classes=3"]
+        needles = ["dataset.root must be set", "dataset.root=/data/imagenet"]
     args = tiny_overrides(root, run_dir, *extra)
+    if case == "root_not_set":
+        args = [a for a in args if not a.startswith(("dataset.root=", "dataset.prepare="))]
     if case == "unwritable_output":  # let output_root decide the run directory, as by default
         args = [a for a in args if not a.startswith("hydra.run.dir=")]
     out = run_train(args)
