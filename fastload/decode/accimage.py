@@ -18,8 +18,8 @@ import tempfile
 
 import numpy as np
 
-from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
-from fastload.decode.pil import load_with_box, pillow_name, reference_load
+from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
+from fastload.decode.pil import JpegOnlyBackend, load_with_box, pillow_name
 from fastload.errors import ConfigError
 
 FLIP_LEFT_RIGHT = 0  # PIL.Image.FLIP_LEFT_RIGHT, the only transpose accimage implements
@@ -37,7 +37,7 @@ def import_accimage():
     return accimage
 
 
-class AccimageBackend:
+class AccimageBackend(JpegOnlyBackend):
     name = "accimage"
 
     def __init__(self, scratch_dir: str | None = None):
@@ -57,9 +57,6 @@ class AccimageBackend:
         version = getattr(self.accimage, "__version__", "unknown")
         return {"decoder": f"accimage-{version}", "decoder_fallback": pillow_name()}
 
-    def pop_counts(self) -> dict:
-        return self.counts.pop()
-
     def _scratch_path(self) -> str:
         if self._scratch is None or not self._scratch.endswith(f"-{os.getpid()}.jpg"):
             fd, path = tempfile.mkstemp(
@@ -70,13 +67,7 @@ class AccimageBackend:
             self._scratch = path
         return self._scratch
 
-    def load(self, data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
-        info = jpeg_info(data)
-        reason = fallback_reason(info)
-        if reason is not None:
-            self.counts.add(f"decode_fallback_{reason}")
-            return reference_load(data, transform, rng)
-        box, flip = transform.sample(info.width, info.height, rng)
+    def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
         left, top, w, h = box
         size = transform.size
         path = self._scratch_path()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
-from fastload.decode.pil import pillow_name, reference_load
+from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
+from fastload.decode.pil import JpegOnlyBackend, pillow_name
 from fastload.errors import ConfigError
 
 
@@ -82,7 +82,7 @@ class NvjpegDecoder:
         return full
 
 
-class NvjpegBackend:
+class NvjpegBackend(JpegOnlyBackend):
     name = "nvjpeg"
 
     def __init__(self):
@@ -104,14 +104,5 @@ class NvjpegBackend:
             "decoder_fallback": pillow_name(),
         }
 
-    def pop_counts(self) -> dict:
-        return self.counts.pop()
-
-    def load(self, data: bytes, transform, rng: np.random.Generator):
-        info = jpeg_info(data)
-        reason = fallback_reason(info)
-        if reason is not None:
-            self.counts.add(f"decode_fallback_{reason}")
-            return reference_load(data, transform, rng)
-        box, flip = transform.sample(info.width, info.height, rng)
+    def load_jpeg(self, data: bytes, info, box, flip: bool, transform):
         return EncodedJpeg(data, box, flip, transform.size)

@@ -19,7 +19,7 @@ import PIL
 from PIL import Image, ImageOps
 
 from fastload.data.transforms import resized_crop
-from fastload.decode.jpeg_header import Counts, dct_scale
+from fastload.decode.jpeg_header import Counts, dct_scale, fallback_reason, jpeg_info
 
 
 def pillow_flavour() -> str:
@@ -48,6 +48,28 @@ def load_with_box(data: bytes, box, flip: bool, size: int) -> np.ndarray:
     """The PIL path for a box already sampled on this image's full-resolution size (used
     when a faster decoder fails after the RNG draw, so the crop stays the same)."""
     return np.array(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)
+
+
+class JpegOnlyBackend:
+    """The shared front of the JPEG-only decoders (accimage, turbo, nvjpeg): read the header,
+    send what they cannot decode (not a JPEG, CMYK, EXIF-rotated) to PIL and count it, else
+    draw the crop once from the full-size header dimensions (the same box as every other
+    backend for the same RNG draw) and hand over to the subclass's
+    `load_jpeg(data, info, box, flip, transform)`."""
+
+    counts: Counts
+
+    def load(self, data: bytes, transform, rng: np.random.Generator):
+        info = jpeg_info(data)
+        reason = fallback_reason(info)
+        if reason is not None:
+            self.counts.add(f"decode_fallback_{reason}")
+            return reference_load(data, transform, rng)
+        box, flip = transform.sample(info.width, info.height, rng)
+        return self.load_jpeg(data, info, box, flip, transform)
+
+    def pop_counts(self) -> dict:
+        return self.counts.pop()
 
 
 class PILBackend:

@@ -40,10 +40,8 @@ from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
     Counts,
     dct_scale,
-    fallback_reason,
-    jpeg_info,
 )
-from fastload.decode.pil import load_with_box, pillow_name, reference_load
+from fastload.decode.pil import JpegOnlyBackend, load_with_box, pillow_name
 from fastload.errors import ConfigError
 
 RESIZE_CHOICES = ("auto", "pil", "cv2")
@@ -119,7 +117,7 @@ def cv2_resized_crop(cv2, pixels: np.ndarray, box, size: int, flip: bool) -> np.
     )
 
 
-class TurboBackend:
+class TurboBackend(JpegOnlyBackend):
     name = "turbo"
 
     def __init__(
@@ -158,16 +156,7 @@ class TurboBackend:
             "resize": resize,
         }
 
-    def pop_counts(self) -> dict:
-        return self.counts.pop()
-
-    def load(self, data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
-        info = jpeg_info(data)
-        reason = fallback_reason(info)
-        if reason is not None:
-            self.counts.add(f"decode_fallback_{reason}")
-            return reference_load(data, transform, rng)
-        box, flip = transform.sample(info.width, info.height, rng)
+    def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
         s = dct_scale(box, transform.size) if self.dct_scale else 1
         try:
             pixels = self.simplejpeg.decode_jpeg(
