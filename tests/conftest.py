@@ -87,3 +87,32 @@ def run_train(
         cwd=cwd,
         **kw,
     )
+
+
+def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300):
+    """`torchrun --standalone --nproc_per_node=N train.py` on tiny data (gloo on CPU); the run
+    directory is left to the config (output_root/name/<launch time>) so ranks must agree."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    overrides = [
+        o
+        for o in tiny_overrides(root, workdir / "unused")
+        if not o.startswith(("hydra.run.dir", "output_root"))
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "train.py"),
+        *overrides,
+        *extra,
+    ]
+    return subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=workdir,
+    )

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, make_image_folder, run_train, tiny_overrides
+from conftest import REPO, make_image_folder, run_torchrun, run_train, tiny_overrides
 
 from fastload.data import rawimage
 from fastload.data.dataset import ImageDataset, collate
@@ -334,20 +334,10 @@ def test_train_packs_on_first_use_and_logs_read_bandwidth(tmp_path):
 def test_two_ranks_stage_once_per_node(tmp_path):
     root = make_image_folder(tmp_path / "data")
     record, target = tmp_path / "staged-by.txt", tmp_path / "shm"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    overrides = [
-        o
-        for o in tiny_overrides(root, tmp_path / "unused", "trainer.epochs=1")
-        if not o.startswith(("hydra.run.dir", "output_root"))
-    ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "train.py"),
-        *overrides,
+    out = run_torchrun(
+        root,
+        tmp_path,
+        "trainer.epochs=1",
         f"output_root={tmp_path / 'out'}",
         "name=stage",
         "storage=tmpfs",
@@ -355,14 +345,6 @@ def test_two_ranks_stage_once_per_node(tmp_path):
         f"+storage.record={record}",
         f"storage.target_dir={target}",
         "storage.cleanup=true",
-    ]
-    out = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**env, "PYTHONPATH": str(REPO)},
-        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert record.read_text().split() == ["0"]  # local rank 0 staged, rank 1 waited

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 
 import pytest
 import torch
-from conftest import REPO, make_image_folder, run_train, tiny_overrides
+from conftest import make_image_folder, run_torchrun, run_train, tiny_overrides
 
 EPOCH_KEYS = {
     "epoch",
@@ -111,26 +109,8 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
 
 
 def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     out_root = tmp_path / "outputs"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(REPO / "train.py"),
-        *[
-            o
-            for o in tiny_overrides(tiny_folder, tmp_path / "unused")
-            if not o.startswith(("hydra.run.dir", "output_root"))
-        ],
-        f"output_root={out_root}",
-        "name=ddp",
-    ]
-    import subprocess
-
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    out = run_torchrun(tiny_folder, tmp_path, f"output_root={out_root}", "name=ddp")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dirs = list((out_root / "ddp").iterdir())
     assert len(run_dirs) == 1, run_dirs  # one run directory for both ranks
