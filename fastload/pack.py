@@ -1,8 +1,18 @@
-"""Pack an ImageFolder dataset into LMDB or memory-mapped shards.
+"""Pack an ImageFolder, COCO or DIV2K dataset into LMDB or memory-mapped shards.
 
     python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q]
     python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S]
+    python -m fastload.pack {lmdb,shards} DST --source coco \
+        --annotations instances_train2017.json --images DIR      # -> DST/train2017/
+    python -m fastload.pack {lmdb,shards} DST --source div2k \
+        --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
     python -m fastload.pack verify DST            # whole-file crc32 of every shard
+
+COCO: one record per image (by image id), target = image id, plus its boxes [x, y, w, h]
+(float32, scaled with the image when re-encoded) and category ids (int64). DIV2K: one record
+per HR image (by name), target = position, plus the paired LR image when --lr is given (same
+kind; re-encoded/raw pairs are resized to max_side / scale, size / scale). See
+fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store}.py.
 
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
 folder; DST gets one pack per split (DST/<split>/), in the same sample order as storage=disk.
@@ -31,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from fastload.data import rawimage
-from fastload.data.folder import index_image_folder
+from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
 from fastload.decode.pil import open_rgb
 from fastload.errors import FastloadError, StorageError
 
@@ -46,31 +56,41 @@ def _resized(img: Image.Image, max_side: int) -> Image.Image:
     return img.resize(size, Image.LANCZOS, reducing_gap=3.0)
 
 
-def make_record(task) -> tuple[bytes, int, int]:
-    """Worker: source file -> (record bytes, height, width) for the requested kind."""
+def make_record(task) -> tuple[bytes, int, int, float, float]:
+    """Worker: source file -> (record bytes, height, width, sx, sy) for the requested kind;
+    (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them)."""
     path, kind, max_side, quality, size = task
     with open(path, "rb") as f:
         data = f.read()
     if kind == "jpeg" and not max_side:
-        return data, 0, 0
+        return data, 0, 0, 1.0, 1.0
     img = Image.open(io.BytesIO(data))
     if kind == "jpeg" and img.format == "JPEG" and max(img.size) <= max_side:
-        return data, img.height, img.width
-    img = _resized(open_rgb(data), size if kind == "raw" else max_side)
+        return data, img.height, img.width, 1.0, 1.0
+    img = open_rgb(data)
+    w0, h0 = img.size
+    img = _resized(img, size if kind == "raw" else max_side)
+    sx, sy = img.width / w0, img.height / h0
     if kind == "raw":
-        return rawimage.encode(np.asarray(img, dtype=np.uint8)), img.height, img.width
+        return rawimage.encode(np.asarray(img, dtype=np.uint8)), img.height, img.width, sx, sy
     out = io.BytesIO()
     img.save(out, "JPEG", quality=quality, subsampling=2)
-    return out.getvalue(), img.height, img.width
+    return out.getvalue(), img.height, img.width, sx, sy
+
+
+def make_item(task):
+    """Worker: one pack record and, for paired sources (DIV2K LR), its pair's record."""
+    main, pair = task
+    return make_record(main), (None if pair is None else make_record(pair))
 
 
 def _records(tasks, workers: int):
-    if workers <= 1 or all(not t[2] and t[1] == "jpeg" for t in tasks[:1]):
-        yield from map(make_record, tasks)
+    if workers <= 1 or all(not t[0][2] and t[0][1] == "jpeg" for t in tasks[:1]):
+        yield from map(make_item, tasks)
         return
     ctx = multiprocessing.get_context("spawn")  # the caller may hold threads or CUDA
     with ctx.Pool(workers) as pool:
-        yield from pool.imap(make_record, tasks, chunksize=16)
+        yield from pool.imap(make_item, tasks, chunksize=16)
 
 
 def pack_split(
@@ -86,9 +106,11 @@ def pack_split(
     initial_map_size: int = 64 << 20,
     workers: int | None = None,
     progress: bool | None = None,
+    source=None,
 ) -> dict:
-    """Pack one ImageFolder split `src` into `dst` (atomically); returns the metadata.
-    progress=None: a progress bar when stderr is a terminal."""
+    """Pack one split into `dst` (atomically); returns the metadata. The records come from
+    `source` (fastload/data/sources.py: COCO, DIV2K, ...), by default the ImageFolder split
+    `src`. progress=None: a progress bar when stderr is a terminal."""
     from tqdm import tqdm
 
     from fastload.loaders.baseline import usable_cores
@@ -99,8 +121,10 @@ def pack_split(
         raise StorageError(
             "LMDB packs hold encoded images; raw pixels: use `fastload.pack shards --kind raw`."
         )
-    src, dst = Path(src).absolute(), Path(dst).absolute()
-    index = index_image_folder(src)
+    dst = Path(dst).absolute()
+    if source is None:
+        source = ImageFolderSource(src)
+    src = source.root
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.packing-{os.getpid()}"
     for stale in dst.parent.glob(f".{dst.name}.packing-*"):
@@ -115,7 +139,21 @@ def pack_split(
     }
     if kind == "raw":
         params = {"kind": "raw", "size": size}
-    tasks = [(str(index.path(i)), kind, max_side, quality, size) for i in range(len(index))]
+    records = [source.record(i) for i in range(len(source))]
+    scale = getattr(source, "scale", None) or 1
+    pair_side = max_side and max(1, max_side // scale)  # pairs keep the HR/LR ratio
+    tasks = [
+        (
+            (r.path, kind, max_side, quality, size),
+            None if r.pair is None else (r.pair, kind, pair_side, quality, max(1, size // scale)),
+        )
+        for r in records
+    ]
+    params["source"] = source.kind
+    if hasattr(source, "category_ids"):
+        params["category_ids"] = source.category_ids.tolist()  # labels are these ids
+    if source.has_pairs:
+        params["pair_scale"] = scale
     workers = workers or usable_cores()
     try:
         if fmt == "lmdb":
@@ -136,14 +174,22 @@ def pack_split(
             disable=not (sys.stderr.isatty() if progress is None else progress),
         )
         with bar:
-            for i, (record, h, w) in enumerate(_records(tasks, workers)):
-                target, path = int(index.targets[i]), str(index.paths[i])
+            for r, ((record, h, w, sx, sy), pair) in zip(
+                records, _records(tasks, workers), strict=True
+            ):
+                boxes = r.boxes
+                if boxes is not None and (sx, sy) != (1.0, 1.0):
+                    boxes = boxes * np.array([sx, sy, sx, sy], np.float32)  # x, y, w, h
+                extra = dict(boxes=boxes, labels=r.labels, pair=pair and pair[0])
                 if fmt == "lmdb":
-                    writer.add(record, target, path=path)
+                    writer.add(record, r.target, path=r.path, **extra)
                 else:
-                    writer.add(record, target, height=h, width=w, path=path)
+                    ph, pw = (pair[1], pair[2]) if pair else (0, 0)
+                    writer.add(
+                        record, r.target, height=h, width=w, path=r.path, pair_hw=(ph, pw), **extra
+                    )
                 bar.update()
-        meta = writer.close(classes=index.classes, params=params, source=str(src))
+        meta = writer.close(classes=source.classes, params=params, source=str(src))
         if dst.exists():
             raise StorageError(
                 f"{dst} appeared while packing (another packer?); delete it and retry."
@@ -181,9 +227,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("format", choices=["lmdb", "shards", "verify"])
     p.add_argument(
-        "src", type=Path, help="dataset root (or one split folder); for verify: the pack"
+        "src",
+        type=Path,
+        help="dataset root (or one split folder); for verify: the pack; "
+        "with --source coco|div2k: the pack folder (DST)",
     )
     p.add_argument("dst", type=Path, nargs="?", help="pack folder (one sub-folder per split)")
+    p.add_argument("--source", choices=["imagefolder", "coco", "div2k"], default="imagefolder")
+    p.add_argument("--annotations", type=Path, help="coco: instances_<split>.json")
+    p.add_argument("--images", type=Path, help="coco: the folder of that split's images")
+    p.add_argument("--hr", type=Path, help="div2k: the HR image folder")
+    p.add_argument("--lr", type=Path, help="div2k: the paired LR folder (optional)")
+    p.add_argument("--scale", type=int, help="div2k: the LR scale (2, 3, 4, 8) with --lr")
     p.add_argument("--kind", choices=["jpeg", "raw"], default="jpeg")
     p.add_argument("--max-side", type=int, default=None, help="re-encode JPEGs to this longer side")
     p.add_argument("--quality", type=int, default=90)
@@ -203,6 +258,36 @@ def main(argv: list[str] | None = None) -> int:
             for line in bad:
                 print(f"CORRUPT {line}", file=sys.stderr)
             return 1 if bad else 0
+        if args.source != "imagefolder":
+            if args.dst is not None:
+                p.error(f"--source {args.source} takes one positional folder: DST")
+            if args.source == "coco":
+                if args.annotations is None or args.images is None:
+                    p.error("--source coco needs --annotations FILE and --images DIR")
+                source = CocoSource(args.annotations, args.images)
+            else:
+                if args.hr is None:
+                    p.error("--source div2k needs --hr DIR (and optionally --lr DIR --scale S)")
+                source = Div2kSource(args.hr, args.lr, args.scale)
+            out = args.src / source.name
+            if out.exists():
+                print(f"{out} exists: skipped (delete it to re-pack)")
+                return 0
+            t0 = time.perf_counter()
+            meta = pack_split(
+                args.format,
+                None,
+                out,
+                kind=args.kind,
+                max_side=args.max_side,
+                quality=args.quality,
+                size=args.size,
+                shard_mb=args.shard_mb,
+                workers=args.workers,
+                source=source,
+            )
+            print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+            return 0
         if args.dst is None:
             p.error("DST is required")
         dirs = split_dirs(args.src)

@@ -173,3 +173,18 @@ def test_workers_and_normalisation_place_do_not_change_the_batches(tmp_path, nor
     for a, b in zip(ref, other, strict=True):
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_worker_collate_stacks_into_shared_memory(monkeypatch):
+    """In a DataLoader worker the batch is built in shared memory (no extra copy when it is
+    sent to the main process), with the same values as torch.stack."""
+    from fastload.data.dataset import stack_images
+
+    rng = np.random.default_rng(0)
+    imgs = [torch.from_numpy(rng.integers(0, 255, (8, 6, 3), dtype=np.uint8)).permute(2, 0, 1)]
+    imgs = imgs * 3
+    assert not stack_images(imgs).is_shared()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+    for batch_in in (imgs, [x.float().contiguous() for x in imgs]):
+        got = stack_images(batch_in)
+        assert got.is_shared() and torch.equal(got, torch.stack(batch_in))

@@ -349,3 +349,197 @@ def test_two_ranks_stage_once_per_node(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert record.read_text().split() == ["0"]  # local rank 0 staged, rank 1 waited
     assert not tmpfs.staged_root(root, target).exists()  # storage.cleanup=true
+
+
+# -- COCO and DIV2K sources ------------------------------------------------------------------
+
+
+def make_coco(root, sizes=((120, 80), (64, 48), (90, 150))):
+    """A tiny COCO split: images with ids 7, 3, 5 (written out of order), image 5 has no
+    boxes; returns (annotation file, image folder)."""
+    from PIL import Image
+
+    images = root / "train2017"
+    images.mkdir(parents=True)
+    ids = (7, 3, 5)
+    doc = {
+        "images": [],
+        "annotations": [],
+        "categories": [{"id": 18, "name": "dog"}, {"id": 1, "name": "person"}],
+    }
+    rng = np.random.default_rng(1)
+    for image_id, (w, h) in zip(ids, sizes, strict=True):
+        name = f"{image_id:012d}.jpg"
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(images / name)
+        doc["images"].append({"id": image_id, "file_name": name, "width": w, "height": h})
+    doc["annotations"] = [
+        {"id": 1, "image_id": 7, "bbox": [10.0, 20.0, 30.5, 40.0], "category_id": 18},
+        {"id": 2, "image_id": 3, "bbox": [1.0, 2.0, 3.0, 4.0], "category_id": 1},
+        {"id": 3, "image_id": 7, "bbox": [60.0, 0.0, 50.0, 70.0], "category_id": 1},
+    ]
+    ann = root / "annotations" / "instances_train2017.json"
+    ann.parent.mkdir()
+    ann.write_text(json.dumps(doc))
+    return ann, images
+
+
+def open_pack(fmt, path, split):
+    if fmt == "lmdb":
+        return LmdbStorage(None, split, path=path, auto_pack=False)
+    return ShardStorage(None, split, path=path, auto_pack=False)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_coco_pack_keeps_bytes_ids_and_boxes(tmp_path, fmt):
+    ann, images = make_coco(tmp_path / "coco")
+    out = tmp_path / "pack"
+    args = [fmt, str(out), "--source", "coco", "--annotations", str(ann), "--images", str(images)]
+    assert pack_main(args) == 0
+    store = open_pack(fmt, out, "train2017")
+    assert len(store) == 3 and store.classes == ("person", "dog")  # category-id order
+    assert store.targets.tolist() == [3, 5, 7]  # sorted by image id, target = image id
+    want = {
+        3: ([[1, 2, 3, 4]], [1]),
+        5: (np.zeros((0, 4)), []),
+        7: ([[10, 20, 30.5, 40], [60, 0, 50, 70]], [18, 1]),
+    }
+    for i, image_id in enumerate((3, 5, 7)):
+        data, target = store.read(i)
+        assert target == image_id
+        assert data == (images / f"{image_id:012d}.jpg").read_bytes()
+        boxes, labels = store.boxes(i)
+        assert boxes.dtype == np.float32 and labels.dtype == np.int64
+        assert np.array_equal(boxes, np.array(want[image_id][0], np.float32).reshape(-1, 4))
+        assert labels.tolist() == want[image_id][1]
+    assert f"{7:012d}.jpg" in store.describe(2)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_coco_boxes_scale_with_reencoded_pixels(tmp_path, fmt):
+    ann, images = make_coco(tmp_path / "coco")
+    out = tmp_path / "pack"
+    args = [fmt, str(out), "--source", "coco", "--annotations", str(ann), "--images", str(images)]
+    assert pack_main([*args, "--max-side", "60"]) == 0
+    store = open_pack(fmt, out, "train2017")
+    data, _ = store.read(2)  # image 7: 120 x 80 -> 60 x 40
+    assert open_rgb(data).size == (60, 40)
+    boxes, labels = store.boxes(2)
+    assert np.allclose(boxes, [[5, 10, 15.25, 20], [30, 0, 25, 35]]) and labels.tolist() == [18, 1]
+    assert open_rgb(store.read(0)[0]).size == (60, 45)  # 64 x 48: both axes by 60/64
+    assert np.allclose(store.boxes(0)[0], [[1 * 60 / 64, 2 * 45 / 48, 3 * 60 / 64, 4 * 45 / 48]])
+    if fmt == "shards":
+        assert (
+            pack_main(
+                [*args[:1], str(tmp_path / "raw"), *args[2:], "--kind", "raw", "--size", "30"]
+            )
+            == 0
+        )
+        raw = open_pack(fmt, tmp_path / "raw", "train2017")
+        assert rawimage.shape(raw.read(2)[0]) == (20, 30, 3)
+        assert np.allclose(raw.boxes(2)[0], [[2.5, 5, 7.625, 10], [15, 0, 12.5, 17.5]])
+
+
+def test_coco_bad_input_names_the_file(tmp_path):
+    from fastload.data.sources import CocoSource
+    from fastload.errors import DatasetError
+
+    ann, images = make_coco(tmp_path / "coco")
+    with pytest.raises(DatasetError, match="instances_val2017.json does not exist"):
+        CocoSource(ann.parent / "instances_val2017.json", images)
+    (images / f"{5:012d}.jpg").unlink()
+    with pytest.raises(DatasetError, match=f"{5:012d}.jpg"):
+        CocoSource(ann, images)
+    args = ["shards", str(tmp_path / "p"), "--source", "coco", "--annotations", str(ann)]
+    assert pack_main([*args, "--images", str(images)]) == 2  # a clear error, no traceback
+
+
+def make_div2k(root, n=3, scale=2):
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    hr, lr = root / "DIV2K_train_HR", root / "DIV2K_train_LR_bicubic" / f"X{scale}"
+    hr.mkdir(parents=True)
+    lr.mkdir(parents=True)
+    for i in range(1, n + 1):
+        img = Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))
+        img.save(hr / f"{i:04d}.png")
+        img.resize((64 // scale, 48 // scale), Image.BICUBIC).save(lr / f"{i:04d}x{scale}.png")
+    return hr, lr
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_div2k_pack_keeps_hr_and_lr_pairs(tmp_path, fmt):
+    hr, lr = make_div2k(tmp_path / "div2k")
+    out = tmp_path / "pack"
+    args = [fmt, str(out), "--source", "div2k", "--hr", str(hr)]
+    assert pack_main([*args, "--lr", str(lr), "--scale", "2"]) == 0
+    store = open_pack(fmt, out, "DIV2K_train_HR")
+    assert len(store) == 3 and store.has_pairs and store.targets.tolist() == [0, 1, 2]
+    for i in range(3):
+        assert store.read(i)[0] == (hr / f"{i + 1:04d}.png").read_bytes()
+        assert store.read_pair(i) == (lr / f"{i + 1:04d}x2.png").read_bytes()
+    if fmt == "shards":  # raw pairs keep the ratio
+        assert (
+            pack_main(
+                [
+                    *args[:1],
+                    str(tmp_path / "raw"),
+                    *args[2:],
+                    "--lr",
+                    str(lr),
+                    "--scale",
+                    "2",
+                    "--kind",
+                    "raw",
+                    "--size",
+                    "32",
+                ]
+            )
+            == 0
+        )
+        raw = open_pack(fmt, tmp_path / "raw", "DIV2K_train_HR")
+        assert rawimage.shape(raw.read(0)[0]) == (24, 32, 3)
+        assert rawimage.shape(raw.read_pair(0)) == (12, 16, 3)
+    # no --lr: no pairs, and asking for one says how to pack them
+    assert pack_main([*args[:1], str(tmp_path / "hr-only"), *args[2:]]) == 0
+    solo = open_pack(fmt, tmp_path / "hr-only", "DIV2K_train_HR")
+    assert not solo.has_pairs
+    with pytest.raises(StorageError, match="--lr"):
+        solo.read_pair(0)
+
+
+def test_div2k_missing_lr_image_names_it(tmp_path):
+    from fastload.data.sources import Div2kSource
+    from fastload.errors import DatasetError
+
+    hr, lr = make_div2k(tmp_path / "div2k")
+    (lr / "0002x2.png").unlink()
+    with pytest.raises(DatasetError, match="0002.png"):
+        Div2kSource(hr, lr, 2)
+    with pytest.raises(DatasetError, match="--scale"):
+        Div2kSource(hr, lr, None)
+
+
+def test_truncated_or_corrupt_coco_shard_is_named(tmp_path):
+    ann, images = make_coco(tmp_path / "coco")
+    out = tmp_path / "pack"
+    args = [
+        "shards",
+        str(out),
+        "--source",
+        "coco",
+        "--annotations",
+        str(ann),
+        "--images",
+        str(images),
+    ]
+    assert pack_main(args) == 0
+    shard = out / "train2017" / "shard-00000.bin"
+    blob = bytearray(shard.read_bytes())
+    blob[-5] ^= 0xFF
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(StorageError, match=rf"shard-00000.bin record 2 .*{7:012d}.jpg"):
+        open_pack("shards", out, "train2017").read(2)
+    shard.write_bytes(bytes(blob[:-10]))
+    with pytest.raises(StorageError, match="shard-00000.bin is truncated.*first damaged record: 2"):
+        open_pack("shards", out, "train2017")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -104,9 +106,20 @@ def stack_images(images: list) -> torch.Tensor:
     as much as the resize), so they are stacked as NHWC (plain copies) and returned as an
     NCHW view with channels_last strides: same values and shape, and device prep makes the
     memory format the model wants on the device, where it is cheap."""
-    if all(x.dim() == 3 and x.permute(1, 2, 0).is_contiguous() for x in images):
-        return torch.stack([x.permute(1, 2, 0) for x in images]).permute(0, 3, 1, 2)
-    return torch.stack(images)
+    hwc = [x.permute(1, 2, 0) for x in images if x.dim() == 3]
+    nhwc = len(hwc) == len(images) and all(x.is_contiguous() for x in hwc)
+    parts = hwc if nhwc else images
+    out = None
+    if torch.utils.data.get_worker_info() is not None:
+        # In a DataLoader worker, stack straight into shared memory (as default_collate
+        # does): sending the batch to the main process then moves no bytes, where a private
+        # batch is copied once more into a new shared segment when it is pickled.
+        shape = (len(parts), *parts[0].shape)
+        out = torch.empty(0, dtype=parts[0].dtype)
+        nbytes = math.prod(shape) * out.element_size()
+        out.set_(out.untyped_storage()._new_shared(nbytes), 0, shape)
+    batch = torch.stack(parts, out=out)
+    return batch.permute(0, 3, 1, 2) if nhwc else batch
 
 
 class Normalize:

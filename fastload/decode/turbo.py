@@ -99,7 +99,8 @@ def cv2_resized_crop(cv2, pixels: np.ndarray, box, size: int, flip: bool) -> np.
         out = cv2.resize(
             pixels[top : top + h, left : left + w], (size, size), interpolation=cv2.INTER_LINEAR
         )
-        return cv2.flip(out, 1) if flip else out  # a copy: torch cannot wrap a negative stride
+        # In place (no second array): torch cannot wrap a negative-stride view.
+        return cv2.flip(out, 1, dst=out) if flip else out
     # Sub-pixel box (mapped into a DCT-reduced image): cv2.resize cannot start between pixels,
     # so one warpAffine with the same inverse map (output -> source), PIL's pixel-centre
     # convention, the flip folded in as i -> size - 1 - i (~0.4 ms; still one pass).

@@ -3,6 +3,9 @@
 Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
 
     b"%010d" % i   -> header (<q target, <I crc32 of the image bytes) + encoded image bytes
+    b"%010d.boxes" -> (sources with boxes: COCO) <I crc32 of the rest | <I n | n x 4 float32
+                      boxes x, y, w, h (pixels of the stored image) | n int64 category ids
+    b"%010d.pair"  -> (paired sources: DIV2K LR) <I crc32 | the paired image's bytes
     b"__meta__"    -> JSON: format, version, count, classes, params, checksum (crc32 of all
                       image bytes in index order), source
     b"__targets__" -> the int64 targets, raw little-endian (so opening needs no full scan)
@@ -80,6 +83,29 @@ def key(i: int) -> bytes:
     return b"%010d" % i
 
 
+CRC, COUNT = struct.Struct("<I"), struct.Struct("<I")
+
+
+def encode_boxes(boxes, labels) -> bytes:
+    boxes = np.asarray(boxes, "<f4").reshape(-1, 4)
+    labels = np.zeros(len(boxes), "<i8") if labels is None else np.asarray(labels, "<i8")
+    if labels.shape != (len(boxes),):
+        raise ValueError(f"{len(boxes)} boxes but labels of shape {labels.shape}")
+    body = COUNT.pack(len(boxes)) + boxes.tobytes() + labels.tobytes()
+    return CRC.pack(zlib.crc32(body)) + body
+
+
+def decode_boxes(value: bytes) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(boxes (n, 4) float32, labels (n,) int64, crc ok)."""
+    (crc,) = CRC.unpack_from(value)
+    body = memoryview(value)[CRC.size :]
+    (n,) = COUNT.unpack_from(body)
+    boxes = np.frombuffer(body, "<f4", 4 * n, COUNT.size).reshape(n, 4).astype(np.float32)
+    labels = np.frombuffer(body, "<i8", n, COUNT.size + 16 * n).astype(np.int64)
+    ok = zlib.crc32(body) == crc and len(body) == COUNT.size + 24 * n
+    return boxes, labels, ok
+
+
 class LmdbWriter:
     """Writes records in transactions of `batch` records; on MapFullError the transaction is
     aborted, the map doubled, and the same records written again."""
@@ -104,10 +130,26 @@ class LmdbWriter:
         self.paths: list[str] = []
         self.crc = 0
         self.growths = 0
+        self.has_boxes = self.has_pairs = False
 
-    def add(self, data: bytes, target: int, path: str = "") -> None:
+    def add(
+        self,
+        data: bytes,
+        target: int,
+        path: str = "",
+        *,
+        boxes=None,
+        labels=None,
+        pair: bytes | None = None,
+    ) -> None:
         i = len(self.targets)
         self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + data))
+        if boxes is not None:
+            self.has_boxes = True
+            self.pending.append((key(i) + b".boxes", encode_boxes(boxes, labels)))
+        if pair is not None:
+            self.has_pairs = True
+            self.pending.append((key(i) + b".pair", CRC.pack(zlib.crc32(pair)) + pair))
         self.targets.append(int(target))
         self.paths.append(path)
         self.crc = zlib.crc32(data, self.crc)
@@ -145,6 +187,8 @@ class LmdbWriter:
             "source": source,
             "map_size": self.map_size,
             "map_growths": self.growths,
+            "boxes": self.has_boxes,
+            "pairs": self.has_pairs,
         }
         # Metadata last: an environment without it is not a complete pack.
         self._put_all(
@@ -242,6 +286,35 @@ class LmdbStorage(StoreBase):
                 f"corrupt record: {self.describe(i)} fails its crc32 check; re-pack."
             )
         return data, target
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Record i's boxes (n, 4) float32 x, y, w, h and category ids (n,) int64; n = 0
+        when it has none (or the pack has no boxes)."""
+        value = self._begin().get(key(i) + b".boxes")
+        if value is None:
+            return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
+        boxes, labels, ok = decode_boxes(value)
+        if self.verify and not ok:
+            raise StorageError(f"corrupt boxes of {self.describe(i)} (crc32/length); re-pack.")
+        return boxes, labels
+
+    @property
+    def has_pairs(self) -> bool:
+        return bool(self.meta.get("pairs"))
+
+    def read_pair(self, i: int) -> bytes:
+        """The paired record of record i (DIV2K: the LR image), crc-checked like `read`."""
+        value = self._begin().get(key(i) + b".pair")
+        if value is None:
+            raise StorageError(
+                f"{self.describe(i)} has no paired record; pack the source with pairs "
+                f"(python -m fastload.pack lmdb DST --source div2k --hr .. --lr .. --scale S)."
+            )
+        (crc,) = CRC.unpack_from(value)
+        data = value[CRC.size :]
+        if self.verify and zlib.crc32(data) != crc:
+            raise StorageError(f"corrupt paired record of {self.describe(i)}; re-pack.")
+        return data
 
     def store_root(self) -> str:
         return str(self.dir)

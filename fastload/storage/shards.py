@@ -6,8 +6,13 @@ Layout of one split (`python -m fastload.pack shards SRC DST` writes DST/<split>
                        per shard: file name, size in bytes, crc32 of the whole file
     index.npy          one structured row per record: shard, offset, length, target, crc32,
                        height, width, box_start, box_count (memory-mapped, shared by workers)
-    boxes.npy          variable-length targets (detection boxes x0 y0 x1 y1 label, float32),
-                       rows box_start .. box_start + box_count of each record (optional)
+    boxes.npy          variable-length targets (COCO detection boxes x, y, w, h, float32, in
+                       pixels of the stored image), rows box_start .. box_start + box_count
+                       of each record (written when the source has boxes, even zero of them)
+    labels.npy         the category id (int64) of each row of boxes.npy
+    pairs.npy          paired records (DIV2K LR images), one row per record, the index's
+                       first columns (shard, offset, length, crc, height, width); the pair's
+                       bytes follow its record in the same shard (optional)
     paths.txt          the source path of each record, one per line (read for errors only)
     shard-00000.bin    records back to back: encoded JPEG bytes (kind=jpeg) or a fastload raw
     shard-00001.bin    pixel record (kind=raw, see fastload/data/rawimage.py)
@@ -55,6 +60,10 @@ INDEX_DTYPE = np.dtype(
         ("box_count", "<u4"),
     ]
 )
+PAIR_DTYPE = np.dtype(
+    [(n, INDEX_DTYPE[n]) for n in ("shard", "offset", "length", "crc")]
+    + [("height", "<u4"), ("width", "<u4")]
+)
 
 
 def shard_name(k: int) -> str:
@@ -74,6 +83,9 @@ class ShardWriter:
         self.shard_bytes = int(shard_bytes)
         self.rows: list[tuple] = []
         self.boxes: list[np.ndarray] = []
+        self.labels: list[np.ndarray] = []
+        self.has_boxes = False
+        self.pairs: list[tuple] = []
         self.n_boxes = 0
         self.paths: list[str] = []
         self.shards: list[dict] = []
@@ -94,11 +106,28 @@ class ShardWriter:
             )
             self._f = None
 
-    def add(self, record: bytes, target: int, *, height=0, width=0, boxes=None, path="") -> None:
-        if self._f is None or (self._size and self._size + len(record) > self.shard_bytes):
+    def add(
+        self,
+        record: bytes,
+        target: int,
+        *,
+        height=0,
+        width=0,
+        boxes=None,
+        labels=None,
+        pair: bytes | None = None,
+        pair_hw=(0, 0),
+        path="",
+    ) -> None:
+        """One record; `boxes` (n, 4) float32 with `labels` (n,) int64 for detection sources,
+        `pair` the bytes of a paired image (written right after the record, same shard)."""
+        need = len(record) + (len(pair) if pair is not None else 0)
+        if self._f is None or (self._size and self._size + need > self.shard_bytes):
             self._roll()
         crc = zlib.crc32(record)
         nb = 0 if boxes is None else len(boxes)
+        if boxes is not None:
+            self.has_boxes = True
         self.rows.append(
             (
                 len(self.shards),
@@ -113,19 +142,39 @@ class ShardWriter:
             )
         )
         if nb:
-            self.boxes.append(np.asarray(boxes, np.float32).reshape(nb, -1))
+            self.boxes.append(np.asarray(boxes, np.float32).reshape(nb, 4))
+            lab = np.zeros(nb, np.int64) if labels is None else np.asarray(labels, np.int64)
+            if lab.shape != (nb,):
+                raise ValueError(f"{path}: {nb} boxes but labels of shape {lab.shape}")
+            self.labels.append(lab)
             self.n_boxes += nb
-        self._f.write(record)
-        self._crc = zlib.crc32(record, self._crc)
-        self._size += len(record)
+        self._write(record)
+        if pair is not None:
+            self.pairs.append((len(self.shards), self._size, len(pair), zlib.crc32(pair), *pair_hw))
+            self._write(pair)
+        elif self.pairs:
+            raise ValueError(f"{path}: a paired pack needs a pair for every record")
         self.paths.append(path)
+
+    def _write(self, data: bytes) -> None:
+        self._f.write(data)
+        self._crc = zlib.crc32(data, self._crc)
+        self._size += len(data)
 
     def close(self, *, classes, params: dict, source: str = "") -> dict:
         self._finish_shard()
         index = np.array(self.rows, dtype=INDEX_DTYPE)
         np.save(self.dir / "index.npy", index)
-        if self.boxes:
-            np.save(self.dir / "boxes.npy", np.concatenate(self.boxes))
+        if self.has_boxes:
+            cat = np.concatenate if self.boxes else None
+            np.save(
+                self.dir / "boxes.npy", cat(self.boxes) if cat else np.zeros((0, 4), np.float32)
+            )
+            np.save(self.dir / "labels.npy", cat(self.labels) if cat else np.zeros(0, np.int64))
+        if self.pairs:
+            if len(self.pairs) != len(self.rows):
+                raise ValueError("a paired pack needs a pair for every record")
+            np.save(self.dir / "pairs.npy", np.array(self.pairs, dtype=PAIR_DTYPE))
         (self.dir / "paths.txt").write_text("\n".join(self.paths) + "\n", encoding="utf-8")
         meta = {
             "format": FORMAT,
@@ -162,7 +211,7 @@ def default_path(root, kind: str, max_side, quality, size) -> str:
 class ShardStorage(StoreBase):
     """Reads `(bytes, target)` from a shard pack; never decodes."""
 
-    _unpicklable = ("_maps", "_index")
+    _unpicklable = ("_maps", "_index", "_boxes", "_labels", "_pairs")
 
     def __init__(
         self,
@@ -214,6 +263,7 @@ class ShardStorage(StoreBase):
         self._targets = np.array(index["target"], dtype=np.int64)
         self._index = None
         self._maps = None
+        self._boxes = self._labels = self._pairs = None
         self._init_stats()
 
     def _check_sizes(self) -> None:
@@ -234,6 +284,11 @@ class ShardStorage(StoreBase):
                 rows = np.nonzero(
                     (index["shard"] == k) & (index["offset"] + index["length"] > have)
                 )[0]
+                if not len(rows) and (self.dir / "pairs.npy").is_file():  # a cut LR pair
+                    pairs = np.load(self.dir / "pairs.npy", mmap_mode="r")
+                    rows = np.nonzero(
+                        (pairs["shard"] == k) & (pairs["offset"] + pairs["length"] > have)
+                    )[0]
                 first = f"; first damaged record: {int(rows[0])}" if len(rows) else ""
                 raise StorageError(
                     f"shard {f} is {'truncated' if have < s['bytes'] else 'longer than packed'}: "
@@ -286,10 +341,14 @@ class ShardStorage(StoreBase):
         return mm
 
     def read(self, i: int) -> tuple[bytes, int]:
+        """(record, target): bytes, or for kind=raw a read-only memoryview of the shard."""
         t0 = time.perf_counter()
         row = self._row(i)
         off, n = int(row["offset"]), int(row["length"])
-        data = self._map(int(row["shard"]))[off : off + n]
+        mm = self._map(int(row["shard"]))
+        # Raw pixels: a read-only view of the map, not a ~200 KB copy (the resize reads it
+        # once); encoded records stay bytes for the decoders.
+        data = memoryview(mm)[off : off + n] if self.kind == "raw" else mm[off : off + n]
         self._account(n, t0)
         if self.verify and zlib.crc32(data) != int(row["crc"]):
             raise StorageError(
@@ -298,15 +357,43 @@ class ShardStorage(StoreBase):
             )
         return data, int(self._targets[i])
 
-    def boxes(self, i: int) -> np.ndarray:
-        """The variable-length target of record i (detection boxes), shape (n, 5)."""
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The variable-length target of record i: boxes (n, 4) float32 x, y, w, h in pixels
+        of the stored image, and their category ids (n,) int64; n = 0 when it has none (or
+        the pack has no boxes at all)."""
         row = self._row(i)
-        path = self.dir / "boxes.npy"
-        if not path.exists():
-            return np.zeros((0, 5), np.float32)
-        b = np.load(path, mmap_mode="r")
+        if self._boxes is None:
+            path = self.dir / "boxes.npy"
+            if not path.exists():
+                return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
+            self._boxes = np.load(path, mmap_mode="r")
+            self._labels = np.load(self.dir / "labels.npy", mmap_mode="r")
         s, n = int(row["box_start"]), int(row["box_count"])
-        return np.array(b[s : s + n])
+        return np.array(self._boxes[s : s + n]), np.array(self._labels[s : s + n])
+
+    @property
+    def has_pairs(self) -> bool:
+        return (self.dir / "pairs.npy").is_file()
+
+    def read_pair(self, i: int) -> bytes:
+        """The paired record of record i (DIV2K: the LR image), crc-checked like `read`."""
+        if self._pairs is None:
+            path = self.dir / "pairs.npy"
+            if not path.is_file():
+                raise StorageError(
+                    f"{self.dir} has no paired records (pairs.npy); pack the source with "
+                    f"pairs (python -m fastload.pack shards DST --source div2k --hr .. --lr ..)."
+                )
+            self._pairs = np.load(path, mmap_mode="r")
+        row = self._pairs[i]
+        off, n = int(row["offset"]), int(row["length"])
+        data = self._map(int(row["shard"]))[off : off + n]
+        if self.verify and zlib.crc32(data) != int(row["crc"]):
+            raise StorageError(
+                f"corrupt paired record of {self.describe(i)} fails its crc32 check; run "
+                f"`python -m fastload.pack verify {self.pack_root}` and re-pack."
+            )
+        return data
 
     # -- cold cache and the engine's hooks --------------------------------------------------
 
