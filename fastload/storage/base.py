@@ -9,6 +9,7 @@ torch tensor; file handles and mmaps do not cross at all (see `__getstate__` of 
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import os
@@ -70,7 +71,7 @@ def evict_page_cache(paths) -> int:
     return total
 
 
-class StoreBase:
+class StoreBase(abc.ABC):
     """Mixin: read accounting + `before_epoch()` / `epoch_stats()` for the engine.
 
     A subclass sets `self.cold_cache`, implements `store_files()` (what to evict) and
@@ -92,11 +93,13 @@ class StoreBase:
         row[0] += nbytes
         row[1] += time.perf_counter() - t0
 
+    @abc.abstractmethod
     def store_files(self) -> list[str]:
-        raise NotImplementedError
+        """Every file of this store (what cold_cache evicts)."""
 
+    @abc.abstractmethod
     def store_root(self) -> str:
-        raise NotImplementedError
+        """The folder the store lives in (tmpfs detection)."""
 
     def before_epoch(self) -> None:
         """Reset the read counters; with cold_cache, evict the store's files first."""
