@@ -75,3 +75,11 @@ def test_readme_and_ci_use_the_same_test_command():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     assert "make test" in readme and "make test" in ci
+
+
+def test_default_dataset_folder_is_named_by_generator_version(tmp_path):
+    """A new synthetic renderer must land in a new cache folder, not trip over an old one."""
+    from fastload.data.synthetic import GENERATOR_VERSION
+
+    cfg = compose_config([f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert f"synthetic-imagenet-g{GENERATOR_VERSION}-" in cfg.dataset.root

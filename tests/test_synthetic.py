@@ -1,104 +1,273 @@
-"""The built-in dataset: ImageFolder layout, photo-like JPEGs, deterministic, cached, atomic."""
+"""Tests for the synthetic ImageNet-style dataset generator (fastload.data.synthetic)."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torchvision
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 
+from fastload.data import synthetic
 from fastload.data.synthetic import MANIFEST_NAME, ensure_synthetic_imagenet
-from fastload.errors import DatasetError
+from fastload.errors import ConfigError, DatasetError
 
-SMALL = dict(
+# Small images keep the file fast; the renderer's per-pixel cost is what it is at full size.
+TINY = dict(
     num_classes=3,
     train_per_class=4,
     val_per_class=2,
-    min_long_side=120,
-    max_long_side=160,
+    min_long_side=64,
+    max_long_side=96,
     progress=False,
 )
 
 
-def files(root):
-    return sorted(p.relative_to(root) for p in root.rglob("*.jpg"))
+def _files(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
-def test_layout_is_an_imagefolder_of_photo_like_jpegs(tmp_path):
-    root = ensure_synthetic_imagenet(tmp_path / "syn", **SMALL, workers=1)
-    for split, n in (("train", 4), ("val", 2)):
-        ref = torchvision.datasets.ImageFolder(str(root / split))
-        assert len(ref.classes) == 3 and len(ref) == 3 * n
-        assert list(ref.class_to_idx.values()) == [0, 1, 2]
-    assert sorted(os.listdir(root / "train")) == sorted(os.listdir(root / "val"))
-    for path in files(root)[:6]:
-        img = Image.open(root / path)
-        assert img.format == "JPEG" and img.mode == "RGB"
-        assert 120 <= max(img.size) <= 160
-        px = np.asarray(img, np.float64)
-        # Photo-like, not noise: neighbouring pixels are strongly correlated.
-        dx = np.abs(np.diff(px, axis=1)).mean()
-        assert dx < 0.25 * px.std(), (path, dx, px.std())
+def _quant_tables(quality: int) -> dict:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, "JPEG", quality=quality, subsampling=2)
+    return Image.open(buf).quantization
 
 
-def test_same_seed_same_bytes_whatever_the_worker_count(tmp_path):
-    a = ensure_synthetic_imagenet(tmp_path / "a", **SMALL, workers=1)
-    b = ensure_synthetic_imagenet(tmp_path / "b", **SMALL, workers=2)
-    assert files(a) == files(b)
-    assert all((a / p).read_bytes() == (b / p).read_bytes() for p in files(a))
-    c = ensure_synthetic_imagenet(tmp_path / "c", **{**SMALL, "seed": 1}, workers=1)
-    assert (a / files(a)[0]).read_bytes() != (c / files(c)[0]).read_bytes()
+def test_layout_is_imagefolder_with_requested_jpegs(tmp_path, capsys):
+    from torchvision.datasets import ImageFolder
+
+    root = tmp_path / "deep" / "synthetic"  # parents are created
+    out = ensure_synthetic_imagenet(root, **{**TINY, "progress": True}, quality=85, workers=1)
+    assert out == root.absolute()
+    assert "generating synthetic dataset" in capsys.readouterr().err  # tqdm bar on stderr
+
+    names = synthetic.class_names(3)
+    assert names == sorted(names) and all(n.startswith(f"c{i:03d}_") for i, n in enumerate(names))
+    train, val = ImageFolder(str(root / "train")), ImageFolder(str(root / "val"))
+    assert train.class_to_idx == val.class_to_idx == {n: i for i, n in enumerate(names)}
+    assert len(train) == 3 * 4 and len(val) == 3 * 2
+    assert sorted(t for _, t in train.samples) == [0] * 4 + [1] * 4 + [2] * 4
+    assert Path(train.samples[5][0]).name == "c001_00001.jpg"
+
+    q85 = _quant_tables(85)
+    for path, _ in train.samples + val.samples:
+        with Image.open(path) as im:
+            assert im.format == "JPEG" and im.mode == "RGB"
+            assert 64 <= max(im.size) <= 96 and min(im.size) >= 64 * 9 // 16
+            assert im.quantization == q85  # encoded at the requested quality
+            assert JpegImagePlugin.get_sampling(im) == 2  # 4:2:0
+            im.load()
+
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    assert manifest["num_files"] == 18 == len(list(root.rglob("*.jpg")))
+    assert manifest["classes"] == names
 
 
-def test_cached_and_refuses_other_parameters(tmp_path):
-    root = ensure_synthetic_imagenet(tmp_path / "syn", **SMALL, workers=1)
-    stamp = {p: (root / p).stat().st_mtime_ns for p in files(root)}
-    assert ensure_synthetic_imagenet(root, **SMALL, workers=1) == root
-    assert stamp == {p: (root / p).stat().st_mtime_ns for p in files(root)}  # not regenerated
+def test_images_look_like_photos_not_noise():
+    """Sizes spread over the range, several aspect ratios, smooth content (most energy at low
+    frequency) but not flat, and q90 JPEG sizes in a photo-like range."""
+    sizes, shapes, ratios = [], set(), []
+    for i in range(12):
+        im = synthetic.render_image(0, 0, i % 4, i, 400, 500)
+        shapes.add(im.size)
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=90, subsampling=2)
+        sizes.append(len(buf.getvalue()))
+        a = np.asarray(im.convert("L"), dtype=np.float32)
+        assert 400 <= max(a.shape) <= 500
+        fine = np.abs(np.diff(a, axis=1)).mean()  # pixel-to-pixel change: grain + edges
+        coarse = a[:, ::8].std()  # spread of brightness across the frame
+        ratios.append(coarse / fine)
+    assert len({round(w / h, 2) for w, h in shapes}) >= 4
+    assert 20_000 < np.mean(sizes) < 90_000
+    assert np.median(ratios) > 4  # white noise has coarse/fine ~ 0.9
+
+
+def test_deterministic_across_worker_counts(tmp_path):
+    a = ensure_synthetic_imagenet(tmp_path / "a", **TINY, workers=1)
+    b = ensure_synthetic_imagenet(tmp_path / "b", **TINY, workers=2)
+    fa, fb = _files(a), _files(b)
+    assert len(fa) == 19 and fa == fb  # 18 images + manifest, byte for byte
+    images = [v for k, v in fa.items() if k.endswith(".jpg")]
+    assert len(set(images)) == len(images)  # and not one image repeated
+
+    c = ensure_synthetic_imagenet(tmp_path / "c", **TINY, workers=1, seed=1)
+    assert not set(images) & {v for v in _files(c).values()}  # the seed matters
+
+
+def test_second_call_is_a_cache_hit(tmp_path, monkeypatch):
+    root = ensure_synthetic_imagenet(tmp_path / "ds", **TINY, workers=1)
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+
+    def boom(task):
+        raise AssertionError("regenerated a cached dataset")
+
+    monkeypatch.setattr(synthetic, "_write_one", boom)
+    assert ensure_synthetic_imagenet(root, **TINY, workers=1) == root
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+
+
+def test_different_params_on_same_root_raise(tmp_path):
+    root = ensure_synthetic_imagenet(tmp_path / "ds", **TINY, workers=1)
+    with pytest.raises(DatasetError, match="different parameters") as err:
+        ensure_synthetic_imagenet(root, **{**TINY, "num_classes": 4}, workers=1)
+    assert str(root) in str(err.value) and "dataset.root=" in str(err.value)
     with pytest.raises(DatasetError, match=str(root)):
-        ensure_synthetic_imagenet(root, **{**SMALL, "train_per_class": 5}, workers=1)
+        ensure_synthetic_imagenet(root, **TINY, seed=7, workers=1)
 
 
-def test_incomplete_folders_are_never_taken_for_a_dataset(tmp_path):
-    root = tmp_path / "syn"
-    # A killed run's temp folder (dead pid) is ignored and cleaned; generation completes.
-    stale = tmp_path / f"syn.tmp-{os.uname().nodename}-999999"
-    (stale / "train" / "c000").mkdir(parents=True)
-    ensure_synthetic_imagenet(root, **SMALL, workers=1)
-    assert (root / MANIFEST_NAME).is_file() and not stale.exists()
-    # A non-empty folder without the manifest (e.g. a copy cut short) is refused, not used.
-    other = tmp_path / "half"
-    (other / "train").mkdir(parents=True)
-    with pytest.raises(DatasetError, match="no complete synthetic dataset"):
-        ensure_synthetic_imagenet(other, **SMALL, workers=1)
+def test_foreign_or_incomplete_root_is_not_treated_as_complete(tmp_path):
+    # A copy of a real dataset minus its manifest, i.e. what an interrupted in-place
+    # writer would leave: must not be accepted, and must not be overwritten either.
+    root = ensure_synthetic_imagenet(tmp_path / "ds", **TINY, workers=1)
+    (root / MANIFEST_NAME).unlink()
+    with pytest.raises(DatasetError, match=f"{root}.*delete {root}"):
+        ensure_synthetic_imagenet(root, **TINY, workers=1)
+    (root / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(DatasetError, match=str(root)):
+        ensure_synthetic_imagenet(root, **TINY, workers=1)
+
+    # An existing empty folder (e.g. made by a launcher) is fine to fill.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ensure_synthetic_imagenet(empty, **TINY, workers=1)
+    assert (empty / MANIFEST_NAME).is_file()
 
 
-def test_classes_differ_in_colour_statistics(tmp_path):
-    """A learnability proxy without a CNN: nearest class-mean colour histogram of random
-    flipped half-size crops beats chance (1/3) clearly on held-out images."""
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftover_temp_folder_is_ignored_and_removed(tmp_path):
+    root = tmp_path / "ds"
+    # What a SIGKILLed generation leaves: a sibling temp folder, even one with a manifest.
+    stale = tmp_path / f"ds.tmp-{socket.gethostname()}-{_dead_pid()}"
+    (stale / "train" / "c000_x").mkdir(parents=True)
+    (stale / "train" / "c000_x" / "c000_00000.jpg").write_bytes(b"partial")
+    (stale / MANIFEST_NAME).write_text("{}")
+    # A temp folder of a generator that is still running (this process) must survive.
+    live = tmp_path / f"ds.tmp-{socket.gethostname()}-{os.getppid()}"
+    live.mkdir()
+
+    ensure_synthetic_imagenet(root, **TINY, workers=1)
+    assert not stale.exists() and live.exists()
+    assert len(list(root.rglob("*.jpg"))) == 18
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ds", live.name])
+
+
+def test_interrupted_generation_leaves_nothing_that_looks_complete(tmp_path, monkeypatch):
+    root = tmp_path / "ds"
+    real = synthetic._write_one
+    calls = []
+
+    def dies_midway(task):
+        calls.append(task)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(synthetic, "_write_one", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_synthetic_imagenet(root, **TINY, workers=1)
+    assert not root.exists()
+    assert list(tmp_path.iterdir()) == []  # our own temp folder is cleaned up too
+
+    monkeypatch.setattr(synthetic, "_write_one", real)
+    ensure_synthetic_imagenet(root, **TINY, workers=1)
+    assert json.loads((root / MANIFEST_NAME).read_text())["num_files"] == 18
+
+
+def test_unwritable_location_raises_dataset_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(DatasetError, match=str(blocker / "sub" / "ds")):
+        ensure_synthetic_imagenet(blocker / "sub" / "ds", **TINY, workers=1)
+    with pytest.raises(DatasetError, match=str(blocker)):
+        ensure_synthetic_imagenet(blocker, **TINY, workers=1)
+
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        try:
+            with pytest.raises(DatasetError, match=str(ro / "ds")):
+                ensure_synthetic_imagenet(ro / "ds", **TINY, workers=1)
+        finally:
+            ro.chmod(0o700)
+
+
+def test_class_signatures_scale_to_hundreds_of_classes():
+    sigs = [synthetic.class_signature(k) for k in range(synthetic.MAX_CLASSES)]
+    assert len(set(sigs)) == synthetic.MAX_CLASSES >= 100
+    # Among the first 10 classes no two share a shape or a palette.
+    assert len({s for s, _, _ in sigs[:10]}) == 10 and len({p for _, p, _ in sigs[:10]}) == 10
+    names = synthetic.class_names(1000)
+    assert len(set(names)) == 1000 and names == sorted(names) and names[7].startswith("c007_")
+    with pytest.raises(ConfigError, match="num_classes"):
+        ensure_synthetic_imagenet("unused", num_classes=synthetic.MAX_CLASSES + 1)
+
+
+def _features(img: Image.Image, rng: np.random.Generator) -> np.ndarray:
+    """Crude, CNN-free features of a random ~50% crop, randomly flipped: a joint RGB colour
+    histogram plus a magnitude-weighted gradient-orientation histogram."""
+    w, h = img.size
+    cw, ch = int(w * np.sqrt(0.5)), int(h * np.sqrt(0.5))
+    x0, y0 = rng.integers(0, w - cw + 1), rng.integers(0, h - ch + 1)
+    crop = img.crop((x0, y0, x0 + cw, y0 + ch)).resize((48, 48))
+    if rng.random() < 0.5:
+        crop = crop.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    a = np.asarray(crop, dtype=np.float32)
+    bins = (a // 64).astype(int)  # 4 levels per channel
+    colour = np.bincount(
+        (bins[..., 0] * 16 + bins[..., 1] * 4 + bins[..., 2]).ravel(), minlength=64
+    )
+    grey = a.mean(axis=2)
+    gx, gy = np.diff(grey, axis=1)[:-1], np.diff(grey, axis=0)[:, :-1]
+    # Orientation modulo pi, folded so a horizontal flip maps the histogram onto itself.
+    ang = np.abs(np.arctan2(gy, gx)) % np.pi
+    ang = np.minimum(ang, np.pi - ang)
+    orient = np.bincount(
+        np.minimum((ang / (np.pi / 2) * 6).astype(int), 5).ravel(),
+        weights=np.hypot(gx, gy).ravel(),
+        minlength=6,
+    )
+    return np.concatenate([colour / colour.sum(), 0.5 * orient / max(orient.sum(), 1e-6)])
+
+
+def test_classes_are_learnable_by_a_crude_classifier(tmp_path):
     root = ensure_synthetic_imagenet(
-        tmp_path / "syn", **{**SMALL, "train_per_class": 8, "val_per_class": 6}, workers=2
+        tmp_path / "ds",
+        num_classes=4,
+        train_per_class=12,
+        val_per_class=6,
+        min_long_side=96,
+        max_long_side=128,
+        progress=False,
+        workers=2,
     )
     rng = np.random.default_rng(0)
 
-    def feature(path):
-        px = np.asarray(Image.open(io.BytesIO(path.read_bytes())).convert("HSV"))
-        h, w = px.shape[:2]
-        y, x = rng.integers(0, h // 2), rng.integers(0, w // 2)
-        crop = px[y : y + h // 2, x : x + w // 2, ::-1][:, ::-1]
-        hist = [np.histogram(crop[..., c], bins=8, range=(0, 255))[0] for c in range(3)]
-        return np.concatenate(hist) / crop[..., 0].size
+    def load(split):
+        xs, ys = [], []
+        for k, name in enumerate(synthetic.class_names(4)):
+            for p in sorted((root / split / name).glob("*.jpg")):
+                with Image.open(p) as im:
+                    xs.append(_features(im.convert("RGB"), rng))
+                ys.append(k)
+        return np.stack(xs), np.array(ys)
 
-    def split(name):
-        ds = torchvision.datasets.ImageFolder(str(root / name))
-        return np.stack([feature(Path(p)) for p, _ in ds.samples]), np.array(ds.targets)
-
-    xtr, ytr = split("train")
-    xva, yva = split("val")
-    means = np.stack([xtr[ytr == k].mean(0) for k in range(3)])
-    pred = np.argmin(((xva[:, None] - means[None]) ** 2).sum(-1), 1)
-    assert (pred == yva).mean() >= 0.6
+    xtr, ytr = load("train")
+    xva, yva = load("val")
+    centroids = np.stack([xtr[ytr == k].mean(axis=0) for k in range(4)])
+    pred = np.abs(xva[:, None, :] - centroids[None]).sum(axis=2).argmin(axis=1)
+    accuracy = (pred == yva).mean()
+    assert accuracy >= 0.6, accuracy  # chance is 0.25

@@ -52,13 +52,11 @@ def default_dataset(
     seed: int = 0,
 ) -> Path:
     """The synthetic ImageNet-style set the default run trains on (generated if missing)."""
-    from fastload.data.synthetic import ensure_synthetic_imagenet
+    from fastload.data.synthetic import GENERATOR_VERSION, ensure_synthetic_imagenet
 
     if root is None:
         cache = os.environ.get("FASTLOAD_CACHE", os.path.expanduser("~/.cache/fastload"))
-        root = (
-            f"{cache}/synthetic-imagenet-c{num_classes}-n{train_per_class}-v{val_per_class}-s{seed}"
-        )
+        root = f"{cache}/synthetic-imagenet-g{GENERATOR_VERSION}-c{num_classes}-n{train_per_class}-v{val_per_class}-s{seed}"
     return ensure_synthetic_imagenet(
         root,
         num_classes=num_classes,
