@@ -219,6 +219,27 @@ def split_dirs(src: Path) -> list[Path]:
     return [src]
 
 
+def pack_one(args, src_dir, out, source=None) -> None:
+    """Pack one split into `out` with the command line's options (skipped if it exists)."""
+    if out.exists():
+        print(f"{out} exists: skipped (delete it to re-pack)")
+        return
+    t0 = time.perf_counter()
+    meta = pack_split(
+        args.format,
+        src_dir,
+        out,
+        kind=args.kind,
+        max_side=args.max_side,
+        quality=args.quality,
+        size=args.size,
+        shard_mb=args.shard_mb,
+        workers=args.workers,
+        source=source,
+    )
+    print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fastload.pack",
@@ -269,24 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.hr is None:
                     p.error("--source div2k needs --hr DIR (and optionally --lr DIR --scale S)")
                 source = Div2kSource(args.hr, args.lr, args.scale)
-            out = args.src / source.name
-            if out.exists():
-                print(f"{out} exists: skipped (delete it to re-pack)")
-                return 0
-            t0 = time.perf_counter()
-            meta = pack_split(
-                args.format,
-                None,
-                out,
-                kind=args.kind,
-                max_side=args.max_side,
-                quality=args.quality,
-                size=args.size,
-                shard_mb=args.shard_mb,
-                workers=args.workers,
-                source=source,
-            )
-            print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+            pack_one(args, None, args.src / source.name, source=source)
             return 0
         if args.dst is None:
             p.error("DST is required")
@@ -294,23 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.splits:
             dirs = [args.src / s for s in args.splits.split(",")]
         for d in dirs:
-            out = args.dst / d.name
-            if out.exists():
-                print(f"{out} exists: skipped (delete it to re-pack)")
-                continue
-            t0 = time.perf_counter()
-            meta = pack_split(
-                args.format,
-                d,
-                out,
-                kind=args.kind,
-                max_side=args.max_side,
-                quality=args.quality,
-                size=args.size,
-                shard_mb=args.shard_mb,
-                workers=args.workers,
-            )
-            print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+            pack_one(args, d, args.dst / d.name)
     except FastloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger("fastload")
@@ -143,6 +144,25 @@ class StoreBase(abc.ABC):
         for key in getattr(self, "_unpicklable", ()):
             state[key] = None
         return state
+
+
+class PackedStore(StoreBase):
+    """The storage contract of a packed store (LMDB, shards): targets held in `_targets`,
+    class names in the pack's metadata `meta["classes"]`."""
+
+    meta: dict
+    _targets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self._targets)
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return tuple(self.meta["classes"])
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self._targets
 
 
 def dir_files(root: str | os.PathLike) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from fastload.errors import StorageError
-from fastload.storage.base import StoreBase
+from fastload.storage.base import PackedStore
 
 log = logging.getLogger("fastload")
 
@@ -208,7 +208,7 @@ def default_path(root, max_side, quality) -> str:
     return f"{str(root).rstrip('/')}.packs/lmdb-{tag}"
 
 
-class LmdbStorage(StoreBase):
+class LmdbStorage(PackedStore):
     """`(bytes, target)` from an LMDB pack; the environment opens on first read."""
 
     _unpicklable = ("_txn",)
@@ -256,17 +256,6 @@ class LmdbStorage(StoreBase):
             self._txn = reader_env(str(self.dir)).begin(buffers=False)
             self._txn_pid = os.getpid()
         return self._txn
-
-    def __len__(self) -> int:
-        return len(self._targets)
-
-    @property
-    def classes(self) -> tuple[str, ...]:
-        return tuple(self.meta["classes"])
-
-    @property
-    def targets(self) -> np.ndarray:
-        return self._targets
 
     def describe(self, i: int) -> str:
         paths = self._begin().get(PATHS_KEY, b"").decode().split("\n")

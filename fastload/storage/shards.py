@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from fastload.errors import StorageError
-from fastload.storage.base import StoreBase
+from fastload.storage.base import PackedStore
 
 log = logging.getLogger("fastload")
 
@@ -208,7 +208,7 @@ def default_path(root, kind: str, max_side, quality, size) -> str:
     return f"{os.fspath(root).rstrip('/')}.packs/shards-{tag}"
 
 
-class ShardStorage(StoreBase):
+class ShardStorage(PackedStore):
     """Reads `(bytes, target)` from a shard pack; never decodes."""
 
     _unpicklable = ("_maps", "_index", "_boxes", "_labels", "_pairs")
@@ -297,17 +297,6 @@ class ShardStorage(StoreBase):
                 )
 
     # -- the storage contract ---------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._targets)
-
-    @property
-    def classes(self) -> tuple[str, ...]:
-        return tuple(self.meta["classes"])
-
-    @property
-    def targets(self) -> np.ndarray:
-        return self._targets
 
     def _row(self, i: int):
         if self._index is None:
