@@ -170,9 +170,44 @@ def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
         f.write(bytes([b[0] ^ 0xFF]))
     store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
     store.read(6)
-    with pytest.raises(StorageError, match=rf"{shard} record 7 .*crc32.*fastload.pack verify"):
+    with pytest.raises(StorageError, match=rf"{shard} record 7 .*xxh3_64.*fastload.pack verify"):
         store.read(7)
     assert pack_main(["verify", str(tmp_path / "sj")]) == 1
+
+
+def test_version_1_packs_are_still_read_and_checked_with_crc32(tiny_folder, packs, tmp_path):
+    """Packs written before the xxh3 record checksums (v1: a crc32 column) keep working."""
+    import shutil
+    import zlib
+
+    from fastload.storage import shards
+
+    shutil.copytree(packs / "sj", tmp_path / "sj")
+    split = tmp_path / "sj" / "train"
+    v2 = np.load(split / "index.npy")
+    v1_dtype = np.dtype([(n, "<u4") if n == "check" else (n, v2.dtype[n]) for n in v2.dtype.names])
+    v1 = v2.astype(v1_dtype).copy()
+    v1.dtype.names = tuple("crc" if n == "check" else n for n in v1_dtype.names)
+    disk = DiskStorage(tiny_folder, "train")
+    v1["crc"] = [zlib.crc32(disk.read(i)[0]) for i in range(len(v1))]
+    np.save(split / "index.npy", v1)
+    meta = json.loads((split / "meta.json").read_text())
+    assert meta["version"] == shards.VERSION == 2 and meta["record_checksum"] == "xxh3_64"
+    meta["version"] = 1
+    del meta["record_checksum"]
+    (split / "meta.json").write_text(json.dumps(meta))
+
+    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
+    v1["crc"][5] ^= 1  # a record whose checksum no longer matches
+    np.save(split / "index.npy", v1)
+    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    with pytest.raises(StorageError, match=r"record 5 .*crc32"):
+        store.read(5)
+    meta["version"] = 3
+    (split / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(StorageError, match=r"v1, v2.*v3.*re-pack"):
+        ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
 
 
 def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, packs, tmp_path):
