@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -72,13 +73,17 @@ class ImageDataset(torch.utils.data.Dataset):
         return pop() if pop is not None else {}
 
 
-def collate(samples: list) -> dict:
+def collate(samples: list, ring=None) -> dict:
     """One NCHW batch (see `stack_images` for its memory layout); skipped (corrupt) samples are dropped and counted.
 
     Two optional parts: "counts" sums the backend's per-sample counters (python ints; the
     engine adds them into the epoch metrics), and "encoded" holds samples whose decode is
     deferred to device prep (anything not a tensor, batched by its own type's `collate`);
-    "image" then holds only the samples decoded on the CPU."""
+    "image" then holds only the samples decoded on the CPU.
+
+    With a `BatchRing` (in a DataLoader worker), the images are stacked into a reused
+    shared-memory slot and "image" is the slot's `RingSlot`; the loader's host stage swaps
+    it for the copied tensor (fastload/data/batch_ring.py)."""
     kept = [s for s in samples if s is not None]
     counts: dict[str, int] = {}
     for s in kept:
@@ -89,7 +94,7 @@ def collate(samples: list) -> dict:
     else:
         ready = [i for i, s in enumerate(kept) if torch.is_tensor(s[0])]
         deferred = [i for i, s in enumerate(kept) if not torch.is_tensor(s[0])]
-        images = stack_images([kept[i][0] for i in ready]) if ready else None
+        images = stack_images([kept[i][0] for i in ready], ring) if ready else None
         targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
         batch = {"image": images, "target": targets, "skipped": len(samples) - len(kept)}
         if deferred:
@@ -100,17 +105,21 @@ def collate(samples: list) -> dict:
     return batch
 
 
-def stack_images(images: list) -> torch.Tensor:
+def stack_images(images: list, ring=None):
     """torch.stack of CHW samples. The backends' samples are CHW views of HWC arrays; stacking
     those into contiguous NCHW is a strided gather (~0.2-0.4 ms per 224 px image on one core,
     as much as the resize), so they are stacked as NHWC (plain copies) and returned as an
     NCHW view with channels_last strides: same values and shape, and device prep makes the
-    memory format the model wants on the device, where it is cheap."""
+    memory format the model wants on the device, where it is cheap. With a `ring` that has
+    a free slot for this worker, returns the slot's `RingSlot` instead of a tensor."""
     hwc = [x.permute(1, 2, 0) for x in images if x.dim() == 3]
     nhwc = len(hwc) == len(images) and all(x.is_contiguous() for x in hwc)
     parts = hwc if nhwc else images
-    out = None
-    if torch.utils.data.get_worker_info() is not None:
+    out = slot = None
+    got = ring.acquire((len(parts), *parts[0].shape), parts[0].dtype) if ring else None
+    if got is not None:
+        out, slot = got
+    elif torch.utils.data.get_worker_info() is not None:
         # In a DataLoader worker, stack straight into shared memory (as default_collate
         # does): sending the batch to the main process then moves no bytes, where a private
         # batch is copied once more into a new shared segment when it is pickled.
@@ -119,6 +128,15 @@ def stack_images(images: list) -> torch.Tensor:
         nbytes = math.prod(shape) * out.element_size()
         out.set_(out.untyped_storage()._new_shared(nbytes), 0, shape)
     batch = torch.stack(parts, out=out)
+    if slot is not None:
+        if nhwc:  # the NCHW view's strides, for the main process to rebuild the same view
+            order = (0, 3, 1, 2)
+            slot = dataclasses.replace(
+                slot,
+                shape=tuple(slot.shape[d] for d in order),
+                stride=tuple(slot.stride[d] for d in order),
+            )
+        return slot
     return batch.permute(0, 3, 1, 2) if nhwc else batch
 
 

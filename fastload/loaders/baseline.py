@@ -13,6 +13,7 @@ Composition is then plain cooperative inheritance (see fastload/loaders/prefetch
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import random
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, get_worker_info
 
+from fastload.data.batch_ring import BatchRing
 from fastload.data.dataset import collate
 from fastload.errors import ConfigError, LoaderStallError
 from fastload.loaders.device_prep import DTYPES, DevicePrep, iter_tensors
@@ -183,6 +185,7 @@ class BaselineLoader:
         timeout: float = 0,
         normalize_on: str = "device",
         input_dtype: str = "fp32",
+        reuse_batch_memory: bool = True,
         collate_fn=None,
     ):
         if normalize_on not in ("device", "cpu"):
@@ -214,6 +217,11 @@ class BaselineLoader:
         self._checked_first_batch = False
         workers = self.num_workers > 0
         self.prefetch_factor = (prefetch_factor or 2) if workers else 0
+        self.batch_ring = None
+        if workers and reuse_batch_memory and collate_fn is None:
+            self.batch_ring = self._make_ring(dataset, batch_size, normalize_on)
+        if self.batch_ring is not None:
+            collate_fn = functools.partial(collate, ring=self.batch_ring)
         self.dataloader = DataLoader(
             WorkerSeeding(dataset, seed, rank),
             batch_size=batch_size,
@@ -239,6 +247,33 @@ class BaselineLoader:
                 SHM_FIX,
             )
 
+    def _make_ring(self, dataset, batch_size: int, normalize_on: str) -> BatchRing | None:
+        """Reused shared-memory batch slots (fastload/data/batch_ring.py), sized from the
+        transform's output (size x size x 3, uint8; float32 when normalising on the CPU):
+        per worker, prefetch_factor + 1 (the most one worker has in flight) plus, unless
+        pinning (which copies each slot out at once), its share of the batches the stages
+        and the consumer hold (more held batches fall back to fresh segments). None when the
+        sample size is unknown, decode is deferred to the device, or /dev/shm is short."""
+        size = getattr(getattr(dataset, "transform", None), "size", None)
+        if not isinstance(size, int) or self.device_prep.decoder is not None:
+            return None
+        itemsize = 4 if normalize_on == "cpu" else 1
+        held = 0 if self.pin_memory else -(-(self.stage_batches + 1) // self.num_workers)
+        slots = self.prefetch_factor + 1 + held
+        nbytes = self.num_workers * slots * batch_size * 3 * size * size * itemsize
+        shm = shm_bytes()
+        if shm is not None and nbytes > shm[1] // 2:
+            log.warning(
+                "loader.reuse_batch_memory: %d MB of batch slots would take more than half of "
+                "the %d MB free in %s; falling back to a new shared segment per batch. %s",
+                nbytes // MB,
+                shm[1] // MB,
+                SHM,
+                SHM_FIX,
+            )
+            return None
+        return BatchRing(self.num_workers, slots, nbytes // (self.num_workers * slots))
+
     # -- the stages ----------------------------------------------------------------------
 
     @property
@@ -249,6 +284,9 @@ class BaselineLoader:
 
     def _host_batches(self):
         """Collated CPU batches from the DataLoader, with the stall watchdog."""
+        ring = self.batch_ring
+        if ring is not None:
+            ring.reset()  # before the iterator exists: no batch of this epoch is in flight
         it = iter(self.dataloader)
         try:
             while True:
@@ -258,6 +296,8 @@ class BaselineLoader:
                         faulthandler.dump_traceback_later(self.timeout, exit=False)
                     batch = next(it)
                 except StopIteration:
+                    if ring is not None:
+                        ring.reset()  # nothing in flight now: slots of abandoned tasks too
                     return
                 except RuntimeError as exc:
                     if self.timeout and "timed out" in str(exc):
@@ -266,6 +306,8 @@ class BaselineLoader:
                 finally:
                     if self.timeout and not self.num_workers:
                         faulthandler.cancel_dump_traceback_later()
+                if ring is not None:
+                    batch = ring.resolve_batch(batch, self.pin_memory)
                 if not self._checked_first_batch:
                     self._checked_first_batch = True
                     self._check_first_batch(batch)
@@ -286,6 +328,13 @@ class BaselineLoader:
             host.close()  # early break, crash or exhaustion: stop threads and workers now
 
     # -- the rest of the contract --------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop persistent workers now (they otherwise live until the loader is collected)."""
+        it = getattr(self.dataloader, "_iterator", None)
+        if it is not None:
+            shutdown_workers(it)
+            self.dataloader._iterator = None
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.sampler.set_epoch(epoch, skip=skip_batches * self.dataloader.batch_size)

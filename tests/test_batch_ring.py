@@ -1,0 +1,147 @@
+"""loader.reuse_batch_memory: workers stack batches into reused shared-memory slots; what the
+consumer gets is identical to torch's path, and a batch it keeps is never overwritten."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose_config, make_image_folder
+from hydra.utils import instantiate
+
+import fastload.data.batch_ring as ring_mod
+import fastload.loaders.baseline as baseline_mod
+from fastload.data.dataset import ImageDataset, Normalize
+from fastload.data.sampling import EpochSampler
+from fastload.data.transforms import RandomResizedCropFlip
+from fastload.decode.pil import PILBackend
+from fastload.storage.disk import DiskStorage
+
+NORM = Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("ring") / "d", per_split=(8, 1))
+
+
+def build(folder, *overrides, batch_size=2, workers=2):
+    """loader=baseline from the real config; normalize_on=cpu hands the consumer the host
+    batch itself (device prep on the CPU neither copies nor converts it)."""
+    cfg = compose_config(
+        ["loader=baseline", f"loader.num_workers={workers}", "loader.normalize_on=cpu", *overrides]
+    )
+    data = ImageDataset(
+        DiskStorage(folder, "train"), PILBackend(), RandomResizedCropFlip(24), seed=0
+    )
+    sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
+    return instantiate(cfg.loader)(
+        data,
+        sampler,
+        train=True,
+        batch_size=batch_size,
+        device="cpu",
+        normalize=NORM,
+        channels_last=True,  # the host batch's own layout: device prep keeps it as it is
+        seed=0,
+        rank=0,
+        local_world_size=1,
+    )
+
+
+def run_epoch(loader, epoch, clone=False):
+    """The epoch's (image, target) pairs: the batches themselves, or copies taken as they
+    come (so each batch is dropped before the next one arrives)."""
+    loader.set_epoch(epoch)
+    if clone:
+        return [(b["image"].clone(), b["target"]) for b in loader]
+    return [(b["image"], b["target"]) for b in loader]
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """torch's own path (a new shared segment per batch), epochs 0-2, cloned."""
+    loader = build(folder, "loader.reuse_batch_memory=false")
+    assert loader.batch_ring is None
+    return [run_epoch(loader, e, clone=True) for e in range(3)]
+
+
+def assert_same(got, want):
+    assert len(got) == len(want)
+    for (x, y), (rx, ry) in zip(got, want, strict=True):
+        assert torch.equal(y, ry) and torch.equal(x, rx)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_ring_batches_equal_torchs_path(folder, reference, context):
+    loader = build(folder)
+    loader.dataloader.multiprocessing_context = context
+    for e in range(2):
+        assert_same(run_epoch(loader, e, clone=True), reference[e])
+    stats = loader.batch_ring.stats()
+    assert stats["ring_hits"] == 2 * len(reference[0]) and stats["ring_misses"] == 0
+
+
+def test_kept_batches_are_never_overwritten(folder, reference):
+    loader = build(folder)
+    ring = loader.batch_ring
+    slots = ring.num_workers * ring.slots
+    held = run_epoch(loader, 0)  # 12 batches kept: more than the 8 slots
+    assert len(held) > slots
+    assert any(
+        x.untyped_storage().data_ptr() == s.data_ptr() for x, _ in held for s in ring.storages
+    )
+    first = ring.stats()
+    assert first["ring_misses"] > 0  # full slots fell back to fresh segments
+    run_epoch(loader, 1)  # workers run on while every slot is held
+    assert_same(held, reference[0])
+    del held
+    before = ring.stats()["ring_hits"]
+    assert_same(run_epoch(loader, 2, clone=True), reference[2])
+    assert ring.stats()["ring_hits"] - before == len(reference[2])  # slots came back
+
+
+def test_a_numpy_view_of_one_image_keeps_its_slot(folder, reference):
+    loader = build(folder)
+    it = iter(run_epoch(loader, 0))
+    x, _ = next(it)
+    kept = x[1].numpy()  # the only reference left to that slot
+    want = reference[0][0][0][1].numpy().copy()
+    del x, it
+    run_epoch(loader, 1)
+    run_epoch(loader, 2)
+    assert np.array_equal(kept, want)
+
+
+def test_abandoned_epoch_with_persistent_workers_leaves_no_slot_behind(folder, reference):
+    loader = build(folder, "loader.persistent_workers=true")
+    loader.set_epoch(0)
+    for _ in loader:
+        break
+    assert_same(run_epoch(loader, 1, clone=True), reference[1])
+    state = loader.batch_ring.state
+    assert int((state == ring_mod.WORKER).sum()) == 0
+    loader.close()
+
+
+def test_without_storage_use_counts_the_consumer_gets_a_private_copy(monkeypatch):
+    ring = ring_mod.BatchRing(num_workers=1, slots=2, slot_bytes=64)
+    ring._tensor(0, 1, (4, 4), (4, 1), torch.uint8).fill_(7)
+    ring.state[0, 1] = ring_mod.WORKER
+    ref = ring_mod.RingSlot(0, 1, (4, 4), (4, 1), torch.uint8)
+    monkeypatch.setattr(ring_mod, "_use_count", None)
+    out = ring.resolve(ref)
+    assert out.untyped_storage().data_ptr() != ring.storages[1].data_ptr()
+    assert torch.equal(out, torch.full((4, 4), 7, dtype=torch.uint8))
+    assert int(ring.state[0, 1]) == ring_mod.FREE
+
+
+def test_short_dev_shm_falls_back_to_torchs_path_with_a_warning(folder, monkeypatch, caplog):
+    monkeypatch.setattr(baseline_mod, "shm_bytes", lambda: (64 * 2**20, 64 * 2**10))
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        loader = build(folder, batch_size=4)
+    assert loader.batch_ring is None
+    assert "reuse_batch_memory" in caplog.text and "--shm-size" in caplog.text
+    assert len(run_epoch(loader, 0)) == 6
