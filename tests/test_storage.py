@@ -366,6 +366,61 @@ def test_train_packs_on_first_use_and_logs_read_bandwidth(tmp_path):
     assert all(r["read_mb_per_s"] > 0 for r in rows)
 
 
+def _can_mount_tmpfs(tmp_path) -> bool:
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("rsync") is None or shutil.which("mountpoint") is None:
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)]).returncode
+    if ok == 0:
+        subprocess.run(["umount", str(probe)], check=True)
+    return ok == 0
+
+
+def test_stage_tmpfs_script_mounts_copies_reuses_and_refuses(tmp_path):
+    """scripts/stage_tmpfs.sh for real: mount, atomic rsync, fstab line, reuse, too small."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("needs root, rsync and permission to mount a tmpfs")
+    script = str(REPO / "scripts" / "stage_tmpfs.sh")
+    src = make_image_folder(tmp_path / "imgs", per_split=(2, 1))
+    mnt = tmp_path / "ram"
+    try:
+        out = subprocess.run([script, str(src), str(mnt), "16m"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert (
+            subprocess.run(
+                ["findmnt", "-n", "-o", "FSTYPE", str(mnt)], capture_output=True, text=True
+            ).stdout.strip()
+            == "tmpfs"
+        )
+        staged = mnt / "imgs"
+        files = sorted(p.relative_to(src) for p in src.rglob("*.jpg"))
+        assert files and sorted(p.relative_to(staged) for p in staged.rglob("*.jpg")) == files
+        assert all((staged / f).read_bytes() == (src / f).read_bytes() for f in files)
+        assert (staged / ".stage-complete").exists() and not (mnt / ".staging-imgs").exists()
+        assert f"tmpfs  {mnt}  tmpfs  size=16m,mode=1777  0  0" in out.stdout
+        assert f"dataset.root={staged}" in out.stdout
+
+        again = subprocess.run([script, str(src), str(mnt), "16m"], capture_output=True, text=True)
+        assert again.returncode == 0 and "already mounted, reusing it" in again.stdout
+        assert "complete earlier staging found" in again.stdout
+
+        big = tmp_path / "big"
+        (big / "a").mkdir(parents=True)
+        (big / "a" / "blob.bin").write_bytes(os.urandom(3 * 2**20))
+        small = tmp_path / "small"
+        refused = subprocess.run(
+            [script, str(big), str(small), "1m"], capture_output=True, text=True
+        )
+        assert refused.returncode == 1 and "remount bigger" in refused.stderr
+        assert not (small / "big").exists()
+    finally:
+        for m in (tmp_path / "ram", tmp_path / "small"):
+            subprocess.run(["umount", str(m)], capture_output=True)
+
+
 def test_two_ranks_stage_once_per_node(tmp_path):
     root = make_image_folder(tmp_path / "data")
     record, target = tmp_path / "staged-by.txt", tmp_path / "shm"
