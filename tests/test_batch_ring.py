@@ -145,3 +145,22 @@ def test_short_dev_shm_falls_back_to_torchs_path_with_a_warning(folder, monkeypa
     assert loader.batch_ring is None
     assert "reuse_batch_memory" in caplog.text and "--shm-size" in caplog.text
     assert len(run_epoch(loader, 0)) == 6
+
+
+@pytest.mark.cuda
+def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
+    """With pin_memory the slot is copied into pinned memory (the pin thread's copy) and is
+    free again before the consumer sees the batch."""
+    loader = build(folder, "loader.pin_memory=true")
+    ring = loader.batch_ring
+    assert ring.slots == loader.prefetch_factor + 1
+    loader.set_epoch(0)
+    got = []
+    for b in loader._host_batches():
+        x = b["image"]
+        assert x.is_pinned()
+        assert all(x.untyped_storage().data_ptr() != s.data_ptr() for s in ring.storages)
+        assert int((ring.state == ring_mod.CONSUMER).sum()) == 0
+        got.append((x.clone(), b["target"]))
+    assert_same(got, reference[0])
+    assert ring.stats() == {"ring_hits": len(reference[0]), "ring_misses": 0}

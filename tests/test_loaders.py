@@ -500,3 +500,14 @@ def test_benchmark_cli_smoke(tiny_folder, tmp_path, capsys):
     rows = json.loads(out.read_text())["results"]
     assert [r["strategy"] for r in rows] == ["baseline", "prefetch+bg"]
     assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_share"] <= 1 for r in rows)
+
+
+def test_fault_stream_falls_back_to_the_real_stderr(monkeypatch):
+    """Jupyter's and pytest's sys.stderr have no file descriptor; faulthandler (the stall
+    watchdog's stack dumps, registered in every worker) needs one."""
+    import io
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert baseline_mod.fault_stream() is sys.__stderr__
+    monkeypatch.setattr(sys, "__stderr__", None)
+    assert baseline_mod.fault_stream() is None

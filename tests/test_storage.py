@@ -633,3 +633,26 @@ def test_truncated_or_corrupt_coco_shard_is_named(tmp_path):
     shard.write_bytes(bytes(blob[:-10]))
     with pytest.raises(StorageError, match="shard-00000.bin is truncated.*first damaged record: 2"):
         open_pack("shards", out, "train2017")
+
+
+def test_storage_benchmark_cli_smoke(tmp_path, capsys):
+    from fastload.bench.__main__ import main
+
+    root = make_image_folder(tmp_path / "d", per_split=(6, 1))
+    out = tmp_path / "storage.json"
+    argv = ["storage", "--root", str(root), "--stores", "disk,shards-raw", "--repeats", "1"]
+    argv += ["--batch-size", "4", "--crop", "16", "--workers", "2", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "shards-raw" in text and "vs FFCV raw" in text and "reference figure" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["storage"], r["cache"]) for r in rows] == [
+        ("disk", "warm"),
+        ("disk", "cold"),
+        ("shards-raw", "warm"),
+        ("shards-raw", "cold"),
+    ]
+    assert all(r["epoch_img_s"] > 0 and r["images"] == 18 for r in rows)
+    # every batch went through the reused slots, none through a fresh segment
+    assert all(r["ring_hits"] == 2 * 5 and r["ring_misses"] == 0 for r in rows)
+    assert (tmp_path / "d.packs" / "shards-raw-256px" / "train" / "meta.json").is_file()

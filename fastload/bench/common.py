@@ -86,3 +86,46 @@ def write_json(path: str | os.PathLike, suite: str, params: dict, rows: list[dic
     payload = {"suite": suite, "machine": machine(), "params": params, "results": rows}
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     return path
+
+
+def product_loader(
+    storage, backend, transform, *, batch_size: int, workers: int, persistent: bool, reuse=True
+):
+    """loader=baseline as training builds it (conf defaults: reused batch slots included) on
+    the CPU; benchmarks time its host stage (`host_epoch`): read, decode, augment, collate."""
+    from fastload.data.dataset import ImageDataset, Normalize
+    from fastload.data.sampling import EpochSampler
+    from fastload.loaders.baseline import BaselineLoader
+
+    data = ImageDataset(storage, backend, transform, seed=0)
+    sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
+    return BaselineLoader(
+        data,
+        sampler,
+        batch_size=batch_size,
+        device=torch.device("cpu"),
+        normalize=Normalize((0.5,) * 3, (0.25,) * 3),
+        num_workers=workers,
+        persistent_workers=persistent,
+        reuse_batch_memory=reuse,
+        drop_last=False,
+    )
+
+
+def host_epoch(loader, epoch: int) -> dict:
+    """One epoch of a loader's host stage: images/s over the whole epoch and from its first
+    batch on (steady: leaves out start-up and the first batch)."""
+    import time
+
+    loader.set_epoch(epoch)
+    t0 = time.perf_counter()
+    t_first, n, n_first = None, 0, 0
+    for batch in loader._host_batches():
+        n += len(batch["target"])
+        if t_first is None:
+            t_first, n_first = time.perf_counter(), n
+    t1 = time.perf_counter()
+    return {
+        "epoch_img_s": n / (t1 - t0),
+        "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
+    }

@@ -34,9 +34,13 @@ from pathlib import Path
 
 import torch
 
-from fastload.bench.common import default_dataset, format_table, write_json
-from fastload.data.dataset import ImageDataset
-from fastload.data.sampling import EpochSampler
+from fastload.bench.common import (
+    default_dataset,
+    format_table,
+    host_epoch,
+    product_loader,
+    write_json,
+)
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.loaders.baseline import usable_cores
 from fastload.storage.base import du_bytes, fs_type
@@ -96,25 +100,14 @@ def make_backend(name: str):
 
 
 def make_loader(storage, args, persistent: bool):
-    """The product's loader (conf/loader/baseline.yaml defaults, reused batch slots
-    included) over the store; only its host stage is timed: read, decode, crop, collate."""
-    from fastload.data.dataset import Normalize
-    from fastload.loaders.baseline import BaselineLoader
-
-    data = ImageDataset(
-        storage, make_backend(args.backend), RandomResizedCropFlip(args.crop), seed=0
-    )
-    sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
-    return BaselineLoader(
-        data,
-        sampler,
+    return product_loader(
+        storage,
+        make_backend(args.backend),
+        RandomResizedCropFlip(args.crop),
         batch_size=args.batch_size,
-        device=torch.device("cpu"),
-        normalize=Normalize((0.5,) * 3, (0.25,) * 3),
-        num_workers=args.workers,
-        persistent_workers=persistent,
-        reuse_batch_memory=not args.no_reuse,
-        drop_last=False,
+        workers=args.workers,
+        persistent=persistent,
+        reuse=not args.no_reuse,
     )
 
 
@@ -123,20 +116,8 @@ def one_pass(storage, loader, cold: bool, epoch: int) -> dict:
         storage.before_epoch()  # evicts (cold_cache=True) and resets the read counters
     else:
         storage._stats.zero_()
-    loader.set_epoch(epoch)
-    t0 = time.perf_counter()
-    t_first, n, n_first = None, 0, 0
-    for batch in loader._host_batches():
-        n += len(batch["target"])
-        if t_first is None:
-            t_first, n_first = time.perf_counter(), n
-    t1 = time.perf_counter()
-    stats = storage.epoch_stats()
-    return {
-        "epoch_img_s": n / (t1 - t0),
-        "steady_img_s": (n - n_first) / (t1 - t_first) if t1 > t_first else None,
-        "read_mb_s": stats["read_mb_per_s"],
-    }
+    rates = host_epoch(loader, epoch)
+    return {**rates, "read_mb_s": storage.epoch_stats()["read_mb_per_s"]}
 
 
 def ffcv_rates(args, root: Path) -> list[dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import io
 import logging
 import os
 import random
@@ -65,6 +66,19 @@ def accelerator_available() -> bool:
     return acc.is_available() if acc is not None else torch.cuda.is_available()
 
 
+def fault_stream():
+    """Where faulthandler can write: sys.stderr when it has a file descriptor, else the
+    process's real stderr (in Jupyter or under pytest's capture sys.stderr has none, and
+    faulthandler refuses such a stream); None when neither has one."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            continue
+    return None
+
+
 def worker_init(worker_id: int) -> None:
     # Global RNGs are seeded per worker, rank and epoch by WorkerSeeding (below), at the first
     # sample of each epoch, which also covers persistent workers.
@@ -77,8 +91,9 @@ def worker_init(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The stall watchdog sends SIGUSR1 to a stuck worker: it prints its own Python stacks
     # (from C, so it works even while the worker is blocked in a read or a decoder).
-    if hasattr(faulthandler, "register") and hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    stream = fault_stream()
+    if hasattr(faulthandler, "register") and hasattr(signal, "SIGUSR1") and stream is not None:
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
 
 
 def worker_seed(seed: int, rank: int, epoch: int, worker_id: int) -> int:
@@ -291,9 +306,11 @@ class BaselineLoader:
         try:
             while True:
                 try:
-                    if self.timeout and not self.num_workers:
+                    if self.timeout and not self.num_workers and fault_stream() is not None:
                         # No worker to time out: at least dump the stacks if one batch hangs.
-                        faulthandler.dump_traceback_later(self.timeout, exit=False)
+                        faulthandler.dump_traceback_later(
+                            self.timeout, exit=False, file=fault_stream()
+                        )
                     batch = next(it)
                 except StopIteration:
                     if ring is not None:
