@@ -64,7 +64,7 @@ def run_epoch(loader, epoch, clone=False):
 def reference(folder):
     """torch's own path (a new shared segment per batch), epochs 0-2, cloned."""
     loader = build(folder, "loader.reuse_batch_memory=false")
-    assert loader.batch_ring is None
+    assert loader._ring_spec is None
     return [run_epoch(loader, e, clone=True) for e in range(3)]
 
 
@@ -80,27 +80,36 @@ def test_ring_batches_equal_torchs_path(folder, reference, context):
     loader.dataloader.multiprocessing_context = context
     for e in range(2):
         assert_same(run_epoch(loader, e, clone=True), reference[e])
-    stats = loader.batch_ring.stats()
+    stats = loader.ring_stats()
     assert stats["ring_hits"] == 2 * len(reference[0]) and stats["ring_misses"] == 0
+    assert loader.batch_ring is None  # non-persistent workers: the slots go with them
 
 
 def test_kept_batches_are_never_overwritten(folder, reference):
-    loader = build(folder)
-    ring = loader.batch_ring
-    slots = ring.num_workers * ring.slots
+    loader = build(folder, "loader.persistent_workers=true")  # one set of slots throughout
     held = run_epoch(loader, 0)  # 12 batches kept: more than the 8 slots
-    assert len(held) > slots
+    ring = loader.batch_ring
+    assert len(held) > ring.num_workers * ring.slots
     assert any(
         x.untyped_storage().data_ptr() == s.data_ptr() for x, _ in held for s in ring.storages
     )
-    first = ring.stats()
-    assert first["ring_misses"] > 0  # full slots fell back to fresh segments
+    assert ring.stats()["ring_misses"] > 0  # full slots fell back to fresh segments
     run_epoch(loader, 1)  # workers run on while every slot is held
     assert_same(held, reference[0])
     del held
     before = ring.stats()["ring_hits"]
     assert_same(run_epoch(loader, 2, clone=True), reference[2])
     assert ring.stats()["ring_hits"] - before == len(reference[2])  # slots came back
+    loader.close()
+
+
+def test_batches_kept_past_the_epoch_outlive_its_slots(folder, reference):
+    """Non-persistent workers: the slots are dropped after each epoch, the batches are not."""
+    loader = build(folder)
+    held = run_epoch(loader, 0)
+    assert loader.batch_ring is None
+    run_epoch(loader, 1)
+    assert_same(held, reference[0])
 
 
 def test_a_numpy_view_of_one_image_keeps_its_slot(folder, reference):
@@ -140,11 +149,11 @@ def test_without_storage_use_counts_the_consumer_gets_a_private_copy(monkeypatch
 
 def test_short_dev_shm_falls_back_to_torchs_path_with_a_warning(folder, monkeypatch, caplog):
     monkeypatch.setattr(baseline_mod, "shm_bytes", lambda: (64 * 2**20, 64 * 2**10))
+    loader = build(folder, batch_size=4)
     with caplog.at_level(logging.WARNING, logger="fastload"):
-        loader = build(folder, batch_size=4)
-    assert loader.batch_ring is None
+        assert len(run_epoch(loader, 0)) == 6
+    assert loader.batch_ring is None and loader.ring_stats()["ring_hits"] == 0
     assert "reuse_batch_memory" in caplog.text and "--shm-size" in caplog.text
-    assert len(run_epoch(loader, 0)) == 6
 
 
 @pytest.mark.cuda
@@ -152,15 +161,15 @@ def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
     """With pin_memory the slot is copied into pinned memory (the pin thread's copy) and is
     free again before the consumer sees the batch."""
     loader = build(folder, "loader.pin_memory=true")
-    ring = loader.batch_ring
-    assert ring.slots == loader.prefetch_factor + 1
     loader.set_epoch(0)
     got = []
     for b in loader._host_batches():
+        ring = loader.batch_ring
+        assert ring.slots == loader.prefetch_factor + 1
         x = b["image"]
         assert x.is_pinned()
         assert all(x.untyped_storage().data_ptr() != s.data_ptr() for s in ring.storages)
         assert int((ring.state == ring_mod.CONSUMER).sum()) == 0
         got.append((x.clone(), b["target"]))
     assert_same(got, reference[0])
-    assert ring.stats() == {"ring_hits": len(reference[0]), "ring_misses": 0}
+    assert loader.ring_stats() == {"ring_hits": len(reference[0]), "ring_misses": 0}

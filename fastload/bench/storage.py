@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 one_pass(storage, loader, cold=mode == "cold", epoch=1 + r)
                 for r in range(args.repeats)
             ]
-            ring = loader.batch_ring.stats() if loader.batch_ring is not None else {}
+            ring = loader.ring_stats()
             loader.close()  # stops persistent workers
             row = {
                 "storage": name,

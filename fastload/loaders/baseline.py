@@ -232,11 +232,14 @@ class BaselineLoader:
         self._checked_first_batch = False
         workers = self.num_workers > 0
         self.prefetch_factor = (prefetch_factor or 2) if workers else 0
+        # Reused batch slots: sized now, allocated at the first epoch (a loader never iterated
+        # costs nothing) and, with non-persistent workers, released after each epoch (the
+        # eval loader's slots do not sit in /dev/shm while training runs).
         self.batch_ring = None
+        self._ring_spec = None
+        self._ring_totals = {"ring_hits": 0, "ring_misses": 0}
         if workers and reuse_batch_memory and collate_fn is None:
-            self.batch_ring = self._make_ring(dataset, batch_size, normalize_on)
-        if self.batch_ring is not None:
-            collate_fn = functools.partial(collate, ring=self.batch_ring)
+            self._ring_spec = self._ring_size(dataset, batch_size, normalize_on)
         self.dataloader = DataLoader(
             WorkerSeeding(dataset, seed, rank),
             batch_size=batch_size,
@@ -262,32 +265,55 @@ class BaselineLoader:
                 SHM_FIX,
             )
 
-    def _make_ring(self, dataset, batch_size: int, normalize_on: str) -> BatchRing | None:
-        """Reused shared-memory batch slots (fastload/data/batch_ring.py), sized from the
-        transform's output (size x size x 3, uint8; float32 when normalising on the CPU):
-        per worker, prefetch_factor + 1 (the most one worker has in flight) plus, unless
-        pinning (which copies each slot out at once), its share of the batches the stages
-        and the consumer hold (more held batches fall back to fresh segments). None when the
-        sample size is unknown, decode is deferred to the device, or /dev/shm is short."""
+    def _ring_size(self, dataset, batch_size: int, normalize_on: str) -> tuple[int, int] | None:
+        """(slots per worker, bytes per slot) of the reused batch slots
+        (fastload/data/batch_ring.py), from the transform's output (size x size x 3, uint8;
+        float32 when normalising on the CPU): prefetch_factor + 1 per worker (the most one
+        worker has in flight) plus, unless pinning (which copies each slot out at once), its
+        share of the batches the stages and the consumer hold (more held batches fall back
+        to fresh segments). None when the sample size is unknown or decode is deferred."""
         size = getattr(getattr(dataset, "transform", None), "size", None)
         if not isinstance(size, int) or self.device_prep.decoder is not None:
             return None
         itemsize = 4 if normalize_on == "cpu" else 1
         held = 0 if self.pin_memory else -(-(self.stage_batches + 1) // self.num_workers)
-        slots = self.prefetch_factor + 1 + held
-        nbytes = self.num_workers * slots * batch_size * 3 * size * size * itemsize
+        return self.prefetch_factor + 1 + held, batch_size * 3 * size * size * itemsize
+
+    def _open_ring(self) -> BatchRing | None:
+        """The epoch's batch slots (allocated if needed, before the workers start), wired
+        into the DataLoader's collate; None when off or /dev/shm has no room for them."""
+        if self._ring_spec is None or self.batch_ring is not None:
+            return self.batch_ring
+        slots, slot_bytes = self._ring_spec
+        nbytes = self.num_workers * slots * slot_bytes
         shm = shm_bytes()
         if shm is not None and nbytes > shm[1] // 2:
             log.warning(
                 "loader.reuse_batch_memory: %d MB of batch slots would take more than half of "
-                "the %d MB free in %s; falling back to a new shared segment per batch. %s",
+                "the %d MB free in %s; this epoch falls back to a new shared segment per "
+                "batch. %s",
                 nbytes // MB,
                 shm[1] // MB,
                 SHM,
                 SHM_FIX,
             )
             return None
-        return BatchRing(self.num_workers, slots, nbytes // (self.num_workers * slots))
+        self.batch_ring = BatchRing(self.num_workers, slots, slot_bytes)
+        self.dataloader.collate_fn = functools.partial(collate, ring=self.batch_ring)
+        return self.batch_ring
+
+    def _close_ring(self) -> None:
+        """Drop the slots (batches the consumer still holds keep their own slot alive)."""
+        ring, self.batch_ring = self.batch_ring, None
+        if ring is not None:
+            for k, v in ring.stats().items():
+                self._ring_totals[k] += v
+            self.dataloader.collate_fn = collate
+
+    def ring_stats(self) -> dict:
+        """Batches stacked into a reused slot (hits) or a fresh segment (misses), all epochs."""
+        now = self.batch_ring.stats() if self.batch_ring is not None else {}
+        return {k: v + now.get(k, 0) for k, v in self._ring_totals.items()}
 
     # -- the stages ----------------------------------------------------------------------
 
@@ -299,7 +325,7 @@ class BaselineLoader:
 
     def _host_batches(self):
         """Collated CPU batches from the DataLoader, with the stall watchdog."""
-        ring = self.batch_ring
+        ring = self._open_ring()
         if ring is not None:
             ring.reset()  # before the iterator exists: no batch of this epoch is in flight
         it = iter(self.dataloader)
@@ -332,6 +358,7 @@ class BaselineLoader:
         finally:
             if not self.dataloader.persistent_workers:
                 shutdown_workers(it)
+                self._close_ring()
 
     def _device_batches(self, host_batches):
         for batch in host_batches:
@@ -352,6 +379,7 @@ class BaselineLoader:
         if it is not None:
             shutdown_workers(it)
             self.dataloader._iterator = None
+        self._close_ring()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.sampler.set_epoch(epoch, skip=skip_batches * self.dataloader.batch_size)
