@@ -156,6 +156,23 @@ def test_short_dev_shm_falls_back_to_torchs_path_with_a_warning(folder, monkeypa
     assert "reuse_batch_memory" in caplog.text and "--shm-size" in caplog.text
 
 
+def test_torchs_pin_thread_resolves_ring_slots_through_their_hook():
+    """With pin_memory the DataLoader's own pin thread copies each slot out (RingSlot's
+    pin_memory hook), off the training thread, as it pinned every batch before."""
+    import gc
+
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    ring = ring_mod.BatchRing(num_workers=1, slots=2, slot_bytes=64)
+    ref = ring_mod.RingSlot(0, 1, (4, 4), (4, 1), torch.uint8, ring.token)
+    ring.resolve = lambda r, pin_memory: ("copied", r, pin_memory)  # pinning needs a GPU
+    batch = pin_memory({"image": ref, "target": [1, 2]})
+    assert batch["image"] == ("copied", ref, True)
+    del ring, batch
+    gc.collect()
+    assert ref.pin_memory() is ref  # its ring is gone: nothing to resolve against
+
+
 @pytest.mark.cuda
 def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
     """With pin_memory the slot is copied into pinned memory (the pin thread's copy) and is

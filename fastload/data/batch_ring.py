@@ -15,8 +15,10 @@ and a shared state table. Each slot is owned by one side at a time:
                         batch into it and returns a `RingSlot` (worker, slot, shape,
                         strides) instead of the pixels;
     WORKER -> CONSUMER  the loader's host stage (`resolve_batch`) turns the RingSlot into a
-                        tensor viewing the slot (zero copy), or, when pinning, copies it into
-                        pinned memory (the pin-memory thread's copy) and frees it at once;
+                        tensor viewing the slot (zero copy); when pinning, the DataLoader's
+                        pin-memory thread does it instead (`RingSlot.pin_memory`, the hook
+                        torch's pinning calls): it copies the slot into pinned memory, the
+                        copy it made of every batch anyway, and frees the slot at once;
     CONSUMER -> FREE    `reclaim` (at every resolve) frees the slots whose storage nobody
                         else references any more (the storage's use count is back to the
                         ring's own reference: every tensor, view and numpy array of the
@@ -38,7 +40,9 @@ decrement) and then stored FREE.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import weakref
 
 import numpy as np
 import torch
@@ -48,6 +52,9 @@ log = logging.getLogger("fastload")
 
 FREE, WORKER, CONSUMER = 0, 1, 2
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
+# The rings of this (main) process by token, for RingSlot.pin_memory in the pin thread.
+_RINGS: dict[int, weakref.ref] = {}
+_TOKENS = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,14 @@ class RingSlot:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    ring: int = -1  # the BatchRing's token
+
+    def pin_memory(self, device=None):
+        """Called by the DataLoader's pin-memory thread: the slot copied into pinned memory
+        (and freed), or this RingSlot unchanged when its ring is gone."""
+        ref = _RINGS.get(self.ring)
+        ring = ref() if ref is not None else None
+        return self if ring is None else ring.resolve(self, pin_memory=True)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -82,6 +97,9 @@ class BatchRing:
         # Per worker: batches stacked into a slot (hits) and into a fresh segment (misses).
         self.counters = torch.zeros(self.num_workers, 2, dtype=torch.int64).share_memory_()
         self._state_np = self._counters_np = None
+        self.token = next(_TOKENS)
+        _RINGS[self.token] = weakref.ref(self)
+        weakref.finalize(self, _RINGS.pop, self.token, None)
 
     @property
     def nbytes(self) -> int:
@@ -121,7 +139,7 @@ class BatchRing:
         counters[info.id, 0] += 1
         stride = torch.empty(shape, dtype=torch.uint8, device="meta").stride()
         tensor = self._tensor(info.id, slot, shape, stride, dtype)
-        return tensor, RingSlot(info.id, slot, shape, stride, dtype)
+        return tensor, RingSlot(info.id, slot, shape, stride, dtype, self.token)
 
     # -- main-process side ---------------------------------------------------------------
 
