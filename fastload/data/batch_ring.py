@@ -27,7 +27,8 @@ and a shared state table. Each slot is owned by one side at a time:
 A worker that finds no free slot (more batches in flight or held than slots, or a batch
 larger than a slot, e.g. a CPU-normalised float batch) stacks into a fresh segment as
 torch does, counted as a miss: correctness never depends on the slot count. `reset()`
-(before each epoch's iterator exists) frees WORKER slots that an abandoned epoch left behind;
+(before each epoch's iterator exists, and after it is exhausted) frees WORKER slots that an
+abandoned epoch left behind;
 CONSUMER slots stay until their batches are dropped. Without torch's storage use count
 (`torch._C._storage_Use_Count`, private) the consumer gets a private copy and the slot is
 freed at once.
@@ -41,14 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import weakref
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
-
-log = logging.getLogger("fastload")
 
 FREE, WORKER, CONSUMER = 0, 1, 2
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
