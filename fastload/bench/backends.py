@@ -19,16 +19,20 @@ The default dataset is the synthetic ImageNet-style set (1,250 photo-like JPEGs,
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fastload.bench.common import default_dataset, format_table, machine, write_json
+from fastload.bench.common import (
+    default_dataset,
+    format_table,
+    machine,
+    run_ffcv,
+    write_json,
+)
 from fastload.loaders.baseline import usable_cores
 
 # name -> (import path, kwargs); those that cannot start here are reported and skipped.
@@ -181,17 +185,6 @@ def nvjpeg_rate(datas: list[bytes], batch_size: int = 64) -> float | None:
     return len(tensors) / (time.perf_counter() - t0)
 
 
-def ffcv_rate(python: str, root: Path, size: int, workers: int) -> dict:
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_ffcv.py"
-    cmd = [python, str(script), "--root", str(root), "--size", str(size)]
-    out = subprocess.run(
-        cmd + ["--workers", str(workers)], capture_output=True, text=True, timeout=900
-    )
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m fastload.bench backends", description=__doc__)
     p.add_argument("--root", help="dataset root (default: the synthetic default set)")
@@ -269,7 +262,7 @@ def main(argv: list[str]) -> int:
             rate = fastload_loader_rate(root, best_backend, args.size, w)
             row(f"fastload DataLoader, backend={best_name}", "loader", None, rate)
     if args.ffcv_python:
-        res = ffcv_rate(args.ffcv_python, root, args.size, w)
+        res = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
         row("ffcv JPEG: RRC decoder + flip", "loader", None, res.get("images_per_s"), ffcv=res)
 
     ref = next((r for r in rows if r["pipeline"].startswith("textbook")), None)

@@ -129,3 +129,17 @@ def host_epoch(loader, epoch: int) -> dict:
         "epoch_img_s": n / (t1 - t0),
         "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
     }
+
+
+def run_ffcv(
+    python: str, root: Path, size: int, workers: int, *options: str, timeout: float = 1800
+) -> dict:
+    """scripts/bench_ffcv.py in the environment of `python` (one with ffcv) on ROOT/train:
+    its JSON result, or {"error": last line of its output} when it fails."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_ffcv.py"
+    cmd = [python, str(script), "--root", str(root), "--size", str(size)]
+    cmd += ["--workers", str(workers), *options]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])

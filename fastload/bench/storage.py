@@ -25,10 +25,8 @@ summed over workers (what one reader saw; tells a cold pass from a warm one).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from fastload.bench.common import (
     format_table,
     host_epoch,
     product_loader,
+    run_ffcv,
     write_json,
 )
 from fastload.data.transforms import RandomResizedCropFlip
@@ -123,38 +122,24 @@ def one_pass(storage, loader, cold: bool, epoch: int) -> dict:
 def ffcv_rates(args, root: Path) -> list[dict]:
     """FFCV on the same files in the same run (scripts/bench_ffcv.py in --ffcv-python's env):
     raw pixels at the shards-raw size, and full-size JPEG; whole epochs after the JIT one."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_ffcv.py"
     cache = Path(f"{root}.packs")
+    cache.mkdir(parents=True, exist_ok=True)
     rows = []
     for mode, res, name in (
         ("raw", args.raw_size, f"ffcv-raw-{args.raw_size}"),
         ("jpg", 512, "ffcv-jpeg-full"),
     ):
-        cmd = [
+        res_json = run_ffcv(
             args.ffcv_python,
-            str(script),
-            "--root",
-            str(root),
-            "--size",
-            str(args.crop),
-            "--workers",
-            str(args.workers),
-            "--epochs",
-            str(1 + args.repeats),
-            "--write-mode",
-            mode,
-            "--max-resolution",
-            str(res),
-            "--beton",
-            str(cache / f"{name}.beton"),
-        ]
-        cache.mkdir(parents=True, exist_ok=True)
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if out.returncode != 0:
-            tail = (out.stderr or out.stdout).strip().splitlines()[-1:]
-            print(f"{name}: failed: {tail}", flush=True)
+            root,
+            args.crop,
+            args.workers,
+            *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+            *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
+        )
+        if "error" in res_json:
+            print(f"{name}: failed: {res_json['error']}", flush=True)
             continue
-        res_json = json.loads(out.stdout.strip().splitlines()[-1])
         rates = res_json["epochs_images_per_s"]
         row = {
             "storage": name,
