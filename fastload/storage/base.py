@@ -164,6 +164,26 @@ class PackedStore(StoreBase):
     def targets(self) -> np.ndarray:
         return self._targets
 
+    @staticmethod
+    def pack_missing(fmt: str, root, pack_root: Path, splits, marker: str, **options) -> None:
+        """The engine's `prepare` with auto_pack: pack each split of ROOT whose pack under
+        pack_root lacks `marker` (the file a pack writes last), with `python -m fastload.pack
+        <fmt>`'s options."""
+        from fastload.pack import pack_split
+
+        for split in dict.fromkeys(splits):
+            if (pack_root / split / marker).is_file():
+                continue
+            t0 = time.perf_counter()
+            pack_split(fmt, Path(root) / split, pack_root / split, **options)
+            log.info(
+                "packed %s/%s into %s in %.1f s",
+                root,
+                split,
+                pack_root / split,
+                time.perf_counter() - t0,
+            )
+
 
 def dir_files(root: str | os.PathLike) -> list[str]:
     """Every regular file under root (for eviction)."""

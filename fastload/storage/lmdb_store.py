@@ -315,20 +315,7 @@ class LmdbStorage(PackedStore):
     def prepare(cls, *, root, splits, path=None, max_side=None, quality=90, auto_pack=True, **_):
         if not auto_pack:
             return
-        from fastload.pack import pack_split
-
         pack_root = Path(path or default_path(root, max_side, quality))
-        for split in dict.fromkeys(splits):
-            if (pack_root / split / "data.mdb").is_file():
-                continue
-            t0 = time.perf_counter()
-            pack_split(
-                "lmdb", Path(root) / split, pack_root / split, max_side=max_side, quality=quality
-            )
-            log.info(
-                "packed %s/%s into %s in %.1f s",
-                root,
-                split,
-                pack_root / split,
-                time.perf_counter() - t0,
-            )
+        cls.pack_missing(
+            "lmdb", root, pack_root, splits, "data.mdb", max_side=max_side, quality=quality
+        )

@@ -442,30 +442,19 @@ class ShardStorage(PackedStore):
         """Once per node before training: pack the missing splits (auto_pack) or refuse."""
         if not auto_pack:
             return
-        from fastload.pack import pack_split
-
         pack_root = Path(path or default_path(root, kind, max_side, quality, size))
-        for split in dict.fromkeys(splits):
-            if (pack_root / split / "meta.json").is_file():
-                continue
-            t0 = time.perf_counter()
-            pack_split(
-                "shards",
-                Path(root) / split,
-                pack_root / split,
-                kind=kind,
-                max_side=max_side,
-                quality=quality,
-                size=size,
-                shard_mb=shard_mb,
-            )
-            log.info(
-                "packed %s/%s into %s in %.1f s",
-                root,
-                split,
-                pack_root / split,
-                time.perf_counter() - t0,
-            )
+        cls.pack_missing(
+            "shards",
+            root,
+            pack_root,
+            splits,
+            "meta.json",
+            kind=kind,
+            max_side=max_side,
+            quality=quality,
+            size=size,
+            shard_mb=shard_mb,
+        )
 
 
 def verify_pack(split_dir) -> list[str]:
