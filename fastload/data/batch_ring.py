@@ -74,10 +74,6 @@ class RingSlot:
         return self if ring is None else ring.resolve(self, pin_memory=True)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
-
-
 class BatchRing:
     def __init__(self, num_workers: int, slots: int, slot_bytes: int):
         if num_workers < 1 or slots < 1 or slot_bytes < 1:
@@ -129,7 +125,7 @@ class BatchRing:
         state, counters = self._views()
         shape = tuple(int(d) for d in shape)
         free = np.flatnonzero(state[info.id] == FREE)
-        if int(np.prod(shape)) * _itemsize(dtype) > self.slot_bytes or not len(free):
+        if int(np.prod(shape)) * dtype.itemsize > self.slot_bytes or not len(free):
             counters[info.id, 1] += 1
             return None
         slot = int(free[0])

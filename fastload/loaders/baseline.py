@@ -332,11 +332,13 @@ class BaselineLoader:
         try:
             while True:
                 try:
-                    if self.timeout and not self.num_workers and fault_stream() is not None:
+                    if (
+                        self.timeout
+                        and not self.num_workers
+                        and (stream := fault_stream()) is not None
+                    ):
                         # No worker to time out: at least dump the stacks if one batch hangs.
-                        faulthandler.dump_traceback_later(
-                            self.timeout, exit=False, file=fault_stream()
-                        )
+                        faulthandler.dump_traceback_later(self.timeout, exit=False, file=stream)
                     batch = next(it)
                 except StopIteration:
                     if ring is not None:
