@@ -77,19 +77,19 @@ RUN python3 -m venv /opt/venv \
 #    project with empty stub packages pulls every dependency; step 4 puts the real code in.
 WORKDIR /app
 COPY pyproject.toml ./
-RUN mkdir -p fastload models \
-    && touch fastload/__init__.py models/__init__.py \
+RUN mkdir -p fastload \
+    && touch fastload/__init__.py \
     && pip install . \
-    && rm -rf fastload models build ./*.egg-info
+    && rm -rf fastload build ./*.egg-info
 
-# 4. The source (what .dockerignore lets through): train.py, conf/, fastload/, models/,
+# 4. The source (what .dockerignore lets through): train.py, conf/, fastload/,
 #    scripts/, ...; installed without touching the dependencies.
 COPY . .
 RUN pip install --no-deps --force-reinstall . \
     && rm -rf build ./*.egg-info docker \
     && mkdir -p /cache /app/outputs \
     && chmod 1777 /cache /app/outputs \
-    && python -c "import fastload, models, torch, torchvision, hydra"
+    && python -c "import fastload.models, torch, torchvision, hydra"
 
 ENV FASTLOAD_CACHE=/cache
 

@@ -44,6 +44,18 @@ def rank0_only(value):
     return value if rank == 0 else None
 
 
+def conf_dir() -> Path:
+    """The conf/ folder that train.py composes: beside the fastload package in a checkout or
+    the Docker image's /app, else ./conf."""
+    for candidate in (Path(__file__).resolve().parents[1] / "conf", Path.cwd() / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "cannot find conf/config.yaml beside the fastload package or in the current folder; "
+        "run from the repository root (where train.py is)."
+    )
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("fastload_run_id"):
         OmegaConf.register_new_resolver("fastload_run_id", run_id, use_cache=True)

@@ -1,5 +1,11 @@
-"""fit / train_one_epoch / evaluate / checkpoint. The loop never knows which loader,
-backend or storage it runs on: it gets them from the config groups through `instantiate`."""
+"""fit / train_one_epoch / evaluate: the training loop, read top to bottom.
+
+    fit = set-up -> data (fastload/pipeline.py) -> state (fastload/train_state.py) -> resume
+          -> epochs (train, evaluate, record, checkpoint)
+
+The loop never knows which loader, backend or storage it runs on, nor which model: it calls
+a step object (`ModelStep` here; the benchmarks pass their own) on each batch.
+"""
 
 from __future__ import annotations
 
@@ -17,15 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist
-from fastload.data.dataset import ImageDataset, Normalize
-from fastload.data.sampling import EpochSampler, ShardSampler
-from fastload.errors import CheckpointError, ConfigError, FastloadError
-from fastload.optim import build_optimizer, warmup_cosine
-from fastload.storage.base import call_hook
+from fastload.errors import ConfigError, FastloadError
+from fastload.pipeline import DataPath, build_data, prepare_data
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
 from fastload.telemetry.timer import StepTimer
+from fastload.train_state import TrainState
 
 log = logging.getLogger("fastload")
 
@@ -97,104 +101,77 @@ def wrap_ddp(model, cfg, ctx):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def build_loaders(cfg, ctx, channels_last: bool, storage_factory):
-    backend = instantiate(cfg.backend)
-    normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
-    loader_factory = instantiate(cfg.loader)
-    common = dict(
-        batch_size=cfg.trainer.batch_size,
-        device=ctx.device,
-        normalize=normalize,
-        channels_last=channels_last,
-        seed=cfg.seed,
-        rank=ctx.rank,
-        local_world_size=ctx.local_world_size,
-    )
-    loaders, storages = [], []
-    for split, key, train in (("train", "train_split", True), ("val", "val_split", False)):
-        storage = storage_factory(root=cfg.dataset.root, split=cfg.dataset[key])
-        storages.append(storage)
-        transform = instantiate(cfg.dataset[f"{split}_transform"])
-        data = ImageDataset(
-            storage, backend, transform, seed=cfg.seed, skip_corrupt=cfg.dataset.skip_corrupt
+class ModelStep:
+    """What the loop does with a batch: one optimisation step (`train`) or one forward pass
+    (`evaluate`) of the configured model, under autocast, DDP and torch.compile as set. Each
+    returns its sums as a device tensor, so no step syncs with the host."""
+
+    def __init__(self, state: TrainState, cfg: DictConfig, ctx, amp):
+        self.state, self.amp, self.device = state, amp, ctx.device
+        self.model = wrap_ddp(state.model, cfg, ctx)
+        if cfg.trainer.compile:
+            self.model = torch.compile(self.model)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    def train(self, x, y) -> torch.Tensor:
+        """[loss sum, correct, count] of one SGD step."""
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            out = self.model(x)
+            loss = self.criterion(out, y)
+        s = self.state
+        s.optimizer.zero_grad(set_to_none=True)
+        s.scaler.scale(loss).backward()
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
+        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
+        correct = (out.argmax(1) == y).sum().double()
+        return torch.stack([loss.detach().double() * len(y), correct, n])
+
+    def after_step(self) -> None:
+        self.state.scheduler.step()  # per iteration, skipped batches included
+
+    @torch.no_grad()
+    def evaluate(self, x, y) -> torch.Tensor:
+        """[loss sum, top-1 correct, top-5 correct, count] of one forward pass."""
+        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            out = self.model(x)
+        loss = self.criterion(out.float(), y)
+        top5 = out.topk(min(5, out.shape[1]), dim=1).indices
+        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
+        top1 = (top5[:, 0] == y).sum().double()
+        return torch.stack(
+            [loss.double() * len(y), top1, (top5 == y[:, None]).any(1).sum().double(), n]
         )
-        if train:
-            sampler = EpochSampler(
-                len(data), rank=ctx.rank, world_size=ctx.world_size, shuffle=True, seed=cfg.seed
-            )
-        else:
-            sampler = ShardSampler(len(data), rank=ctx.rank, world_size=ctx.world_size)
-        loaders.append(loader_factory(data, sampler, train=train, **common))
-    train_loader, val_loader = loaders
-    if len(train_loader) == 0:
-        per_rank = len(train_loader.sampler)
-        raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {per_rank} training "
-            f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
-            f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
-        )
-    return train_loader, val_loader, backend, storages[0]
 
 
-def train_one_epoch(
-    model,
-    loader,
-    optimizer,
-    scheduler,
-    scaler,
-    criterion,
-    ctx,
-    *,
-    epoch,
-    amp,
-    timer,
-    max_steps,
-    first_step,
-    stopper,
-    progress,
-):
-    model.train()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, count
-    skipped = 0
-    counts: dict[str, int] = {}  # the backend's per-sample counters, e.g. decode fallbacks
-    steps = first_step
+def train_one_epoch(step, loader, ctx, *, epoch, first_step, max_steps, stopper, timer, progress):
+    """Steps `first_step` .. `max_steps` of one epoch; returns (steps done, timing, metrics)."""
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, n
+    skipped, counts, steps = 0, {}, first_step
     bar = ProgressBar(total=max_steps, enabled=progress and ctx.is_main, desc=f"epoch {epoch}")
     bar.update(n=first_step) if first_step else None
+    step.train_mode()
     timer.start()
     for batch in timer.iter(loader):
         if steps >= max_steps:
             break
         skipped += batch["skipped"]
-        for k, v in batch.get("counts", {}).items():
+        for k, v in batch.get("counts", {}).items():  # the backend's counters, e.g. fallbacks
             counts[k] = counts.get(k, 0) + v
-        x, y = batch["image"], batch["target"]
-        if x is not None:
-            with torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
-                out = model(x)
-                loss = criterion(out, y)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            # Accumulate on the device: no host sync per step.
-            totals += torch.stack(
-                [
-                    loss.detach().double() * len(y),
-                    (out.argmax(1) == y).sum().double(),
-                    torch.tensor(len(y), dtype=torch.float64, device=ctx.device),
-                ]
-            )
-            timer.add_samples(len(y))
-        scheduler.step()
+        if batch["image"] is not None:
+            totals += step.train(batch["image"], batch["target"])
+            timer.add_samples(len(batch["target"]))
+        step.after_step()
         steps += 1
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
-        # Under DDP the ranks must agree to stop at the same step: a small collective every
-        # 10 steps instead of every step (each one is a host sync on the GPU).
-        if not ctx.distributed or steps % 10 == 0 or steps >= max_steps:
-            agreed = dist.all_reduce([float(stopper.signum or 0)], ctx, op="max")[0]
-            if agreed > 0:
-                stopper.signum = stopper.signum or int(agreed)
-                break
+        if stop_agreed(stopper, ctx, steps, max_steps):
+            break
     bar.close()
     timing = timer.stop()
     keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
@@ -212,26 +189,23 @@ def train_one_epoch(
     )
 
 
-@torch.no_grad()
-def evaluate(model, loader, criterion, ctx, amp) -> dict:
-    model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top1, top5, count
+def stop_agreed(stopper, ctx, steps: int, max_steps: int) -> bool:
+    """Whether every rank stops now. Under DDP the ranks must stop at the same step: a small
+    collective every 10 steps instead of every step (each one is a host sync on the GPU)."""
+    if ctx.distributed and steps % 10 and steps < max_steps:
+        return False
+    agreed = dist.all_reduce([float(stopper.signum or 0)], ctx, op="max")[0]
+    if agreed > 0:
+        stopper.signum = stopper.signum or int(agreed)
+    return agreed > 0
+
+
+def evaluate(step, loader, ctx) -> dict:
+    totals = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top1, top5, n
+    step.eval_mode()
     for batch in loader:
-        x, y = batch["image"], batch["target"]
-        if x is None:
-            continue
-        with torch.autocast(ctx.device.type, dtype=amp, enabled=amp is not None):
-            out = model(x)
-        loss = criterion(out.float(), y)
-        top5 = out.topk(min(5, out.shape[1]), dim=1).indices
-        totals += torch.stack(
-            [
-                loss.double() * len(y),
-                (top5[:, 0] == y).sum().double(),
-                (top5 == y[:, None]).any(1).sum().double(),
-                torch.tensor(len(y), dtype=torch.float64, device=ctx.device),
-            ]
-        )
+        if batch["image"] is not None:
+            totals += step.evaluate(batch["image"], batch["target"])
     loss, top1, top5, n = dist.all_reduce(totals.tolist(), ctx)
     n = max(n, 1)
     return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
@@ -243,16 +217,8 @@ def reduce_timing(timing, resources, ctx) -> dict:
     nan = float("nan")
     gpu = [resources.get("gpu_util_mean"), resources.get("gpu_util_p10")]
     gpu = [nan if v is None else float(v) for v in gpu]
-    s = dist.all_reduce(
-        [
-            timing.data_wait_s,
-            timing.compute_s,
-            timing.samples,
-            *gpu,
-            resources.get("cpu_percent") or 0.0,
-        ],
-        ctx,
-    )
+    cpu = resources.get("cpu_percent") or 0.0
+    s = dist.all_reduce([timing.data_wait_s, timing.compute_s, timing.samples, *gpu, cpu], ctx)
     m = dist.all_reduce([timing.wall_s, resources.get("peak_rss_mb") or 0.0], ctx, op="max")
     w = ctx.world_size
     return {
@@ -268,12 +234,9 @@ def reduce_timing(timing, resources, ctx) -> dict:
     }
 
 
-def storage_stats(storage, ctx) -> dict:
+def storage_stats(reader, ctx) -> dict:
     """Bytes the storage read this epoch (all ranks) and the read bandwidth one reader saw."""
-    stats = getattr(storage, "epoch_stats", None)
-    if stats is None:
-        return {}
-    s = stats()
+    s = reader.epoch_stats()
     nbytes, seconds = dist.all_reduce([s["read_mb"], s["read_s"]], ctx)
     return {
         "read_mb": nbytes,
@@ -282,7 +245,7 @@ def storage_stats(storage, ctx) -> dict:
     }
 
 
-def resolve_resume(cfg, run_dir: Path) -> Path | None:
+def resolve_resume(cfg) -> Path | None:
     if cfg.resume in (None, "", "null"):
         return None
     if cfg.resume == "auto":
@@ -295,14 +258,11 @@ def resolve_resume(cfg, run_dir: Path) -> Path | None:
     return Path(cfg.resume)
 
 
-def check_model_matches(state, cfg, path):
-    want = {"arch": cfg.model.get("arch"), "num_classes": cfg.model.get("num_classes")}
-    have = state.get("model_config", {})
-    if have != want:
-        raise CheckpointError(
-            f"checkpoint {path} was written for model {have}, but this run builds {want}. "
-            f"Resume with the same model= and dataset= as that run, or use resume=null."
-        )
+def resume(state: TrainState, cfg) -> None:
+    path = resolve_resume(cfg)
+    if path is not None:
+        state.load_state_dict(ckpt.load(path), path)
+        log.info("resumed from %s at epoch %d step %d", path, state.epoch, state.step)
 
 
 def check_required(cfg: DictConfig) -> None:
@@ -316,183 +276,55 @@ def check_required(cfg: DictConfig) -> None:
         )
 
 
-def fit(cfg: DictConfig) -> dict:
-    check_required(cfg)
-    ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if ctx.is_main:
-        check_writable(run_dir)
-    torch.manual_seed(cfg.seed)
-    if cfg.dataset.prepare is not None and ctx.is_local_main:
-        instantiate(cfg.dataset.prepare)  # e.g. generate the synthetic set, once per node
-    # A storage may need a once-per-node step too (stage to tmpfs, pack): its optional
-    # `prepare` hook runs on the local main rank while the others wait at the barrier.
-    storage_factory = instantiate(cfg.storage)
-    storage_splits = [cfg.dataset.train_split, cfg.dataset.val_split]
-    if ctx.is_local_main:
-        call_hook(storage_factory, "prepare", root=cfg.dataset.root, splits=storage_splits)
-    dist.barrier(ctx)
-
-    channels_last = (
-        ctx.device.type == "cuda"
-        if cfg.trainer.channels_last == "auto"
-        else bool(cfg.trainer.channels_last)
-    )
-    amp = amp_dtype(cfg.trainer.precision, ctx.device)
-    train_loader, val_loader, backend, train_storage = build_loaders(
-        cfg, ctx, channels_last, storage_factory
-    )
-    steps_per_epoch = len(train_loader)
-    if cfg.trainer.max_steps_per_epoch:
-        steps_per_epoch = min(steps_per_epoch, int(cfg.trainer.max_steps_per_epoch))
-
-    model = instantiate(cfg.model).to(ctx.device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    global_batch = cfg.trainer.batch_size * ctx.world_size
-    lr = cfg.optim.base_lr * global_batch / 256
-    optimizer = build_optimizer(model, instantiate(cfg.optim), lr, ctx.device)
-    total_steps = steps_per_epoch * cfg.trainer.epochs
-    warmup = min(total_steps, int(cfg.optim.warmup_epochs * steps_per_epoch))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(total_steps, max(1, warmup), cfg.optim.min_lr_ratio)
-    )
-    scaler = torch.amp.GradScaler(ctx.device.type, enabled=amp is torch.float16)
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-
-    start_epoch, first_step, best_acc1, history = 0, 0, 0.0, []
-    resume_path = resolve_resume(cfg, run_dir)
-    if resume_path is not None:
-        state = ckpt.load(resume_path)
-        check_model_matches(state, cfg, resume_path)
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise CheckpointError(
-                f"checkpoint {resume_path} does not fit this run: {exc}. Use resume=null."
-            ) from None
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        start_epoch, first_step = state["epoch"], state["step_in_epoch"]
-        best_acc1, history = state["best_acc1"], state["history"]
-        ckpt.set_rng_state(state["rng"])
-        log.info("resumed from %s at epoch %d step %d", resume_path, start_epoch, first_step)
-
-    train_model = wrap_ddp(model, cfg, ctx)
-    if cfg.trainer.compile:
-        train_model = torch.compile(train_model)
-
-    files = sink = None
-    if ctx.is_main:
-        files = MetricsFiles(run_dir)
-        files.rewrite_epochs(history)  # a resumed run's directory carries the whole history
-        sink = instantiate(cfg.logger) if cfg.logger else NullSink()
-        sink.start(config=OmegaConf.to_container(cfg, resolve=True), run_dir=run_dir)
-
-    def save(epoch, step):
-        if not ctx.is_main:
-            return None
-        path = run_dir / "checkpoints" / ckpt.LAST
-        ckpt.save_atomic(
-            {
-                "format": ckpt.FORMAT,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
-                "epoch": epoch,
-                "step_in_epoch": step,
-                "best_acc1": best_acc1,
-                "history": history,
-                "rng": ckpt.rng_state(),
-                "model_config": {
-                    "arch": cfg.model.get("arch"),
-                    "num_classes": cfg.model.get("num_classes"),
-                },
-            },
-            path,
-        )
-        return path
-
-    sampler = ResourceSampler(gpu_index=ctx.device.index if ctx.device.type == "cuda" else None)
-    sampler.start()
-    timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
-    decoder = backend.info()
+def check_writable(run_dir: Path) -> None:
+    probe = run_dir / f".write-test-{os.getpid()}"
     try:
-        with GracefulStop() as stopper:
-            for epoch in range(start_epoch, cfg.trainer.epochs):
-                if first_step == 0:
-                    torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
-                train_loader.set_epoch(epoch, skip_batches=first_step)
-                # Optional storage hook: reset read counters, evict the page cache (cold_cache).
-                getattr(train_storage, "before_epoch", lambda: None)()
-                sampler.reset()
-                steps, timing, train_metrics = train_one_epoch(
-                    train_model,
-                    train_loader,
-                    optimizer,
-                    scheduler,
-                    scaler,
-                    criterion,
-                    ctx,
-                    epoch=epoch,
-                    amp=amp,
-                    timer=timer,
-                    max_steps=steps_per_epoch,
-                    first_step=first_step,
-                    stopper=stopper,
-                    progress=cfg.trainer.progress,
-                )
-                resources = sampler.snapshot()
-                if stopper.signum is not None and steps < steps_per_epoch:
-                    path = save(epoch, steps)
-                    dist.barrier(ctx)
-                    raise TrainingInterrupted(
-                        f"stopped by {signal.Signals(stopper.signum).name} at epoch {epoch} step "
-                        f"{steps}; checkpoint {path or run_dir / 'checkpoints' / ckpt.LAST}. Continue "
-                        f"with the same command plus resume=auto (or resume=<that file>).",
-                        stopper.signum,
-                    )
-                first_step = 0
-                last = epoch + 1 == cfg.trainer.epochs
-                row = {"epoch": epoch, **train_metrics, "lr": optimizer.param_groups[0]["lr"]}
-                if last or (epoch + 1) % cfg.trainer.eval_every == 0:
-                    row.update(evaluate(train_model, val_loader, criterion, ctx, amp))
-                    best_acc1 = max(best_acc1, row["val_acc1"])
-                row.update(reduce_timing(timing, resources, ctx))
-                row.update(world_size=ctx.world_size, **decoder)
-                row.update(storage_stats(train_storage, ctx))
-                history.append(row)
-                if ctx.is_main:
-                    files.append_epoch(row)
-                    sink.log(row, step=epoch)
-                    log.info(
-                        "epoch %d: %s",
-                        epoch,
-                        ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)),
-                    )
-                if last or (epoch + 1) % cfg.trainer.checkpoint_every == 0:
-                    save(epoch + 1, 0)
-                if stopper.signum is not None and not last:
-                    dist.barrier(ctx)
-                    raise TrainingInterrupted(
-                        f"stopped by {signal.Signals(stopper.signum).name} after epoch {epoch}; "
-                        f"continue with the same command plus resume=auto.",
-                        stopper.signum,
-                    )
-    finally:
-        sampler.stop()
-        if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
-            call_hook(storage_factory, "finish", root=cfg.dataset.root, splits=storage_splits)
-    summary = summarize(history, run_dir, best_acc1)
-    if ctx.is_main:
-        summary["wandb_sync"] = sink.finish()
-        summary["wandb_dir"] = getattr(sink, "sync_dir", None)
-        files.write_summary(summary)
-        print(format_summary_table(summary), flush=True)
-    dist.barrier(ctx)
-    return summary
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write to the run directory {run_dir} ({exc.strerror}); set "
+            f"output_root=<a writable folder> (or hydra.run.dir=...)."
+        ) from None
+    if shutil.disk_usage(run_dir).free < 100 * 2**20:
+        log.warning("less than 100 MB free under %s: checkpoints may not fit", run_dir)
+
+
+class RunRecord:
+    """What rank 0 writes: metrics.jsonl, summary.json, checkpoints and the logger sink."""
+
+    def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list):
+        self.ctx, self.run_dir = ctx, run_dir
+        self.files = self.sink = None
+        if ctx.is_main:
+            self.files = MetricsFiles(run_dir)
+            self.files.rewrite_epochs(history)  # a resumed run's directory has the history
+            self.sink = instantiate(cfg.logger) if cfg.logger else NullSink()
+            self.sink.start(config=OmegaConf.to_container(cfg, resolve=True), run_dir=run_dir)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / ckpt.LAST
+
+    def save(self, state: TrainState) -> None:
+        if self.ctx.is_main:
+            ckpt.save_atomic(state.state_dict(), self.checkpoint_path)
+
+    def epoch(self, row: dict) -> None:
+        if self.ctx.is_main:
+            self.files.append_epoch(row)
+            self.sink.log(row, step=row["epoch"])
+            floats = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
+            log.info("epoch %d: %s", row["epoch"], floats)
+
+    def finish(self, state: TrainState) -> dict:
+        summary = summarize(state.history, self.run_dir, state.best_acc1)
+        if self.ctx.is_main:
+            summary["wandb_sync"] = self.sink.finish()
+            summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
+            self.files.write_summary(summary)
+            print(format_summary_table(summary), flush=True)
+        return summary
 
 
 def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
@@ -516,15 +348,96 @@ def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
     }
 
 
-def check_writable(run_dir: Path) -> None:
-    probe = run_dir / f".write-test-{os.getpid()}"
+class Epochs:
+    """The epoch loop of one run: train, evaluate when due, record, checkpoint; a signal
+    stops it with a checkpoint (mid-epoch or after the epoch) and TrainingInterrupted."""
+
+    def __init__(self, cfg, ctx, state: TrainState, step, data: DataPath, record: RunRecord):
+        self.cfg, self.ctx, self.state, self.step = cfg, ctx, state, step
+        self.data, self.record = data, record
+        self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
+        self.decoder = data.backend.info()
+
+    def run(self) -> None:
+        gpu = self.ctx.device.index if self.ctx.device.type == "cuda" else None
+        with GracefulStop() as stopper, ResourceSampler(gpu_index=gpu) as sampler:
+            for epoch in range(self.state.epoch, self.cfg.trainer.epochs):
+                self.one(epoch, stopper, sampler)
+
+    def one(self, epoch: int, stopper, sampler) -> None:
+        cfg, ctx, state, data = self.cfg, self.ctx, self.state, self.data
+        if state.step == 0:
+            torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
+        data.train.set_epoch(epoch, skip_batches=state.step)
+        data.train_reader.before_epoch()  # reset read counters; cold_cache: evict
+        sampler.reset()
+        steps, timing, metrics = train_one_epoch(
+            self.step,
+            data.train,
+            ctx,
+            epoch=epoch,
+            first_step=state.step,
+            max_steps=state.steps_per_epoch,
+            stopper=stopper,
+            timer=self.timer,
+            progress=cfg.trainer.progress,
+        )
+        resources = sampler.snapshot()
+        if stopper.signum is not None and steps < state.steps_per_epoch:
+            state.epoch, state.step = epoch, steps
+            self.stop(stopper, f"at epoch {epoch} step {steps}")
+        state.epoch, state.step = epoch + 1, 0
+        last = epoch + 1 == cfg.trainer.epochs
+        row = {"epoch": epoch, **metrics, "lr": state.optimizer.param_groups[0]["lr"]}
+        if last or (epoch + 1) % cfg.trainer.eval_every == 0:
+            row.update(evaluate(self.step, data.val, ctx))
+            state.best_acc1 = max(state.best_acc1, row["val_acc1"])
+        row.update(reduce_timing(timing, resources, ctx))
+        row.update(world_size=ctx.world_size, **self.decoder)
+        row.update(storage_stats(data.train_reader, ctx))
+        state.history.append(row)
+        self.record.epoch(row)
+        if last or (epoch + 1) % cfg.trainer.checkpoint_every == 0:
+            self.record.save(state)
+        if stopper.signum is not None and not last:
+            self.stop(stopper, f"after epoch {epoch}", saved=True)
+
+    def stop(self, stopper, where: str, saved: bool = False) -> None:
+        if not saved:
+            self.record.save(self.state)
+        dist.barrier(self.ctx)
+        raise TrainingInterrupted(
+            f"stopped by {signal.Signals(stopper.signum).name} {where}; checkpoint "
+            f"{self.record.checkpoint_path}. Continue with the same command plus resume=auto "
+            f"(or resume=<that file>).",
+            stopper.signum,
+        )
+
+
+def fit(cfg: DictConfig) -> dict:
+    check_required(cfg)
+    ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if ctx.is_main:
+        check_writable(run_dir)
+    torch.manual_seed(cfg.seed)
+    storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
+    channels_last = cfg.trainer.channels_last
+    channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+    amp = amp_dtype(cfg.trainer.precision, ctx.device)
+    data = build_data(cfg, ctx, storage, channels_last=channels_last)
+    steps_per_epoch = min(len(data.train), cfg.trainer.max_steps_per_epoch or len(data.train))
+    state = TrainState.create(
+        cfg, ctx.device, ctx.world_size, steps_per_epoch, amp=amp, channels_last=channels_last
+    )
+    resume(state, cfg)
+    record = RunRecord(cfg, ctx, run_dir, state.history)
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot write to the run directory {run_dir} ({exc.strerror}); set "
-            f"output_root=<a writable folder> (or hydra.run.dir=...)."
-        ) from None
-    if shutil.disk_usage(run_dir).free < 100 * 2**20:
-        log.warning("less than 100 MB free under %s: checkpoints may not fit", run_dir)
+        Epochs(cfg, ctx, state, ModelStep(state, cfg, ctx, amp), data, record).run()
+    finally:
+        data.close()
+        if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
+            storage.finish(cfg.dataset.root, [cfg.dataset.train_split, cfg.dataset.val_split])
+    summary = record.finish(state)
+    dist.barrier(ctx)
+    return summary

@@ -73,6 +73,33 @@ def compose_config(overrides: list[str], run_dir: Path | None = None):
     return cfg
 
 
+def build_test_loader(
+    *overrides: str,
+    folder: Path | None = None,
+    split: str = "train",
+    batch_size: int = 4,
+    seed: int = 0,
+    device="cpu",
+    channels_last: bool = False,
+    **kw,
+):
+    """A loader from the real config through the one builder (fastload/pipeline.py): the
+    image folder `folder` with 24 px crops, or a custom `dataset` (kw, with `collate_fn`)."""
+    from fastload.pipeline import build_loader
+
+    base = [f"dataset.root={folder}"] if folder is not None else []
+    base += [
+        "dataset.prepare=null",
+        "dataset.train_transform.size=24",
+        "dataset.val_transform.size=24",
+        "dataset.val_transform.resize=27",
+        f"trainer.batch_size={batch_size}",
+        f"seed={seed}",
+    ]
+    cfg = compose_config([*base, *overrides])
+    return build_loader(cfg, split, device=device, channels_last=channels_last, **kw)
+
+
 def run_train(
     args: list[str], *, env=None, timeout=300, cwd=REPO, **kw
 ) -> subprocess.CompletedProcess:

@@ -6,40 +6,47 @@ from __future__ import annotations
 import os
 import signal
 
-from fastload.storage.disk import DiskStorage
+from fastload.storage.disk import DiskReader, DiskStorage
+from fastload.storage.tmpfs import TmpfsStorage
 
 
-class SigtermAfterReads(DiskStorage):
-    """Disk storage that sends SIGTERM to its own process after `reads` reads of the train
-    split: a preemption at a known step (use with loader.num_workers=0)."""
+class SigtermReader(DiskReader):
+    """Sends SIGTERM to its own process after `reads` reads: a preemption at a known step."""
 
-    def __init__(self, root, split, reads: int, **kw):
-        super().__init__(root, split, **kw)
-        self.left = reads if split == "train" else None
+    def __init__(self, split_dir, reads: int):
+        super().__init__(split_dir)
+        self.left = reads
 
     def read(self, i):
-        if self.left is not None:
-            self.left -= 1
-            if self.left == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+        self.left -= 1
+        if self.left == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
         return super().read(i)
 
 
-class RecordingTmpfs:
-    """storage=tmpfs whose `prepare` hook also appends the calling rank to a file, so a
-    DDP test can count how many processes staged."""
+class SigtermAfterReads(DiskStorage):
+    """storage=disk whose train split sends SIGTERM after `reads` reads (use with
+    loader.num_workers=0)."""
 
-    from fastload.storage.tmpfs import TmpfsStorage as _Base
+    def __init__(self, reads: int, **kw):
+        super().__init__(**kw)
+        self.reads = reads
 
-    def __new__(cls, root, split, record=None, **kw):
-        return cls._Base(root, split, **kw)
+    def open(self, root, split):
+        if split != "train":
+            return super().open(root, split)
+        return SigtermReader(os.path.join(root, split), self.reads)
 
-    @classmethod
-    def prepare(cls, *, record, **kw):
-        with open(record, "a") as f:
+
+class RecordingTmpfs(TmpfsStorage):
+    """storage=tmpfs whose `prepare` also appends the calling rank to a file, so a DDP test
+    can count how many processes staged."""
+
+    def __init__(self, record, **kw):
+        super().__init__(**kw)
+        self.record = record
+
+    def prepare(self, root, splits):
+        with open(self.record, "a") as f:
             f.write(f"{os.environ.get('RANK', '0')}\n")
-        cls._Base.prepare(**kw)
-
-    @classmethod
-    def finish(cls, *, record=None, **kw):
-        cls._Base.finish(**kw)
+        super().prepare(root, splits)

@@ -23,19 +23,25 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import build_test_loader
 from PIL import Image
 
-from fastload.data.dataset import ImageDataset, collate, sample_rng
-from fastload.data.sampling import EpochSampler
+from fastload.data.batch import collate
+from fastload.data.dataset import ImageDataset, Normalize, sample_rng
 from fastload.data.synthetic import render_image
 from fastload.data.transforms import RandomResizedCropFlip, ResizeCenterCrop, resized_crop
 from fastload.decode.jpeg_header import dct_scale, jpeg_info
 from fastload.decode.pil import PILBackend, open_rgb
 from fastload.errors import ConfigError
-from fastload.loaders.baseline import BaselineLoader
 
 MIN_PSNR_DB = 35.0
 SEEDS = range(6)
+NORM = Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])  # conf/dataset's defaults
+
+
+def pixels(image: torch.Tensor) -> np.ndarray:
+    """A normalised CHW image back to HWC pixel values (float)."""
+    return (image * NORM.std + NORM.mean).permute(1, 2, 0).numpy()
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -312,15 +318,7 @@ def test_fallback_counts_cross_worker_processes(kinds):
 
     items = mixed_items(kinds)
     ds = ImageDataset(BytesStorage(items), TurboBackend(), RandomResizedCropFlip(32), seed=0)
-    loader = BaselineLoader(
-        ds,
-        EpochSampler(len(ds), rank=0, world_size=1, shuffle=True, seed=0),
-        batch_size=4,
-        device="cpu",
-        normalize=None,
-        num_workers=2,
-        drop_last=False,
-    )
+    loader = build_test_loader("loader.num_workers=2", "loader.drop_last=false", dataset=ds)
     loader.set_epoch(0)
     totals: dict[str, int] = {}
     for batch in loader:
@@ -340,22 +338,19 @@ def test_nvjpeg_path_through_loader_and_device_prep(kinds, monkeypatch):
     storage = BytesStorage(items)
     ds = ImageDataset(storage, backend, RandomResizedCropFlip(40), seed=0)
     ref = ImageDataset(storage, PILBackend(), RandomResizedCropFlip(40), seed=0)
-    sampler = EpochSampler(len(ds), rank=0, world_size=1, shuffle=False, seed=0)
-    loader = BaselineLoader(
-        ds, sampler, batch_size=len(ds), device="cpu", normalize=None, num_workers=0
-    )
+    common = dict(dataset=ds, backend=backend, split="val", batch_size=len(ds))
+    loader = build_test_loader("loader.num_workers=0", **common)
     loader.set_epoch(0)
     batch = next(iter(loader))
     assert batch["image"].shape == (len(items), 3, 40, 40) and "encoded" not in batch
-    want = collate([ref[(0, i)] for i in range(len(ref))])["image"].float()
-    for i, (kind, _) in enumerate(items):
-        got = batch["image"][i].permute(1, 2, 0).numpy()
-        assert psnr(got, want[i].permute(1, 2, 0).numpy()) >= MIN_PSNR_DB, kind
+    want = NORM(collate([ref[(0, i)] for i in range(len(ref))])["image"])
+    for i, (kind, _) in enumerate(items):  # back to pixel values for the PSNR
+        got = pixels(batch["image"][i])
+        assert psnr(got, pixels(want[i])) >= MIN_PSNR_DB, kind
     assert batch["counts"]["decode_fallback_not_jpeg"] == 3
-    # normalize_on=cpu cannot work when pixels only exist after the workers
-    ds.normalize = lambda x: x
+    # normalize_on=cpu cannot work when pixels only exist after the workers: refused when built
     with pytest.raises(ConfigError, match="normalize_on=device"):
-        ds[(0, 0)]
+        build_test_loader("loader.normalize_on=cpu", **common)
 
 
 @pytest.mark.cuda

@@ -8,18 +8,10 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import compose_config, make_image_folder
-from hydra.utils import instantiate
+from conftest import build_test_loader, make_image_folder
 
-import fastload.data.batch_ring as ring_mod
-import fastload.loaders.baseline as baseline_mod
-from fastload.data.dataset import ImageDataset, Normalize
-from fastload.data.sampling import EpochSampler
-from fastload.data.transforms import RandomResizedCropFlip
-from fastload.decode.pil import PILBackend
-from fastload.storage.disk import DiskStorage
-
-NORM = Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+import fastload.loaders.batch_ring as ring_mod
+import fastload.torch_internals as internals
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +22,14 @@ def folder(tmp_path_factory):
 def build(folder, *overrides, batch_size=2, workers=2):
     """loader=baseline from the real config; normalize_on=cpu hands the consumer the host
     batch itself (device prep on the CPU neither copies nor converts it)."""
-    cfg = compose_config(
-        ["loader=baseline", f"loader.num_workers={workers}", "loader.normalize_on=cpu", *overrides]
-    )
-    data = ImageDataset(
-        DiskStorage(folder, "train"), PILBackend(), RandomResizedCropFlip(24), seed=0
-    )
-    sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
-    return instantiate(cfg.loader)(
-        data,
-        sampler,
-        train=True,
+    return build_test_loader(
+        "loader=baseline",
+        f"loader.num_workers={workers}",
+        "loader.normalize_on=cpu",
+        *overrides,
+        folder=folder,
         batch_size=batch_size,
-        device="cpu",
-        normalize=NORM,
         channels_last=True,  # the host batch's own layout: device prep keeps it as it is
-        seed=0,
-        rank=0,
-        local_world_size=1,
     )
 
 
@@ -64,7 +46,7 @@ def run_epoch(loader, epoch, clone=False):
 def reference(folder):
     """torch's own path (a new shared segment per batch), epochs 0-2, cloned."""
     loader = build(folder, "loader.reuse_batch_memory=false")
-    assert loader._ring_spec is None
+    assert loader.slots is None
     return [run_epoch(loader, e, clone=True) for e in range(3)]
 
 
@@ -140,7 +122,7 @@ def test_without_storage_use_counts_the_consumer_gets_a_private_copy(monkeypatch
     ring._tensor(0, 1, (4, 4), (4, 1), torch.uint8).fill_(7)
     ring.state[0, 1] = ring_mod.WORKER
     ref = ring_mod.RingSlot(0, 1, (4, 4), (4, 1), torch.uint8)
-    monkeypatch.setattr(ring_mod, "_use_count", None)
+    monkeypatch.setattr(internals, "_use_count", None)
     out = ring.resolve(ref)
     assert out.untyped_storage().data_ptr() != ring.storages[1].data_ptr()
     assert torch.equal(out, torch.full((4, 4), 7, dtype=torch.uint8))
@@ -148,7 +130,7 @@ def test_without_storage_use_counts_the_consumer_gets_a_private_copy(monkeypatch
 
 
 def test_short_dev_shm_falls_back_to_torchs_path_with_a_warning(folder, monkeypatch, caplog):
-    monkeypatch.setattr(baseline_mod, "shm_bytes", lambda: (64 * 2**20, 64 * 2**10))
+    monkeypatch.setattr(ring_mod, "shm_bytes", lambda: (64 * 2**20, 64 * 2**10))
     loader = build(folder, batch_size=4)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         assert len(run_epoch(loader, 0)) == 6

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from conftest import make_image_folder
+from conftest import build_test_loader, make_image_folder
 from PIL import Image
 
-from fastload.data.dataset import ImageDataset, Normalize, collate
+from fastload.data.batch import collate
+from fastload.data.dataset import ImageDataset
 from fastload.data.folder import index_image_folder
 from fastload.data.sampling import EpochSampler, ShardSampler
 from fastload.data.transforms import (
@@ -19,7 +20,6 @@ from fastload.data.transforms import (
 )
 from fastload.decode.pil import PILBackend
 from fastload.errors import CorruptImageError, DatasetError
-from fastload.loaders.baseline import BaselineLoader
 from fastload.storage.disk import DiskStorage
 
 
@@ -107,8 +107,8 @@ def test_epoch_sampler_shuffles_per_epoch_partitions_ranks_and_skips():
 
 
 def make_dataset(root, split="train", **kw):
-    storage = DiskStorage(root, split)
-    return ImageDataset(storage, PILBackend(), RandomResizedCropFlip(24), seed=0, **kw)
+    reader = DiskStorage().open(root, split)
+    return ImageDataset(reader, PILBackend(), RandomResizedCropFlip(24), seed=0, **kw)
 
 
 def test_corrupt_image_is_named_or_skipped_and_counted(tmp_path):
@@ -116,7 +116,7 @@ def test_corrupt_image_is_named_or_skipped_and_counted(tmp_path):
     bad = root / "train" / "a" / "a_001.jpg"
     bad.write_bytes(bad.read_bytes()[:200])  # truncated JPEG
     ds = make_dataset(root)
-    idx = [str(ds.storage.describe(i)) for i in range(len(ds))].index(str(bad))
+    idx = [str(ds.reader.describe(i)) for i in range(len(ds))].index(str(bad))
     with pytest.raises(CorruptImageError) as err:
         ds[(0, idx)]
     assert (
@@ -131,15 +131,7 @@ def test_worker_error_message_is_recovered(tmp_path):
     root = make_image_folder(tmp_path / "d", classes=("a",), per_split=(2, 1))
     bad = root / "train" / "a" / "a_000.jpg"
     bad.write_bytes(b"not a jpeg at all")
-    ds = make_dataset(root)
-    loader = BaselineLoader(
-        ds,
-        EpochSampler(len(ds), rank=0, world_size=1, shuffle=False, seed=0),
-        batch_size=2,
-        device="cpu",
-        normalize=None,
-        num_workers=1,
-    )
+    loader = build_test_loader("loader.num_workers=1", folder=root, batch_size=2)
     loader.set_epoch(0)
     with pytest.raises(CorruptImageError) as err:
         next(iter(loader))
@@ -150,19 +142,14 @@ def test_worker_error_message_is_recovered(tmp_path):
 @pytest.mark.parametrize("normalize_on", ["device", "cpu"])
 def test_workers_and_normalisation_place_do_not_change_the_batches(tmp_path, normalize_on):
     root = make_image_folder(tmp_path / "d", per_split=(5, 1))
-    norm = Normalize([0.5, 0.4, 0.3], [0.2, 0.2, 0.2])
 
     def batches(workers, where):
-        ds = make_dataset(root)
-        sampler = EpochSampler(len(ds), rank=0, world_size=1, shuffle=True, seed=0)
-        loader = BaselineLoader(
-            ds,
-            sampler,
-            batch_size=4,
-            device="cpu",
-            normalize=norm,
-            num_workers=workers,
-            normalize_on=where,
+        loader = build_test_loader(
+            "dataset.mean=[0.5,0.4,0.3]",
+            "dataset.std=[0.2,0.2,0.2]",
+            f"loader.num_workers={workers}",
+            f"loader.normalize_on={where}",
+            folder=root,
         )
         loader.set_epoch(2)
         return [b["image"] for b in loader]
@@ -178,7 +165,7 @@ def test_workers_and_normalisation_place_do_not_change_the_batches(tmp_path, nor
 def test_worker_collate_stacks_into_shared_memory(monkeypatch):
     """In a DataLoader worker the batch is built in shared memory (no extra copy when it is
     sent to the main process), with the same values as torch.stack."""
-    from fastload.data.dataset import stack_images
+    from fastload.data.batch import stack_images
 
     rng = np.random.default_rng(0)
     imgs = [torch.from_numpy(rng.integers(0, 255, (8, 6, 3), dtype=np.uint8)).permute(2, 0, 1)]

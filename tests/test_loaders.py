@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -12,57 +13,34 @@ import textwrap
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
-from hydra.utils import instantiate
+from conftest import REPO, build_test_loader, make_image_folder, run_train, tiny_overrides
 
-import fastload.loaders.baseline as baseline_mod
+import fastload.loaders.checks as checks_mod
 import fastload.loaders.cuda_prefetch as prefetch_mod
+import fastload.loaders.workers as workers_mod
 from fastload.data.dataset import ImageDataset, Normalize
-from fastload.data.sampling import EpochSampler
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend
 from fastload.errors import ConfigError, LoaderStallError
 from fastload.loaders.background import BackgroundIterator
-from fastload.storage.disk import DiskStorage
+from fastload.storage.disk import DiskReader
 
 STRATEGIES = ["baseline", "bg", "prefetch", "prefetch+bg"]
 NORM = Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 
 
-def loader_factory(strategy: str, *overrides: str):
-    """The `_partial_` factory of conf/loader/<strategy>.yaml, as the engine builds it."""
-    cfg = compose_config([f"loader={strategy}", *overrides])
-    return instantiate(cfg.loader)
-
-
-def make_loader(
-    strategy, dataset, *overrides, batch_size=4, device="cpu", seed=0, shuffle=True, **kw
-):
-    sampler = EpochSampler(len(dataset), rank=0, world_size=1, shuffle=shuffle, seed=seed)
-    return loader_factory(strategy, *overrides)(
-        dataset,
-        sampler,
-        train=True,
-        batch_size=batch_size,
-        device=device,
-        normalize=kw.pop("normalize", NORM),
-        channels_last=kw.pop("channels_last", False),
-        seed=seed,
-        rank=0,
-        local_world_size=1,
-        **kw,
-    )
-
-
-def image_dataset(root, seed=0):
-    return ImageDataset(
-        DiskStorage(root, "train"), PILBackend(), RandomResizedCropFlip(24), seed=seed
-    )
+def make_loader(strategy, data, *overrides, shuffle=True, **kw):
+    """loader=<strategy> through the builder, over an image folder (a Path) or a dataset;
+    shuffle=False builds the evaluation loader (in order, nothing dropped)."""
+    where = {"folder": data} if isinstance(data, Path) else {"dataset": data}
+    split = "train" if shuffle else "val"
+    return build_test_loader(f"loader={strategy}", *overrides, split=split, **where, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +60,7 @@ def epoch(loader, n=0):
 def test_every_strategy_yields_the_same_batches(folder, workers):
     for drop_last in (True, False):
         opts = [f"loader.num_workers={workers}", f"loader.drop_last={drop_last}"]
-        runs = {s: epoch(make_loader(s, image_dataset(folder), *opts), 1) for s in STRATEGIES}
+        runs = {s: epoch(make_loader(s, folder, *opts), 1) for s in STRATEGIES}
         ref = runs["baseline"]
         assert len(ref) == (4 if drop_last else 5)  # 18 images, batch 4
         for name, batches in runs.items():
@@ -94,11 +72,13 @@ def test_every_strategy_yields_the_same_batches(folder, workers):
 
 
 def test_uint8_path_and_cpu_normalisation_agree(folder):
-    # normalize=None: the uint8 crops themselves, converted to float without rounding.
-    raw = epoch(make_loader("bg", image_dataset(folder), "loader.num_workers=0", normalize=None))
-    assert all(torch.equal(b["image"], b["image"].round()) for b in raw)
-    cpu = epoch(make_loader("bg", image_dataset(folder), "loader.normalize_on=cpu"))
-    dev = epoch(make_loader("prefetch+bg", image_dataset(folder)))
+    # the host stage: the uint8 crops themselves, before device prep
+    loader = make_loader("bg", folder, "loader.num_workers=0")
+    loader.set_epoch(0)
+    raw = list(loader._host_batches())
+    assert all(b["image"].dtype == torch.uint8 for b in raw)
+    cpu = epoch(make_loader("bg", folder, "loader.normalize_on=cpu"))
+    dev = epoch(make_loader("prefetch+bg", folder))
     for a, b, r in zip(cpu, dev, raw, strict=True):
         torch.testing.assert_close(a["image"], b["image"], rtol=0, atol=1e-5)
         torch.testing.assert_close(NORM(r["image"].to(torch.uint8)), b["image"], rtol=0, atol=1e-5)
@@ -216,7 +196,7 @@ def test_item_error_surfaces_in_main_thread_and_nothing_leaks(strategy, workers)
 def test_early_break_leaves_no_thread_or_worker(folder, strategy, workers):
     before, kids = set(threading.enumerate()), children()
     loader = make_loader(
-        strategy, image_dataset(folder), f"loader.num_workers={workers}", batch_size=1
+        strategy, folder, f"loader.num_workers={workers}", batch_size=1
     )  # 18 batches: more than the workers and the thread can run ahead
     loader.set_epoch(0)
     for i, _ in enumerate(loader):
@@ -263,9 +243,9 @@ def test_no_hang_at_interpreter_exit(folder):
     script = textwrap.dedent(
         f"""
         import sys; sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-        from test_loaders import make_loader, image_dataset
+        from test_loaders import make_loader
         from pathlib import Path
-        loader = make_loader("prefetch+bg", image_dataset(Path({str(folder)!r})),
+        loader = make_loader("prefetch+bg", Path({str(folder)!r}),
                              "loader.num_workers=1", "loader.max_prefetch=1")
         loader.set_epoch(0)
         it = iter(loader)
@@ -320,15 +300,15 @@ def test_workers_draw_distinct_reproducible_numbers_every_epoch():
 
 
 def test_crops_differ_between_items_and_repeat_with_the_seed(folder):
-    class SameBytes(DiskStorage):  # every item is the same picture: only the RNG differs
+    class SameBytes(DiskReader):  # every item is the same picture: only the RNG differs
         def read(self, i):
             return super().read(0)[0], 0
 
     def crops(seed):
         ds = ImageDataset(
-            SameBytes(folder, "train"), PILBackend(), RandomResizedCropFlip(24), seed=seed
+            SameBytes(folder / "train"), PILBackend(), RandomResizedCropFlip(24), seed=seed
         )
-        loader = make_loader("bg", ds, "loader.num_workers=2", normalize=None, seed=seed)
+        loader = make_loader("bg", ds, "loader.num_workers=2", seed=seed)
         return torch.cat([b["image"] for b in epoch(loader, 3)])
 
     a = crops(0)
@@ -361,7 +341,7 @@ def test_stall_watchdog_names_the_stuck_worker(strategy, caplog, capfd):
         list(loader)
     msg = err.value.user_message
     assert "loader.timeout=1s" in msg and "worker 1 (pid " in msg and "--shm-size" in msg
-    assert "Main-process stacks" in caplog.text and "_stall_error" in caplog.text
+    assert "Main-process stacks" in caplog.text and "stall_error" in caplog.text
     assert "in __getitem__" in capfd.readouterr().err  # the stuck worker's own stack
 
 
@@ -395,20 +375,20 @@ def test_pinned_memory_cap_and_unpinnable_entries(monkeypatch, caplog):
 
 
 def test_small_dev_shm_is_reported_with_the_fix(monkeypatch, caplog, folder):
-    monkeypatch.setattr(baseline_mod, "shm_bytes", lambda: (64 * 2**20, 1000))
+    monkeypatch.setattr(checks_mod, "shm_bytes", lambda: (64 * 2**20, 1000))
     with caplog.at_level(logging.WARNING):
-        loader = make_loader("baseline", image_dataset(folder), "loader.num_workers=1")
+        loader = make_loader("baseline", folder, "loader.num_workers=1")
         assert "only 64 MB" in caplog.text and "--shm-size" in caplog.text
         epoch(loader)
     assert "has 0 MB free" in caplog.text and "want about" in caplog.text
 
 
 def test_num_workers_auto_splits_the_cpuset_across_local_ranks(monkeypatch):
-    monkeypatch.setattr(baseline_mod.os, "sched_getaffinity", lambda pid: set(range(12)))
-    assert baseline_mod.resolve_num_workers("auto", 4) == 3
-    assert baseline_mod.resolve_num_workers("auto", 24) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
+    assert workers_mod.resolve_num_workers("auto", 4) == 3
+    assert workers_mod.resolve_num_workers("auto", 24) == 1
     with pytest.raises(ConfigError, match="loader.num_workers"):
-        baseline_mod.resolve_num_workers(-1, 1)
+        workers_mod.resolve_num_workers(-1, 1)
 
 
 @pytest.mark.parametrize("strategy", ["bg", "prefetch+bg"])
@@ -431,9 +411,7 @@ def test_train_py_runs_with_the_strategy(tiny_folder, tmp_path, strategy):
 def test_cuda_strategies_match_and_keep_one_stream(folder, workers):
     runs = {}
     for s in STRATEGIES:
-        loader = make_loader(
-            s, image_dataset(folder), f"loader.num_workers={workers}", device="cuda"
-        )
+        loader = make_loader(s, folder, f"loader.num_workers={workers}", device="cuda")
         runs[s] = [epoch(loader, e) for e in (0, 1)]
         if s.startswith("prefetch"):
             stream = loader.stream
@@ -452,10 +430,8 @@ def test_cuda_strategies_match_and_keep_one_stream(folder, workers):
 def test_cuda_prefetch_batches_are_not_overwritten_while_in_use(folder):
     """Slow consumer kernels + kept references: if the side stream reused memory too early,
     a batch would change under the consumer."""
-    expected = [b["image"].cpu() for b in epoch(make_loader("baseline", image_dataset(folder)))]
-    loader = make_loader(
-        "prefetch+bg", image_dataset(folder), "loader.num_workers=2", device="cuda"
-    )
+    expected = [b["image"].cpu() for b in epoch(make_loader("baseline", folder))]
+    loader = make_loader("prefetch+bg", folder, "loader.num_workers=2", device="cuda")
     loader.set_epoch(0)
     big = torch.randn(4096, 4096, device="cuda")
     kept = []
@@ -508,6 +484,6 @@ def test_fault_stream_falls_back_to_the_real_stderr(monkeypatch):
     import io
 
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert baseline_mod.fault_stream() is sys.__stderr__
+    assert workers_mod.fault_stream() is sys.__stderr__
     monkeypatch.setattr(sys, "__stderr__", None)
-    assert baseline_mod.fault_stream() is None
+    assert workers_mod.fault_stream() is None

@@ -15,16 +15,17 @@ import torch
 from conftest import REPO, make_image_folder, run_torchrun, run_train, tiny_overrides
 
 from fastload.data import rawimage
-from fastload.data.dataset import ImageDataset, collate
+from fastload.data.batch import collate
+from fastload.data.dataset import ImageDataset
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend, open_rgb
 from fastload.errors import StorageError
 from fastload.pack import main as pack_main
-from fastload.pack import pack_split
 from fastload.storage import base as storage_base
 from fastload.storage import tmpfs
 from fastload.storage.disk import DiskStorage
 from fastload.storage.lmdb_store import LmdbStorage
+from fastload.storage.packing import pack_split
 from fastload.storage.shards import ShardStorage
 
 
@@ -41,16 +42,16 @@ def packs(tiny_folder, tmp_path_factory):
 
 def open_store(kind, root, split, packs):
     if kind == "disk":
-        return DiskStorage(root, split)
+        return DiskStorage().open(root, split)
     if kind == "lmdb":
-        return LmdbStorage(root, split, path=packs / "lmdb", auto_pack=False)
-    return ShardStorage(root, split, path=packs / kind, auto_pack=False)
+        return LmdbStorage(path=packs / "lmdb", auto_pack=False).open(root, split)
+    return ShardStorage(path=packs / kind, auto_pack=False).open(root, split)
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "sj"])
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_packed_stores_give_the_disk_bytes_and_targets(tiny_folder, packs, kind, split):
-    disk = DiskStorage(tiny_folder, split)
+    disk = DiskStorage().open(tiny_folder, split)
     store = open_store(kind, tiny_folder, split, packs)
     assert len(store) == len(disk) and store.classes == disk.classes
     assert store.targets.dtype == np.int64 and np.array_equal(store.targets, disk.targets)
@@ -61,12 +62,10 @@ def test_packed_stores_give_the_disk_bytes_and_targets(tiny_folder, packs, kind,
 
 def test_tmpfs_stage_gives_the_disk_bytes_and_targets(tiny_folder, tmp_path):
     target = tmp_path / "shm"
-    tmpfs.TmpfsStorage.prepare(root=tiny_folder, splits=["train", "val"], target_dir=target)
+    store = tmpfs.TmpfsStorage(target_dir=target)
+    store.prepare(tiny_folder, ["train", "val"])
     for split in ("train", "val"):
-        disk, staged = (
-            DiskStorage(tiny_folder, split),
-            tmpfs.TmpfsStorage(tiny_folder, split, target_dir=target),
-        )
+        disk, staged = DiskStorage().open(tiny_folder, split), store.open(tiny_folder, split)
         assert staged.describe(0).startswith(str(target))
         assert np.array_equal(staged.targets, disk.targets) and staged.classes == disk.classes
         assert [staged.read(i) for i in range(len(disk))] == [
@@ -75,7 +74,7 @@ def test_tmpfs_stage_gives_the_disk_bytes_and_targets(tiny_folder, tmp_path):
 
 
 def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, packs):
-    disk = DiskStorage(tiny_folder, "train")
+    disk = DiskStorage().open(tiny_folder, "train")
     raw = open_store("sr", tiny_folder, "train", packs)
     assert raw.meta["kind"] == "raw" and np.array_equal(raw.targets, disk.targets)
     for i in range(len(disk)):
@@ -86,7 +85,7 @@ def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, pa
             np.asarray(rawimage.to_image(data)), np.asarray(open_rgb(disk.read(i)[0]))
         )
 
-    class NoDecode:
+    class NoDecode(PILBackend):  # crops decoded pixels the PIL way, decodes nothing
         def load(self, *a):
             raise AssertionError("the backend must not see raw records")
 
@@ -127,13 +126,12 @@ def test_reencoded_shards_respect_max_side(tiny_folder, packs):
 
 
 def test_lmdb_map_grows_while_packing(tiny_folder, tmp_path):
-    meta = pack_split(
-        "lmdb", tiny_folder / "train", tmp_path / "train", initial_map_size=32 << 10, progress=False
-    )
+    store = LmdbStorage(path=tmp_path, initial_map_size=32 << 10)
+    meta = pack_split(store.writer, tiny_folder / "train", tmp_path / "train", progress=False)
     total = sum(p.stat().st_size for p in (tiny_folder / "train").rglob("*.jpg"))
     assert total > 32 << 10 and meta["map_growths"] >= 1, meta
-    store = LmdbStorage(tiny_folder, "train", path=tmp_path)  # pack_root/<split>: path is parent
-    disk = DiskStorage(tiny_folder, "train")
+    store = store.open(tiny_folder, "train")  # path holds one folder per split
+    disk = DiskStorage().open(tiny_folder, "train")
     assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
     assert meta["count"] == len(disk) and meta["checksum"].startswith("crc32:")
 
@@ -145,7 +143,7 @@ def test_readers_under_fork_and_spawn_workers(tiny_folder, packs, kind, context)
     store.read(0)  # a handle opened in the parent must not travel to the workers
     assert pickle.loads(pickle.dumps(store)).read(1) == store.read(1)
     tf = RandomResizedCropFlip(24)
-    ref = ImageDataset(DiskStorage(tiny_folder, "train"), PILBackend(), tf, seed=0)
+    ref = ImageDataset(DiskStorage().open(tiny_folder, "train"), PILBackend(), tf, seed=0)
     data = ImageDataset(store, PILBackend(), tf, seed=0)
     loader = torch.utils.data.DataLoader(
         data, batch_size=4, num_workers=2, collate_fn=collate, multiprocessing_context=context
@@ -168,7 +166,7 @@ def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
     store.read(6)
     with pytest.raises(StorageError, match=rf"{shard} record 7 .*xxh3_64.*fastload.pack verify"):
         store.read(7)
@@ -188,7 +186,7 @@ def test_version_1_packs_are_still_read_and_checked_with_crc32(tiny_folder, pack
     v1_dtype = np.dtype([(n, "<u4") if n == "check" else (n, v2.dtype[n]) for n in v2.dtype.names])
     v1 = v2.astype(v1_dtype).copy()
     v1.dtype.names = tuple("crc" if n == "check" else n for n in v1_dtype.names)
-    disk = DiskStorage(tiny_folder, "train")
+    disk = DiskStorage().open(tiny_folder, "train")
     v1["crc"] = [zlib.crc32(disk.read(i)[0]) for i in range(len(v1))]
     np.save(split / "index.npy", v1)
     meta = json.loads((split / "meta.json").read_text())
@@ -197,17 +195,17 @@ def test_version_1_packs_are_still_read_and_checked_with_crc32(tiny_folder, pack
     del meta["record_checksum"]
     (split / "meta.json").write_text(json.dumps(meta))
 
-    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
     assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
     v1["crc"][5] ^= 1  # a record whose checksum no longer matches
     np.save(split / "index.npy", v1)
-    store = ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+    store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
     with pytest.raises(StorageError, match=r"record 5 .*crc32"):
         store.read(5)
     meta["version"] = 3
     (split / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(StorageError, match=r"v1, v2.*v3.*re-pack"):
-        ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+        ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
 
 
 def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, packs, tmp_path):
@@ -218,18 +216,18 @@ def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, pa
     idx = np.load(tmp_path / "sj" / "train" / "index.npy")
     os.truncate(shard, int(idx["offset"][11]) + 10)
     with pytest.raises(StorageError, match=rf"{shard} is truncated.*first damaged record: 11"):
-        ShardStorage(tiny_folder, "train", path=tmp_path / "sj", auto_pack=False)
+        ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
 
 
 def test_missing_pack_gives_the_pack_command(tiny_folder, tmp_path):
     with pytest.raises(
         StorageError, match=r"python -m fastload.pack shards .* --kind raw --size 128"
     ):
-        ShardStorage(
-            tiny_folder, "train", path=tmp_path / "none", kind="raw", size=128, auto_pack=False
+        ShardStorage(path=tmp_path / "none", kind="raw", size=128, auto_pack=False).open(
+            tiny_folder, "train"
         )
     with pytest.raises(StorageError, match=r"python -m fastload.pack lmdb "):
-        LmdbStorage(tiny_folder, "train", path=tmp_path / "none", auto_pack=False)
+        LmdbStorage(path=tmp_path / "none", auto_pack=False).open(tiny_folder, "train")
 
 
 # -- tmpfs staging -----------------------------------------------------------------------------
@@ -261,14 +259,17 @@ def test_staging_is_atomic_when_killed_midway_then_restaged(tmp_path):
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     final = tmpfs.staged_root(root, target)
-    leftovers = list(target.glob(".staging-*"))
+    leftovers = list(target.glob(f".{final.name}.tmp-*"))
     assert not final.exists() and len(leftovers) == 1  # only a partial, never read
     assert len(list(leftovers[0].rglob("*.jpg"))) == 10
     with pytest.raises(StorageError, match="no complete staged copy"):
-        tmpfs.TmpfsStorage(root, "train", target_dir=target)
+        tmpfs.TmpfsStorage(target_dir=target).open(root, "train")
     tmpfs.stage(root, ["train", "val"], target, progress=False)
-    assert not list(target.glob(".staging-*"))  # the stale partial copy is gone
-    disk, staged = DiskStorage(root, "train"), tmpfs.TmpfsStorage(root, "train", target_dir=target)
+    assert not list(target.glob(f".{final.name}.tmp-*"))  # the stale partial copy is gone
+    disk, staged = (
+        DiskStorage().open(root, "train"),
+        tmpfs.TmpfsStorage(target_dir=target).open(root, "train"),
+    )
     assert [staged.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
 
 
@@ -328,12 +329,12 @@ def test_cold_cache_evicts_every_store_file(tiny_folder, packs, monkeypatch):
             advised.append((os.readlink(f"/proc/self/fd/{fd}"), a)) or real(fd, o, n, a)
         ),
     )
-    disk = DiskStorage(tiny_folder, "train", cold_cache=True)
+    disk = DiskStorage(cold_cache=True).open(tiny_folder, "train")
     disk.before_epoch()
     assert sorted(p for p, _ in advised) == sorted(disk.store_files())
     assert {a for _, a in advised} == {os.POSIX_FADV_DONTNEED}
     advised.clear()
-    shards = ShardStorage(tiny_folder, "train", path=packs / "sj", cold_cache=True)
+    shards = ShardStorage(path=packs / "sj", cold_cache=True).open(tiny_folder, "train")
     shards.before_epoch()
     assert str(packs / "sj" / "train" / "shard-00000.bin") in [p for p, _ in advised]
 
@@ -342,7 +343,7 @@ def test_cold_cache_on_tmpfs_says_it_does_nothing(tiny_folder, monkeypatch, capl
     monkeypatch.setattr(storage_base, "fs_type", lambda p: "tmpfs")
     monkeypatch.setattr(storage_base, "evict_page_cache", lambda p: pytest.fail("evicted tmpfs"))
     with caplog.at_level("WARNING", logger="fastload"):
-        DiskStorage(tiny_folder, "val", cold_cache=True).before_epoch()
+        DiskStorage(cold_cache=True).open(tiny_folder, "val").before_epoch()
     assert "IS the page cache" in caplog.text
 
 
@@ -475,8 +476,8 @@ def make_coco(root, sizes=((120, 80), (64, 48), (90, 150))):
 
 def open_pack(fmt, path, split):
     if fmt == "lmdb":
-        return LmdbStorage(None, split, path=path, auto_pack=False)
-    return ShardStorage(None, split, path=path, auto_pack=False)
+        return LmdbStorage(path=path, auto_pack=False).open(None, split)
+    return ShardStorage(path=path, auto_pack=False).open(None, split)
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "shards"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image, JpegImagePlugin
 
+from fastload.atomic import temp_path
 from fastload.data import synthetic
 from fastload.data.synthetic import MANIFEST_NAME, ensure_synthetic_imagenet
 from fastload.errors import ConfigError, DatasetError
@@ -151,12 +151,12 @@ def _dead_pid() -> int:
 def test_leftover_temp_folder_is_ignored_and_removed(tmp_path):
     root = tmp_path / "ds"
     # What a SIGKILLed generation leaves: a sibling temp folder, even one with a manifest.
-    stale = tmp_path / f"ds.tmp-{socket.gethostname()}-{_dead_pid()}"
+    stale = temp_path(root, pid=_dead_pid())
     (stale / "train" / "c000_x").mkdir(parents=True)
     (stale / "train" / "c000_x" / "c000_00000.jpg").write_bytes(b"partial")
     (stale / MANIFEST_NAME).write_text("{}")
     # A temp folder of a generator that is still running (this process) must survive.
-    live = tmp_path / f"ds.tmp-{socket.gethostname()}-{os.getppid()}"
+    live = temp_path(root, pid=os.getppid())
     live.mkdir()
 
     ensure_synthetic_imagenet(root, **TINY, workers=1)

@@ -33,7 +33,7 @@ from fastload.bench.common import (
     run_ffcv,
     write_json,
 )
-from fastload.loaders.baseline import usable_cores
+from fastload.host import usable_cores
 
 # name -> (import path, kwargs); those that cannot start here are reported and skipped.
 BACKENDS = {
@@ -148,18 +148,13 @@ def fastload_loader_rate(root: Path, backend, size: int, workers: int) -> float:
     """Steady images/s of loader=baseline's host stage (reused batch slots, persistent
     workers), measured as loader_rate measures the textbook pipeline: the second of two
     epochs, from its first batch to its end."""
-    from fastload.bench.common import host_epoch, product_loader
-    from fastload.data.transforms import RandomResizedCropFlip
-    from fastload.storage.disk import DiskStorage
+    from fastload.bench.common import compose, data_overrides, host_epoch, product_loader
 
-    loader = product_loader(
-        DiskStorage(str(root), "train"),
-        backend,
-        RandomResizedCropFlip(size),
-        batch_size=64,
-        workers=workers,
-        persistent=workers > 0,
+    cfg = compose(
+        data_overrides(root, crop=size)
+        + [f"loader.num_workers={workers}", f"loader.persistent_workers={workers > 0}"]
     )
+    loader = product_loader(cfg, backend=backend)
     try:
         host_epoch(loader, 0)
         return host_epoch(loader, 1)["steady_img_s"] or 0.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastload.loaders.baseline import usable_cores
+from fastload.host import usable_cores
 
 
 def machine() -> dict:
@@ -88,28 +88,36 @@ def write_json(path: str | os.PathLike, suite: str, params: dict, rows: list[dic
     return path
 
 
-def product_loader(
-    storage, backend, transform, *, batch_size: int, workers: int, persistent: bool, reuse=True
-):
-    """loader=baseline as training builds it (conf defaults: reused batch slots included) on
-    the CPU; benchmarks time its host stage (`host_epoch`): read, decode, augment, collate."""
-    from fastload.data.dataset import ImageDataset, Normalize
-    from fastload.data.sampling import EpochSampler
-    from fastload.loaders.baseline import BaselineLoader
+def compose(overrides: list[str]):
+    """The real config (conf/), as `python train.py <overrides>` composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
-    data = ImageDataset(storage, backend, transform, seed=0)
-    sampler = EpochSampler(len(data), rank=0, world_size=1, shuffle=True, seed=0)
-    return BaselineLoader(
-        data,
-        sampler,
-        batch_size=batch_size,
-        device=torch.device("cpu"),
-        normalize=Normalize((0.5,) * 3, (0.25,) * 3),
-        num_workers=workers,
-        persistent_workers=persistent,
-        reuse_batch_memory=reuse,
-        drop_last=False,
-    )
+    from fastload.config import conf_dir
+
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))
+
+
+def data_overrides(root, *, split: str = "train", crop: int = 224, batch_size: int = 64):
+    """Point the config at an ImageFolder root with torchvision's RandomResizedCrop(crop)
+    defaults (scale 0.08-1), so every benchmark's transform matches the reference rows."""
+    return [
+        f"dataset.root={root}",
+        "dataset.prepare=null",
+        f"dataset.train_split={split}",
+        f"dataset.train_transform.size={crop}",
+        "dataset.train_transform.scale=[0.08,1.0]",
+        f"trainer.batch_size={batch_size}",
+    ]
+
+
+def product_loader(cfg, **kwargs):
+    """The training split's loader exactly as training builds it (fastload/pipeline.py), on
+    the CPU; benchmarks time its host stage (`host_epoch`): read, decode, augment, collate."""
+    from fastload.pipeline import build_loader
+
+    return build_loader(cfg, "train", device="cpu", **kwargs)
 
 
 def host_epoch(loader, epoch: int) -> dict:

@@ -12,7 +12,8 @@ The consumer step:
   same model fed one GPU-resident synthetic batch (the compute ceiling); the `vs_ceiling`
   column is real-data throughput / ceiling (target >= 0.95 for the best strategy).
 
-Loaders are built from the real conf/loader/<strategy>.yaml, as `python train.py` does.
+Loaders are built from the real config by fastload/pipeline.py, as `python train.py` builds
+them: extra overrides (backend=turbo, storage=shards, loader.timeout=60) apply.
 """
 
 from __future__ import annotations
@@ -23,41 +24,27 @@ from pathlib import Path
 
 import torch
 
-from fastload.bench.common import default_dataset, format_table, write_json
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
+from fastload.bench.common import (
+    compose,
+    data_overrides,
+    default_dataset,
+    format_table,
+    write_json,
+)
+from fastload.pipeline import build_storage
 
 
 def build_loader(strategy: str, workers: int, args, root: Path, device: torch.device):
-    from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
+    """loader=<strategy> as train.py builds it (fastload/pipeline.py), with the command's
+    overrides (backend=, storage=, loader.*) honoured."""
+    from fastload.pipeline import build_loader as build
 
-    import fastload.config  # noqa: F401  (resolvers)
-    from fastload.data.dataset import ImageDataset, Normalize
-    from fastload.data.sampling import EpochSampler
-    from fastload.data.transforms import RandomResizedCropFlip
-    from fastload.decode.pil import PILBackend
-    from fastload.storage.disk import DiskStorage
-
-    overrides = [f"loader={strategy}", f"loader.num_workers={workers}", *args.override]
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-    dataset = ImageDataset(
-        DiskStorage(root, "train"), PILBackend(), RandomResizedCropFlip(args.size), seed=0
-    )
-    sampler = EpochSampler(len(dataset), rank=0, world_size=1, shuffle=True, seed=0)
-    return instantiate(cfg.loader)(
-        dataset,
-        sampler,
-        train=True,
-        batch_size=args.batch_size,
-        device=device,
-        normalize=Normalize(cfg.dataset.mean, cfg.dataset.std),
-        channels_last=device.type == "cuda",
-        seed=0,
-        rank=0,
-        local_world_size=1,
-    )
+    overrides = data_overrides(root, crop=args.size, batch_size=args.batch_size)
+    overrides += [f"loader={strategy}", f"loader.num_workers={workers}", *args.override]
+    cfg = compose(overrides)
+    storage = build_storage(cfg)
+    storage.prepare(root, [cfg.dataset.train_split])
+    return build(cfg, "train", device=device, channels_last=device.type == "cuda", storage=storage)
 
 
 class SleepStep:
@@ -148,7 +135,9 @@ def parse(argv):
     p.add_argument("--root", default=None, help="dataset root (default: the synthetic set)")
     p.add_argument("--train-per-class", type=int, default=100, help="synthetic set size / 10")
     p.add_argument("--json", default="outputs/bench/loaders.json")
-    p.add_argument("override", nargs="*", help="extra loader overrides, e.g. loader.timeout=60")
+    p.add_argument(
+        "override", nargs="*", help="config overrides, e.g. backend=turbo storage=shards"
+    )
     return p.parse_args(argv)
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import (
+    compose,
+    data_overrides,
     default_dataset,
     format_table,
     host_epoch,
@@ -40,9 +42,8 @@ from fastload.bench.common import (
     run_ffcv,
     write_json,
 )
-from fastload.data.transforms import RandomResizedCropFlip
-from fastload.loaders.baseline import usable_cores
-from fastload.storage.base import du_bytes, fs_type
+from fastload.host import fs_type, usable_cores
+from fastload.storage.base import du_bytes
 
 STORES = ("disk", "tmpfs", "lmdb", "shards-jpeg", "shards-raw")
 # FFCV on this 2-core machine (issue 5's reference figures; not re-measured here unless an
@@ -60,63 +61,62 @@ COLUMNS = [
 ]
 
 
-def open_store(name: str, root: Path, split: str, args):
-    """(storage, files that make up the store for the size column, seconds spent packing)."""
-    from fastload.storage import lmdb_store, shards, tmpfs
-    from fastload.storage.disk import DiskStorage
+def store_overrides(name: str, args) -> list[str]:
+    """The storage= options of one row (every store with cold_cache, for the cold rows)."""
+    options = {
+        "disk": ["storage=disk"],
+        "tmpfs": [
+            "storage=tmpfs",
+            f"storage.target_dir={args.tmpfs_dir}",
+            "storage.progress=false",
+        ],
+        "lmdb": ["storage=lmdb"],
+        "shards-jpeg": [
+            "storage=shards",
+            "storage.kind=jpeg",
+            f"storage.max_side={args.max_side}",
+            f"storage.quality={args.quality}",
+        ],
+        "shards-raw": ["storage=shards", "storage.kind=raw", f"storage.size={args.raw_size}"],
+    }
+    return options[name] + ["storage.cold_cache=true"]
 
+
+def open_store(name: str, root: Path, args):
+    """(config of this row, its storage object, the split's folder for the size column,
+    seconds spent staging / packing it in this run)."""
+    from fastload.pipeline import build_storage
+
+    cfg = compose(
+        data_overrides(root, split=args.split, crop=args.crop, batch_size=args.batch_size)
+        + store_overrides(name, args)
+        + [
+            f"backend={args.backend}",
+            f"loader.num_workers={args.workers}",
+            "loader.drop_last=false",
+            f"loader.reuse_batch_memory={not args.no_reuse}",
+        ]
+    )
+    storage = build_storage(cfg)
     t0 = time.perf_counter()
-    if name == "disk":
-        s = DiskStorage(root, split, cold_cache=True)
-        return s, root / split, 0.0
-    if name == "tmpfs":
-        final = tmpfs.stage(root, [split], args.tmpfs_dir, progress=False)
-        s = tmpfs.TmpfsStorage(root, split, target_dir=args.tmpfs_dir, cold_cache=True)
-        return s, final / split, time.perf_counter() - t0
-    if name == "lmdb":
-        lmdb_store.LmdbStorage.prepare(root=root, splits=[split])
-        s = lmdb_store.LmdbStorage(root, split, cold_cache=True)
-        return s, s.dir, time.perf_counter() - t0
-    kind = "jpeg" if name == "shards-jpeg" else "raw"
-    opts = dict(
-        kind=kind,
-        max_side=args.max_side if kind == "jpeg" else None,
-        quality=args.quality,
-        size=args.raw_size,
-    )
-    shards.ShardStorage.prepare(root=root, splits=[split], **opts)
-    s = shards.ShardStorage(root, split, cold_cache=True, **opts)
-    return s, s.dir, time.perf_counter() - t0
+    storage.prepare(root, [args.split])
+    prep_s = time.perf_counter() - t0
+    return cfg, storage, Path(storage.open(root, args.split).store_root()), prep_s
 
 
-def make_backend(name: str):
-    """The decode backend as `backend=<name>` builds it (conf/backend/<name>.yaml)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    conf = Path(__file__).resolve().parents[2] / "conf" / "backend" / f"{name}.yaml"
-    return instantiate(OmegaConf.load(conf))
+def make_loader(cfg, storage, persistent: bool):
+    cfg.loader.persistent_workers = persistent
+    return product_loader(cfg, storage=storage)
 
 
-def make_loader(storage, args, persistent: bool):
-    return product_loader(
-        storage,
-        make_backend(args.backend),
-        RandomResizedCropFlip(args.crop),
-        batch_size=args.batch_size,
-        workers=args.workers,
-        persistent=persistent,
-        reuse=not args.no_reuse,
-    )
-
-
-def one_pass(storage, loader, cold: bool, epoch: int) -> dict:
+def one_pass(loader, cold: bool, epoch: int) -> dict:
+    reader = loader.dataset.reader
     if cold:
-        storage.before_epoch()  # evicts (cold_cache=True) and resets the read counters
+        reader.before_epoch()  # evicts (cold_cache=True) and resets the read counters
     else:
-        storage._stats.zero_()
+        reader._stats.zero_()
     rates = host_epoch(loader, epoch)
-    return {**rates, "read_mb_s": storage.epoch_stats()["read_mb_per_s"]}
+    return {**rates, "read_mb_s": reader.epoch_stats()["read_mb_per_s"]}
 
 
 def ffcv_rates(args, root: Path) -> list[dict]:
@@ -195,19 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root) if args.root else default_dataset()
     rows = []
     for name in args.stores.split(","):
-        storage, where, pack_s = open_store(name, root, args.split, args)
+        cfg, storage, where, pack_s = open_store(name, root, args)
         apparent, allocated = du_bytes(where)
-        on_ram = fs_type(storage.store_root()) in ("tmpfs", "ramfs")
+        on_ram = fs_type(where) in ("tmpfs", "ramfs")
         for mode in ("warm", "cold"):
             # Cold passes need fresh workers: a live worker's mmap pins the pages it mapped.
-            loader = make_loader(
-                storage, args, persistent=mode == "warm" and not args.fresh_workers
-            )
-            one_pass(storage, loader, cold=False, epoch=0)  # warm-up: page cache, workers
-            runs = [
-                one_pass(storage, loader, cold=mode == "cold", epoch=1 + r)
-                for r in range(args.repeats)
-            ]
+            loader = make_loader(cfg, storage, mode == "warm" and not args.fresh_workers)
+            one_pass(loader, cold=False, epoch=0)  # warm-up: page cache, workers
+            runs = [one_pass(loader, cold=mode == "cold", epoch=1 + r) for r in range(args.repeats)]
             ring = loader.ring_stats()
             loader.close()  # stops persistent workers
             row = {
@@ -219,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 "size_mb": apparent / 1e6,
                 "on_disk_mb": allocated / 1e6,
                 "prep_s": pack_s,
-                "images": len(storage),
+                "images": len(loader.dataset),
                 "epochs_img_s": [r["epoch_img_s"] for r in runs],
                 **ring,
             }

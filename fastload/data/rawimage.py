@@ -3,8 +3,9 @@
     b"FLRAW1" | height uint16 | width uint16 | channels uint8 | pad | H*W*C uint8 (HWC)
 
 A storage returns such bytes from `read(i)` like any encoded image; the dataset recognises
-the magic and skips the decode backend (there is nothing to decode), then applies the same
-uint8 transform to the stored image, so RandomResizedCrop keeps its semantics on it.
+the magic and skips the decode (there is nothing to decode): the backend's `load_pixels`
+applies the same uint8 transform to the stored image, so RandomResizedCrop keeps its
+semantics on it.
 """
 
 from __future__ import annotations
@@ -45,12 +46,7 @@ def to_image(data) -> Image.Image:
     return Image.frombuffer("RGB", (w, h), memoryview(data)[HEADER_SIZE:], "raw", "RGB", 0, 1)
 
 
-def load(data, transform, rng: np.random.Generator, backend=None) -> np.ndarray:
-    """Same contract as a backend's `load`: bytes -> transformed uint8 HWC array. A backend
-    with a `load_pixels(pixels, transform, rng)` method (turbo: OpenCV resize) does the crop
-    its own way; otherwise PIL, exactly as `backend=pil` crops a decoded image."""
-    if backend is not None and hasattr(backend, "load_pixels"):
-        h, w, c = shape(data)
-        pixels = np.frombuffer(memoryview(data)[HEADER_SIZE:], np.uint8).reshape(h, w, c)
-        return backend.load_pixels(pixels, transform, rng)
-    return np.array(transform(to_image(data), rng), dtype=np.uint8)
+def pixels(data) -> np.ndarray:
+    """The record's HWC uint8 pixels: a read-only view of `data` (no copy)."""
+    h, w, c = shape(data)
+    return np.frombuffer(memoryview(data)[HEADER_SIZE:], np.uint8).reshape(h, w, c)

@@ -17,16 +17,14 @@ import json
 import math
 import multiprocessing
 import os
-import shutil
-import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFilter
 
+from fastload.atomic import AlreadyBuilt, building
 from fastload.errors import ConfigError, DatasetError
 
 MANIFEST_NAME = "fastload-synthetic.json"
@@ -377,43 +375,6 @@ def _read_manifest(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _tmp_prefix(root: Path) -> str:
-    return f"{root.name}.tmp-"
-
-
-def _remove_stale_tmp(root: Path) -> None:
-    """Delete temp folders left by killed generations of this root.
-
-    Only folders from this host whose process is gone (or any older than a day, e.g. from
-    another node on a shared filesystem), so a concurrent generator is never robbed.
-    """
-    host = socket.gethostname()
-    prefix = _tmp_prefix(root)
-    try:
-        entries = list(root.parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.name.startswith(prefix) or not entry.is_dir():
-            continue
-        tag_host, _, tag_pid = entry.name[len(prefix) :].rpartition("-")
-        stale = False
-        if tag_host == host and tag_pid.isdigit():
-            try:
-                os.kill(int(tag_pid), 0)
-            except ProcessLookupError:
-                stale = True
-            except OSError:
-                pass  # exists but not ours to signal: treat as alive
-        else:
-            try:
-                stale = time.time() - entry.stat().st_mtime > 86400
-            except OSError:
-                pass
-        if stale:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
 def _check_existing(root: Path, params: dict) -> bool:
     """True if root already holds our dataset with these params; False if it is absent or
     empty; DatasetError otherwise."""
@@ -498,7 +459,8 @@ def ensure_synthetic_imagenet(
 
     A complete dataset is recognised by its manifest alone (written last), so a cache hit
     costs one small file read. Generation goes to a sibling temp folder renamed into place
-    at the end, so a killed run never leaves something that looks complete.
+    at the end (fastload/atomic.py), so a killed run never leaves something that looks
+    complete.
     """
     _validate(
         num_classes, train_per_class, val_per_class, seed, min_long_side, max_long_side, quality
@@ -523,49 +485,50 @@ def ensure_synthetic_imagenet(
             f"cannot create the synthetic dataset folder {root}: {e}; "
             "pass dataset.root=<a writable folder>"
         ) from e
-    _remove_stale_tmp(root)
-
-    tmp = root.parent / f"{_tmp_prefix(root)}{socket.gethostname()}-{os.getpid()}"
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        names = class_names(num_classes)
-        tasks = []
-        for split_id, (split, per_class) in enumerate(
-            zip(SPLITS, (train_per_class, val_per_class), strict=True)
-        ):
-            for label, name in enumerate(names):
-                folder = tmp / split / name
-                folder.mkdir(parents=True)
-                for i in range(per_class):
-                    path = str(folder / f"{name[: name.index('_')]}_{i:05d}.jpg")
-                    task = (path, params["seed"], split_id, label, i)
-                    tasks.append(task + (min_long_side, max_long_side, quality))
-        total_bytes = _run_tasks(tasks, workers, progress, root)
-        manifest = {
-            "params": params,
-            "num_files": len(tasks),
-            "total_bytes": total_bytes,
-            "splits": {"train": train_per_class * num_classes, "val": val_per_class * num_classes},
-            "classes": names,
-        }
-        # Manifest last: its presence is what marks the dataset complete.
-        with open(tmp / MANIFEST_NAME, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-        try:
-            os.rename(tmp, root)  # atomic; also replaces an empty root folder
-        except OSError:
-            # Lost a race with another process generating the same root (e.g. several DDP
-            # ranks): fine if theirs matches, and _check_existing raises if it does not.
-            if not _check_existing(root, params):
-                raise
+        with building(root) as tmp:
+            tasks = _tasks(tmp, params, min_long_side, max_long_side, quality)
+            total_bytes = _run_tasks(tasks, workers, progress, root)
+            manifest = {
+                "params": params,
+                "num_files": len(tasks),
+                "total_bytes": total_bytes,
+                "splits": {
+                    "train": train_per_class * num_classes,
+                    "val": val_per_class * num_classes,
+                },
+                "classes": class_names(num_classes),
+            }
+            # Manifest last: its presence is what marks the dataset complete.
+            with open(tmp / MANIFEST_NAME, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+    except AlreadyBuilt:
+        # Lost a race with another process generating the same root (e.g. several DDP
+        # ranks): fine if theirs matches, and _check_existing raises if it does not.
+        if not _check_existing(root, params):
+            raise
     except OSError as e:  # unwritable, disk full, ...: name the place and the way out
         raise DatasetError(
-            f"cannot write the synthetic dataset {root} (via {tmp}): {e}; "
+            f"cannot write the synthetic dataset {root}: {e}; "
             f"pass dataset.root=<a writable folder with space> or fix {root.parent}"
         ) from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def _tasks(tmp: Path, params: dict, min_long_side, max_long_side, quality) -> list[tuple]:
+    """One task per image file: (path, seed, split, label, index, sizes, quality)."""
+    tasks = []
+    n = params["num_classes"]
+    per_split = (params["train_per_class"], params["val_per_class"])
+    for split_id, (split, per_class) in enumerate(zip(SPLITS, per_split, strict=True)):
+        for label, name in enumerate(class_names(n)):
+            folder = tmp / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                path = str(folder / f"{name[: name.index('_')]}_{i:05d}.jpg")
+                task = (path, params["seed"], split_id, label, i)
+                tasks.append(task + (min_long_side, max_long_side, quality))
+    return tasks
 
 
 def _run_tasks(tasks: list[tuple], workers: int | None, progress: bool, root: Path) -> int:

@@ -18,8 +18,9 @@ import tempfile
 
 import numpy as np
 
+from fastload.decode.base import JpegOnlyBackend, load_with_box
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
-from fastload.decode.pil import JpegOnlyBackend, load_with_box, pillow_name
+from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
 FLIP_LEFT_RIGHT = 0  # PIL.Image.FLIP_LEFT_RIGHT, the only transpose accimage implements

@@ -20,12 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fastload.decode.base import DeferredSample, JpegOnlyBackend
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
-from fastload.decode.pil import JpegOnlyBackend, pillow_name
+from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
 
-class EncodedJpeg:
+class EncodedJpeg(DeferredSample):
     """A deferred sample: the JPEG bytes plus the crop that the device decoder will apply."""
 
     __slots__ = ("data", "box", "flip", "size")

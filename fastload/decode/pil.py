@@ -1,8 +1,5 @@
-"""backend=pil: decode with whichever Pillow is installed (plain or Pillow-SIMD).
-
-`open_rgb` is the reference decode of the project: every other backend falls back to it for
-what its own decoder cannot do (PNG, palette, CMYK, EXIF rotation, undecodable bytes), and
-the tests compare every backend against it.
+"""backend=pil: decode with whichever Pillow is installed (plain or Pillow-SIMD), through
+the project's reference decode `open_rgb` (fastload/decode/base.py).
 
 `draft=true` uses libjpeg's DCT-domain downscale through PIL's `Image.draft()`: the crop box
 is sampled on the full-resolution size from the header (same RNG draw, same box as without
@@ -16,10 +13,11 @@ import io
 
 import numpy as np
 import PIL
-from PIL import Image, ImageOps
+from PIL import Image
 
 from fastload.data.transforms import resized_crop
-from fastload.decode.jpeg_header import Counts, dct_scale, fallback_reason, jpeg_info
+from fastload.decode.base import DecodeBackend, open_rgb, reference_load
+from fastload.decode.jpeg_header import Counts, dct_scale
 
 
 def pillow_flavour() -> str:
@@ -31,48 +29,7 @@ def pillow_name() -> str:
     return f"{pillow_flavour()}-{PIL.__version__}"
 
 
-def open_rgb(data: bytes) -> Image.Image:
-    """Decode to an RGB image the way real datasets need: EXIF orientation applied,
-    grayscale / CMYK / palette / alpha converted to RGB."""
-    img = Image.open(io.BytesIO(data))
-    img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
-    return img if img.mode == "RGB" else img.convert("RGB")
-
-
-def reference_load(data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
-    """The PIL path: full decode, then the transform (which samples the box itself)."""
-    return np.array(transform(open_rgb(data), rng), dtype=np.uint8)
-
-
-def load_with_box(data: bytes, box, flip: bool, size: int) -> np.ndarray:
-    """The PIL path for a box already sampled on this image's full-resolution size (used
-    when a faster decoder fails after the RNG draw, so the crop stays the same)."""
-    return np.array(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)
-
-
-class JpegOnlyBackend:
-    """The shared front of the JPEG-only decoders (accimage, turbo, nvjpeg): read the header,
-    send what they cannot decode (not a JPEG, CMYK, EXIF-rotated) to PIL and count it, else
-    draw the crop once from the full-size header dimensions (the same box as every other
-    backend for the same RNG draw) and hand over to the subclass's
-    `load_jpeg(data, info, box, flip, transform)`."""
-
-    counts: Counts
-
-    def load(self, data: bytes, transform, rng: np.random.Generator):
-        info = jpeg_info(data)
-        reason = fallback_reason(info)
-        if reason is not None:
-            self.counts.add(f"decode_fallback_{reason}")
-            return reference_load(data, transform, rng)
-        box, flip = transform.sample(info.width, info.height, rng)
-        return self.load_jpeg(data, info, box, flip, transform)
-
-    def pop_counts(self) -> dict:
-        return self.counts.pop()
-
-
-class PILBackend:
+class PILBackend(DecodeBackend):
     """bytes -> transformed uint8 HWC array."""
 
     name = "pil"

@@ -36,12 +36,13 @@ import numpy as np
 from PIL import Image
 
 from fastload.data.transforms import resized_crop
+from fastload.decode.base import JpegOnlyBackend, load_with_box
 from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
     Counts,
     dct_scale,
 )
-from fastload.decode.pil import JpegOnlyBackend, load_with_box, pillow_name
+from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
 RESIZE_CHOICES = ("auto", "pil", "cv2")

@@ -19,7 +19,8 @@ Per loader, one side stream (timm#2781: a stream per epoch leaked memory). For e
    consumer's work on it is done even if the consumer uses the batch past step 1's reach
    (for example, keeps it beyond the next step).
 
-Normalisation happens here exactly once, on the GPU: loader.normalize_on=cpu is refused.
+Normalisation happens here exactly once, on the GPU: the builder refuses loader.normalize_on=cpu
+with this loader (`normalizes_on_device`).
 Nested batches (dicts, lists, tuples, with non-tensor entries such as `meta`) are mapped
 recursively; non-tensors pass through. Without CUDA the loader falls back to the baseline's
 same-thread transfer, says so once, and yields the same batches.
@@ -31,7 +32,6 @@ import logging
 
 import torch
 
-from fastload.errors import ConfigError
 from fastload.loaders.baseline import BaselineLoader
 from fastload.loaders.device_prep import map_tensors
 
@@ -42,15 +42,10 @@ _said_no_cuda = False
 class CudaPrefetchLoader(BaselineLoader):
     """loader=prefetch: one batch ahead, copied and converted on a side CUDA stream."""
 
-    def __init__(self, *args, normalize_on: str = "device", **kwargs):
-        if normalize_on != "device":
-            raise ConfigError(
-                f"loader.normalize_on={normalize_on!r} with a CUDA-prefetching loader: it "
-                f"normalises on the GPU, and normalising twice corrupts the input (timm#73). "
-                f"Use loader.normalize_on=device (the default), or loader=baseline / loader=bg "
-                f"for CPU-side normalisation."
-            )
-        super().__init__(*args, normalize_on=normalize_on, **kwargs)
+    normalizes_on_device = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         device = self.device_prep.device
         self.stream = None
         if device.type == "cuda" and torch.cuda.is_available():

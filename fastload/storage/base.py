@@ -1,16 +1,26 @@
-"""What every storage shares: read accounting across DataLoader workers, cold-cache eviction,
-and the factory hooks the engine calls (`prepare` once per node, `finish` at the end).
+"""The storage stage's contract: where the bytes of a sample come from. Storage never decodes.
 
-Read accounting: each process (main = slot 0, worker k = slot k + 1) adds its own bytes and
-seconds to its own row of a small shared-memory tensor, so no lock is needed and the main
-process can sum the rows after an epoch. The tensor crosses fork and spawn like any shared
-torch tensor; file handles and mmaps do not cross at all (see `__getstate__` of each store).
+Two objects per storage option (one module + one yaml each):
+
+* a `Storage`, built by conf/storage/<name>.yaml with its settings, held by the engine:
+    `prepare(root, splits)`  once per node (local rank 0) before training; the other ranks
+                             wait at a barrier (stage to tmpfs, pack a missing split, ...);
+    `open(root, split)`      -> the split's `Reader`;
+    `finish(root, splits)`   once per node at the end (e.g. remove a tmpfs staging);
+* a `Reader`, one per split, handed to the dataset and pickled into every DataLoader worker:
+    `len()`, `read(i)` -> (bytes, int target), `describe(i)` (where sample i lives, for
+    errors), `classes`, `targets`, and for cold-cache runs `store_files()` / `store_root()`.
+    Optional: `boxes(i)` (detection targets) and `read_pair(i)` (super-resolution pairs).
+
+Read accounting (`Reader`): each process (main = slot 0, worker k = slot k + 1) adds its own
+bytes and seconds to its own row of a small shared-memory tensor, so no lock is needed and
+the main process sums the rows after an epoch. The tensor crosses fork and spawn like any
+shared torch tensor; file handles and mmaps never cross (each reader's `_unpicklable`).
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 import logging
 import os
 import time
@@ -19,39 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastload.errors import StorageError
+from fastload.host import fs_type
+
 log = logging.getLogger("fastload")
 
 _SLOTS = 256
 _warned_tmpfs: set[str] = set()
-
-
-def call_hook(factory, name: str, **kwargs):
-    """Call an optional hook of a storage factory: `factory.<name>(**kwargs)` for an object,
-    or, for the `functools.partial` that `_partial_: true` builds, the class's classmethod
-    with the config's keywords added. Returns None when the storage has no such hook."""
-    if isinstance(factory, functools.partial):
-        hook = getattr(factory.func, name, None)
-        return None if hook is None else hook(**{**factory.keywords, **kwargs})
-    hook = getattr(factory, name, None)
-    return None if hook is None else hook(**kwargs)
-
-
-def fs_type(path: str | os.PathLike) -> str:
-    """The file system type of the mount holding `path` (longest /proc/mounts prefix)."""
-    path = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
-                    best, kind = mnt, parts[2]
-    except OSError:
-        pass
-    return kind
 
 
 def evict_page_cache(paths) -> int:
@@ -72,14 +56,57 @@ def evict_page_cache(paths) -> int:
     return total
 
 
-class StoreBase(abc.ABC):
-    """Mixin: read accounting + `before_epoch()` / `epoch_stats()` for the engine.
+class Reader(abc.ABC):
+    """One split of a store: `(bytes, target)` by index, plus read accounting and cold-cache
+    eviction for the engine (`before_epoch()` / `epoch_stats()`).
 
-    A subclass sets `self.cold_cache`, implements `store_files()` (what to evict) and
-    `store_root()` (for the tmpfs check), and wraps its reads in `self._account(n, t0)`.
-    """
+    A subclass calls `_init_stats()` in its constructor, sets `cold_cache`, and wraps its
+    reads in `self._account(nbytes, t0)`."""
 
     cold_cache: bool = False
+    _unpicklable: tuple[str, ...] = ()
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+    @abc.abstractmethod
+    def read(self, i: int) -> tuple[bytes, int]:
+        """Sample i's encoded image (bytes, or a read-only memoryview) and int target."""
+
+    @abc.abstractmethod
+    def describe(self, i: int) -> str:
+        """Where sample i lives (file, record), for error messages."""
+
+    @property
+    @abc.abstractmethod
+    def classes(self) -> tuple[str, ...]: ...
+
+    @property
+    @abc.abstractmethod
+    def targets(self) -> np.ndarray:
+        """int64 target of every sample (class index; COCO image id; DIV2K position)."""
+
+    @abc.abstractmethod
+    def store_files(self) -> list[str]:
+        """Every file of this split (what cold_cache evicts)."""
+
+    @abc.abstractmethod
+    def store_root(self) -> str:
+        """The folder the split lives in (tmpfs detection)."""
+
+    # -- optional parts ------------------------------------------------------------------
+
+    has_pairs = False
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Detection targets of sample i: boxes (n, 4) float32 x, y, w, h and labels (n,)."""
+        raise StorageError(f"{type(self).__name__} holds no boxes ({self.store_root()}).")
+
+    def read_pair(self, i: int) -> bytes:
+        """The paired record of sample i (DIV2K: the LR image)."""
+        raise StorageError(f"{type(self).__name__} holds no pairs ({self.store_root()}).")
+
+    # -- accounting ----------------------------------------------------------------------
 
     def _init_stats(self) -> None:
         self._stats = torch.zeros(_SLOTS, 2, dtype=torch.float64).share_memory_()
@@ -94,38 +121,33 @@ class StoreBase(abc.ABC):
         row[0] += nbytes
         row[1] += time.perf_counter() - t0
 
-    @abc.abstractmethod
-    def store_files(self) -> list[str]:
-        """Every file of this store (what cold_cache evicts)."""
-
-    @abc.abstractmethod
-    def store_root(self) -> str:
-        """The folder the store lives in (tmpfs detection)."""
-
     def before_epoch(self) -> None:
-        """Reset the read counters; with cold_cache, evict the store's files first."""
+        """Reset the read counters; with cold_cache, evict the split's files first."""
         if self.cold_cache:
-            root = self.store_root()
-            kind = fs_type(root)
-            if kind in ("tmpfs", "ramfs"):
-                if root not in _warned_tmpfs:
-                    _warned_tmpfs.add(root)
-                    log.warning(
-                        "storage.cold_cache=true: %s is on %s, where the data IS the page "
-                        "cache; nothing can be evicted, so this epoch reads from RAM.",
-                        root,
-                        kind,
-                    )
-            else:
-                t0 = time.perf_counter()
-                n = evict_page_cache(self.store_files())
-                log.info(
-                    "cold cache: evicted %.1f MB of %s from the page cache in %.2f s",
-                    n / 1e6,
-                    root,
-                    time.perf_counter() - t0,
-                )
+            self._evict()
         self._stats.zero_()
+
+    def _evict(self) -> None:
+        root = self.store_root()
+        kind = fs_type(root)
+        if kind in ("tmpfs", "ramfs"):
+            if root not in _warned_tmpfs:
+                _warned_tmpfs.add(root)
+                log.warning(
+                    "storage.cold_cache=true: %s is on %s, where the data IS the page cache; "
+                    "nothing can be evicted, so this epoch reads from RAM.",
+                    root,
+                    kind,
+                )
+            return
+        t0 = time.perf_counter()
+        n = evict_page_cache(self.store_files())
+        log.info(
+            "cold cache: evicted %.1f MB of %s from the page cache in %.2f s",
+            n / 1e6,
+            root,
+            time.perf_counter() - t0,
+        )
 
     def epoch_stats(self) -> dict:
         """Bytes read since `before_epoch()` and the time spent inside reads (summed over
@@ -141,14 +163,30 @@ class StoreBase(abc.ABC):
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_stats_np"] = None
-        for key in getattr(self, "_unpicklable", ()):
+        for key in self._unpicklable:
             state[key] = None
         return state
 
 
-class PackedStore(StoreBase):
-    """The storage contract of a packed store (LMDB, shards): targets held in `_targets`,
-    class names in the pack's metadata `meta["classes"]`."""
+class Storage(abc.ABC):
+    """What conf/storage/<name>.yaml builds: the store's settings and its once-per-node steps."""
+
+    def prepare(self, root: str | os.PathLike, splits: list[str]) -> None:
+        """Once per node, before any `open`: make the splits readable (default: nothing)."""
+        return None
+
+    @abc.abstractmethod
+    def open(self, root: str | os.PathLike, split: str) -> Reader:
+        """The reader of one split of the dataset at `root`."""
+
+    def finish(self, root: str | os.PathLike, splits: list[str]) -> None:
+        """Once per node after training (default: nothing)."""
+        return None
+
+
+class PackedReader(Reader):
+    """A packed split (LMDB, shards): targets held in `_targets`, class names in the pack's
+    metadata `meta["classes"]`."""
 
     meta: dict
     _targets: np.ndarray
@@ -163,26 +201,6 @@ class PackedStore(StoreBase):
     @property
     def targets(self) -> np.ndarray:
         return self._targets
-
-    @staticmethod
-    def pack_missing(fmt: str, root, pack_root: Path, splits, marker: str, **options) -> None:
-        """The engine's `prepare` with auto_pack: pack each split of ROOT whose pack under
-        pack_root lacks `marker` (the file a pack writes last), with `python -m fastload.pack
-        <fmt>`'s options."""
-        from fastload.pack import pack_split
-
-        for split in dict.fromkeys(splits):
-            if (pack_root / split / marker).is_file():
-                continue
-            t0 = time.perf_counter()
-            pack_split(fmt, Path(root) / split, pack_root / split, **options)
-            log.info(
-                "packed %s/%s into %s in %.1f s",
-                root,
-                split,
-                pack_root / split,
-                time.perf_counter() - t0,
-            )
 
 
 def dir_files(root: str | os.PathLike) -> list[str]:

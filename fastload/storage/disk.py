@@ -6,14 +6,14 @@ import os
 import time
 
 from fastload.data.folder import FolderIndex, index_image_folder
-from fastload.storage.base import StoreBase
+from fastload.storage.base import Reader, Storage
 
 
-class DiskStorage(StoreBase):
-    """`(bytes, target)` for an index of an ImageFolder split; never decodes."""
+class DiskReader(Reader):
+    """`(bytes, target)` for an index of an ImageFolder split folder; never decodes."""
 
-    def __init__(self, root: str | os.PathLike, split: str, cold_cache: bool = False):
-        self.index: FolderIndex = index_image_folder(os.path.join(root, split))
+    def __init__(self, split_dir: str | os.PathLike, cold_cache: bool = False):
+        self.index: FolderIndex = index_image_folder(split_dir)
         self.cold_cache = bool(cold_cache)
         self._init_stats()
 
@@ -29,7 +29,6 @@ class DiskStorage(StoreBase):
         return self.index.targets
 
     def describe(self, i: int) -> str:
-        """Where sample i lives, for error messages."""
         return str(self.index.path(i))
 
     def store_root(self) -> str:
@@ -44,3 +43,14 @@ class DiskStorage(StoreBase):
             data = f.read()
         self._account(len(data), t0)
         return data, int(self.index.targets[i])
+
+
+class DiskStorage(Storage):
+    """The files in place: `<root>/<split>/<class>/<image>`."""
+
+    def __init__(self, cold_cache: bool = False):
+        # Evict the split's pages from the page cache before each epoch (measure the disk).
+        self.cold_cache = bool(cold_cache)
+
+    def open(self, root, split: str) -> DiskReader:
+        return DiskReader(os.path.join(root, split), cold_cache=self.cold_cache)

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from fastload.errors import StorageError
-from fastload.storage.base import PackedStore
+from fastload.storage.base import PackedReader
+from fastload.storage.packing import PackedStorage
 
 log = logging.getLogger("fastload")
 
@@ -136,12 +137,16 @@ class LmdbWriter:
         self,
         data: bytes,
         target: int,
-        path: str = "",
         *,
+        height: int = 0,
+        width: int = 0,
+        path: str = "",
         boxes=None,
         labels=None,
         pair: bytes | None = None,
+        pair_hw=(0, 0),
     ) -> None:
+        """One record (sizes are not stored: LMDB values are decoded like files)."""
         i = len(self.targets)
         self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + data))
         if boxes is not None:
@@ -203,46 +208,23 @@ class LmdbWriter:
         return meta
 
 
-def default_path(root, max_side, quality) -> str:
-    tag = f"{max_side}px-q{quality}" if max_side else "orig"
-    return f"{str(root).rstrip('/')}.packs/lmdb-{tag}"
-
-
-class LmdbStorage(PackedStore):
-    """`(bytes, target)` from an LMDB pack; the environment opens on first read."""
+class LmdbReader(PackedReader):
+    """`(bytes, target)` from one split's LMDB; the environment opens on first read."""
 
     _unpicklable = ("_txn",)
 
-    def __init__(
-        self,
-        root,
-        split,
-        path=None,
-        max_side=None,
-        quality=90,
-        verify=True,
-        auto_pack=True,
-        cold_cache=False,
-    ):
-        self.pack_root = Path(path or default_path(root, max_side, quality))
-        self.dir = self.pack_root / split
+    def __init__(self, split_dir, verify: bool = True, cold_cache: bool = False):
+        self.dir = Path(split_dir)
         self.verify = bool(verify)
         self.cold_cache = bool(cold_cache)
         self._txn = None
         self._txn_pid = None
-        if not (self.dir / "data.mdb").is_file():
-            opts = f" --max-side {max_side} --quality {quality}" if max_side else ""
-            raise StorageError(
-                f"no LMDB pack at {self.dir} (storage=lmdb, storage.path="
-                f"{path or 'null, derived from dataset.root'}). Pack it with:\n  python -m "
-                f"fastload.pack lmdb {root} {self.pack_root}{opts}\nor set storage.auto_pack=true."
-            )
         txn = self._begin()
         raw_meta = txn.get(META_KEY)
         if raw_meta is None:
             raise StorageError(
                 f"{self.dir} has no {META_KEY.decode()} record: the pack is incomplete "
-                f"(interrupted?). Delete {self.pack_root} and re-pack."
+                f"(interrupted?). Delete {self.dir} and re-pack."
             )
         self.meta = json.loads(raw_meta)
         if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
@@ -311,11 +293,42 @@ class LmdbStorage(PackedStore):
     def store_files(self) -> list[str]:
         return [str(self.dir / "data.mdb")]
 
-    @classmethod
-    def prepare(cls, *, root, splits, path=None, max_side=None, quality=90, auto_pack=True, **_):
-        if not auto_pack:
-            return
-        pack_root = Path(path or default_path(root, max_side, quality))
-        cls.pack_missing(
-            "lmdb", root, pack_root, splits, "data.mdb", max_side=max_side, quality=quality
+
+class LmdbStorage(PackedStorage):
+    """storage=lmdb: one LMDB environment per split (python -m fastload.pack lmdb)."""
+
+    format, marker, name = "lmdb", "data.mdb", "lmdb"
+
+    def __init__(
+        self,
+        path=None,
+        max_side=None,
+        quality=90,
+        verify=True,
+        auto_pack=True,
+        cold_cache=False,
+        initial_map_size: int = 64 << 20,
+    ):
+        super().__init__(path=path, verify=verify, auto_pack=auto_pack, cold_cache=cold_cache)
+        self.max_side, self.quality = max_side, int(quality)
+        self.initial_map_size = int(initial_map_size)
+
+    def default_path(self, root) -> str:
+        tag = f"{self.max_side}px-q{self.quality}" if self.max_side else "orig"
+        return f"{str(root).rstrip('/')}.packs/lmdb-{tag}"
+
+    def writer(self, folder: Path) -> LmdbWriter:
+        return LmdbWriter(folder, initial_map_size=self.initial_map_size)
+
+    def reader(self, split_dir: Path) -> LmdbReader:
+        return LmdbReader(split_dir, verify=self.verify, cold_cache=self.cold_cache)
+
+    def pack_options(self) -> dict:
+        return {"kind": "jpeg", "max_side": self.max_side, "quality": self.quality}
+
+    def cli_options(self) -> list[str]:
+        return (
+            ["--max-side", str(self.max_side), "--quality", str(self.quality)]
+            if self.max_side
+            else []
         )

@@ -44,14 +44,15 @@ import numpy as np
 import xxhash
 
 from fastload.errors import StorageError
-from fastload.storage.base import PackedStore
+from fastload.storage.base import PackedReader
+from fastload.storage.packing import KINDS, PackedStorage
 
 log = logging.getLogger("fastload")
 
 FORMAT = "fastload-shards"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
-KINDS = ("jpeg", "raw")
+
 INDEX_DTYPE = np.dtype(
     [
         ("shard", "<u4"),
@@ -210,59 +211,16 @@ class ShardWriter:
         return meta
 
 
-def pack_command(kind: str, root, path, **params) -> str:
-    opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in params.items() if v is not None)
-    return f"python -m fastload.pack shards {root} {path} --kind {kind} {opts}".rstrip()
-
-
-def default_path(root, kind: str, max_side, quality, size) -> str:
-    if kind == "raw":
-        tag = f"raw-{size}px"
-    elif max_side:
-        tag = f"jpeg-{max_side}px-q{quality}"
-    else:
-        tag = "jpeg-orig"
-    return f"{os.fspath(root).rstrip('/')}.packs/shards-{tag}"
-
-
-class ShardStorage(PackedStore):
-    """Reads `(bytes, target)` from a shard pack; never decodes."""
+class ShardReader(PackedReader):
+    """Reads `(bytes, target)` from one split's shard pack; never decodes."""
 
     _unpicklable = ("_maps", "_index", "_boxes", "_labels", "_pairs")
 
-    def __init__(
-        self,
-        root,
-        split: str,
-        path: str | None = None,
-        kind: str = "jpeg",
-        max_side: int | None = None,
-        quality: int = 90,
-        size: int = 256,
-        shard_mb: int = 1024,
-        verify: bool = True,
-        auto_pack: bool = True,
-        cold_cache: bool = False,
-    ):
-        self.pack_root = Path(path or default_path(root, kind, max_side, quality, size))
-        self.dir = self.pack_root / split
+    def __init__(self, split_dir, verify: bool = True, cold_cache: bool = False):
+        self.dir = Path(split_dir)
         self.verify = bool(verify)
         self.cold_cache = bool(cold_cache)
         meta_path = self.dir / "meta.json"
-        if not meta_path.is_file():
-            raise StorageError(
-                f"no shard pack at {self.dir} (storage=shards, storage.path="
-                f"{path or 'null, derived from dataset.root'}). Pack it with:\n  "
-                + pack_command(
-                    kind,
-                    root,
-                    self.pack_root,
-                    max_side=max_side,
-                    quality=quality if max_side and kind == "jpeg" else None,
-                    size=size if kind == "raw" else None,
-                )
-                + "\nor set storage.auto_pack=true to pack on first use."
-            )
         self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
         if self.meta.get("format") != FORMAT or self.meta.get("version") not in READABLE_VERSIONS:
             raise StorageError(
@@ -286,7 +244,7 @@ class ShardStorage(PackedStore):
         if len(index) != self.meta["count"]:
             raise StorageError(
                 f"{self.dir / 'index.npy'} has {len(index)} records, meta.json says "
-                f"{self.meta['count']}: the pack is incomplete; delete {self.pack_root} and re-pack."
+                f"{self.meta['count']}: the pack is incomplete; delete {self.dir} and re-pack."
             )
         self._targets = np.array(index["target"], dtype=np.int64)
         self._index = None
@@ -304,7 +262,7 @@ class ShardStorage(PackedStore):
             except FileNotFoundError:
                 raise StorageError(
                     f"shard {f} is missing ({s['bytes']} bytes expected); the pack at "
-                    f"{self.pack_root} is incomplete: delete it and re-pack."
+                    f"{self.dir} is incomplete: delete it and re-pack."
                 ) from None
             if have != s["bytes"]:
                 if index is None:
@@ -321,7 +279,7 @@ class ShardStorage(PackedStore):
                 raise StorageError(
                     f"shard {f} is {'truncated' if have < s['bytes'] else 'longer than packed'}: "
                     f"{have} bytes on disk, {s['bytes']} expected{first}. Delete "
-                    f"{self.pack_root} and re-pack (python -m fastload.pack shards ...)."
+                    f"{self.dir} and re-pack (python -m fastload.pack shards ...)."
                 )
 
     # -- the storage contract ---------------------------------------------------------------
@@ -369,7 +327,7 @@ class ShardStorage(PackedStore):
         if self.verify and self._check_fn(data) != int(row[self._check_col]):
             raise StorageError(
                 f"corrupt record: {self.describe(i)} fails its {self.check_name} check. The shard file is "
-                f"damaged; run `python -m fastload.pack verify {self.pack_root}` and re-pack."
+                f"damaged; run `python -m fastload.pack verify {self.dir}` and re-pack."
             )
         # Accounted after the checksum: for a raw view that pass is what pages the record in
         # (with verify=false a raw read is only a view and its "read time" is ~0).
@@ -410,7 +368,7 @@ class ShardStorage(PackedStore):
         if self.verify and self._check_fn(data) != int(row[self._check_col]):
             raise StorageError(
                 f"corrupt paired record of {self.describe(i)} fails its {self.check_name} check; run "
-                f"`python -m fastload.pack verify {self.pack_root}` and re-pack."
+                f"`python -m fastload.pack verify {self.dir}` and re-pack."
             )
         return data
 
@@ -424,37 +382,61 @@ class ShardStorage(PackedStore):
             str(self.dir / "index.npy")
         ]
 
-    @classmethod
-    def prepare(
-        cls,
-        *,
-        root,
-        splits,
+
+class ShardStorage(PackedStorage):
+    """storage=shards: large memory-mapped shard files per split (python -m fastload.pack
+    shards), holding the source JPEGs, re-encoded smaller JPEGs, or decoded pixels."""
+
+    format, marker, name = "shards", "meta.json", "shards"
+
+    def __init__(
+        self,
         path=None,
-        kind="jpeg",
-        max_side=None,
-        quality=90,
-        size=256,
-        shard_mb=1024,
-        auto_pack=True,
-        **_,
+        kind: str = "jpeg",
+        max_side: int | None = None,
+        quality: int = 90,
+        size: int = 256,
+        shard_mb: int = 1024,
+        verify: bool = True,
+        auto_pack: bool = True,
+        cold_cache: bool = False,
     ):
-        """Once per node before training: pack the missing splits (auto_pack) or refuse."""
-        if not auto_pack:
-            return
-        pack_root = Path(path or default_path(root, kind, max_side, quality, size))
-        cls.pack_missing(
-            "shards",
-            root,
-            pack_root,
-            splits,
-            "meta.json",
-            kind=kind,
-            max_side=max_side,
-            quality=quality,
-            size=size,
-            shard_mb=shard_mb,
-        )
+        if kind not in KINDS:
+            raise StorageError(f"storage.kind={kind!r}: use one of {', '.join(KINDS)}.")
+        super().__init__(path=path, verify=verify, auto_pack=auto_pack, cold_cache=cold_cache)
+        self.kind, self.max_side, self.quality = kind, max_side, int(quality)
+        self.size, self.shard_mb = int(size), int(shard_mb)
+
+    def default_path(self, root) -> str:
+        if self.kind == "raw":
+            tag = f"raw-{self.size}px"
+        elif self.max_side:
+            tag = f"jpeg-{self.max_side}px-q{self.quality}"
+        else:
+            tag = "jpeg-orig"
+        return f"{os.fspath(root).rstrip('/')}.packs/shards-{tag}"
+
+    def writer(self, folder: Path) -> ShardWriter:
+        return ShardWriter(folder, self.kind, shard_bytes=self.shard_mb << 20)
+
+    def reader(self, split_dir: Path) -> ShardReader:
+        return ShardReader(split_dir, verify=self.verify, cold_cache=self.cold_cache)
+
+    def pack_options(self) -> dict:
+        return {
+            "kind": self.kind,
+            "max_side": self.max_side if self.kind == "jpeg" else None,
+            "quality": self.quality,
+            "size": self.size,
+        }
+
+    def cli_options(self) -> list[str]:
+        opts = ["--kind", self.kind]
+        if self.kind == "raw":
+            return opts + ["--size", str(self.size)]
+        if self.max_side:
+            opts += ["--max-side", str(self.max_side), "--quality", str(self.quality)]
+        return opts
 
 
 def verify_pack(split_dir) -> list[str]:

@@ -8,10 +8,10 @@
          against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
          refuse with the numbers and the fix when the dataset does not fit;
       4. copy in parallel (threads: the copy is I/O and syscalls, the GIL is released) into
-         <target_dir>/.staging-<name>-<pid>, with a progress bar;
+         a temporary sibling folder (fastload/atomic.py), with a progress bar;
       5. verify the copy against the manifest, write the manifest, rename into place.
-    An interrupted copy leaves only a .staging-* folder, which is never read and is removed
-    by the next run (when its process is gone).
+    An interrupted copy leaves only the temporary folder, which is never read and is removed
+    by the next run on this host (when its process is gone).
 
 The storage itself is storage=disk on the staged folder: identical bytes, order and targets.
 """
@@ -28,10 +28,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
-
+from fastload.atomic import building
 from fastload.errors import StorageError
-from fastload.storage.disk import DiskStorage
+from fastload.host import available_ram, memory_limit_available, size_text
+from fastload.storage.base import Storage
+from fastload.storage.disk import DiskReader
 
 log = logging.getLogger("fastload")
 
@@ -80,37 +81,13 @@ def _matches(folder: Path, manifest: dict) -> bool:
         return False
 
 
-def memory_limit_available() -> int | None:
-    """Bytes the container may still allocate (cgroup v2 or v1), or None without a limit."""
-    for limit_f, usage_f in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        try:
-            limit = Path(limit_f).read_text().strip()
-            usage = int(Path(usage_f).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or int(limit) >= 1 << 60:
-            return None
-        return int(limit) - usage
-    return None
-
-
 def room(target_dir: Path) -> dict:
     """What limits a copy into target_dir (each in bytes; None = no such limit)."""
     return {
         "free space": shutil.disk_usage(target_dir).free,
-        "available RAM": psutil.virtual_memory().available,
+        "available RAM": available_ram(),
         "container memory limit headroom": memory_limit_available(),
     }
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
@@ -119,31 +96,15 @@ def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
     short = {k: v for k, v in limits.items() if v is not None and v < need + reserve}
     if not short:
         return
-    have = ", ".join(f"{k} {_size(v)}" for k, v in limits.items() if v is not None)
+    have = ", ".join(f"{k} {size_text(v)}" for k, v in limits.items() if v is not None)
     raise StorageError(
-        f"storage=tmpfs: the dataset {root} needs {_size(need)} (+{_size(reserve)} "
+        f"storage=tmpfs: the dataset {root} needs {size_text(need)} (+{size_text(reserve)} "
         f"kept free: storage.reserve_gb) in {target_dir}, but {have}; short on: "
         f"{', '.join(short)}. Fixes: grow the tmpfs (`mount -o remount,size=<N>G {target_dir}`, "
         f"or in Docker `--shm-size=<N>g`; scripts/stage_tmpfs.sh mounts one), point "
         f"storage.target_dir at a larger tmpfs, train on a subset, or use storage=disk / "
         f"storage=shards (kind=jpeg with max_side=256 stores several times less)."
     )
-
-
-def _remove_stale(target_dir: Path, name: str) -> None:
-    for entry in target_dir.glob(f".staging-{name}-*"):
-        pid = entry.name.rsplit("-", 1)[-1]
-        alive = True
-        if pid.isdigit():
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                alive = False
-            except OSError:
-                pass
-        if not alive:
-            log.info("removing an interrupted staging %s", entry)
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 def copy_files(src_root: Path, dst_root: Path, files, threads: int, progress: bool) -> None:
@@ -190,7 +151,6 @@ def stage(
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
-    _remove_stale(target_dir, name)
     need = sum(-(-size // PAGE) * PAGE for _, size in manifest["files"])
     old = final if final.exists() else None  # an outdated or damaged copy: replaced below
     freed = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old else 0
@@ -200,10 +160,8 @@ def stage(
             "storage=tmpfs: %s does not match %s (changed or incomplete): re-staging", final, root
         )
         shutil.rmtree(final)
-    tmp = target_dir / f".staging-{name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
-    try:
+    with building(final) as tmp:
         copy_files(root, tmp, manifest["files"], threads, progress)
         bad = [rel for rel, size in manifest["files"] if os.stat(tmp / rel).st_size != size]
         if bad:
@@ -212,9 +170,6 @@ def stage(
                 f"copying (first: {bad[0]}); was the source modified during the copy? Retry."
             )
         (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
-        os.rename(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     dt = time.perf_counter() - t0
     log.info(
         "storage=tmpfs: staged %d files (%.1f MB) into %s in %.1f s (%.0f MB/s)",
@@ -227,36 +182,44 @@ def stage(
     return final
 
 
-class TmpfsStorage(DiskStorage):
-    """storage=disk over the staged copy (staged by `prepare` before the loaders exist)."""
+class TmpfsStorage(Storage):
+    """storage=disk over a copy staged into a RAM-backed folder by `prepare`."""
 
-    def __init__(self, root, split, target_dir="/dev/shm/fastload", cold_cache=False, **_):
-        final = staged_root(root, target_dir)
+    def __init__(
+        self,
+        target_dir: str = "/dev/shm/fastload",
+        threads: int = 8,
+        reserve_gb: float = 1.0,
+        cleanup: bool = False,
+        progress: bool = True,
+        cold_cache: bool = False,
+    ):
+        self.target_dir = target_dir
+        self.threads, self.reserve_gb = int(threads), float(reserve_gb)
+        self.cleanup, self.progress, self.cold_cache = bool(cleanup), bool(progress), cold_cache
+
+    def prepare(self, root, splits) -> None:
+        stage(
+            root,
+            splits,
+            self.target_dir,
+            threads=self.threads,
+            reserve_gb=self.reserve_gb,
+            progress=self.progress,
+        )
+
+    def open(self, root, split: str) -> DiskReader:
+        final = staged_root(root, self.target_dir)
         if not (final / MANIFEST).is_file():
             raise StorageError(
                 f"storage=tmpfs: {final} holds no complete staged copy of {root}. The engine "
                 f"stages it before training (TmpfsStorage.prepare); from Python call "
-                f"fastload.storage.tmpfs.stage({str(root)!r}, splits, {str(target_dir)!r})."
+                f"fastload.storage.tmpfs.stage({str(root)!r}, splits, {str(self.target_dir)!r})."
             )
-        super().__init__(final, split, cold_cache=cold_cache)
+        return DiskReader(final / split, cold_cache=self.cold_cache)
 
-    @classmethod
-    def prepare(
-        cls,
-        *,
-        root,
-        splits,
-        target_dir="/dev/shm/fastload",
-        threads=8,
-        reserve_gb=1.0,
-        progress=True,
-        **_,
-    ):
-        stage(root, splits, target_dir, threads=threads, reserve_gb=reserve_gb, progress=progress)
-
-    @classmethod
-    def finish(cls, *, root, target_dir="/dev/shm/fastload", cleanup=False, **_):
-        if cleanup:
-            final = staged_root(root, target_dir)
+    def finish(self, root, splits) -> None:
+        if self.cleanup:
+            final = staged_root(root, self.target_dir)
             shutil.rmtree(final, ignore_errors=True)
             log.info("storage.cleanup=true: removed the staged copy %s", final)

@@ -30,7 +30,7 @@ torch does, counted as a miss: correctness never depends on the slot count. `res
 (before each epoch's iterator exists, and after it is exhausted) frees WORKER slots that an
 abandoned epoch left behind;
 CONSUMER slots stay until their batches are dropped. Without torch's storage use count
-(`torch._C._storage_Use_Count`, private) the consumer gets a private copy and the slot is
+(private: fastload/torch_internals.py) the consumer gets a private copy and the slot is
 freed at once.
 
 Ordering: pixels written by a worker reach the main process after a pipe write (the result
@@ -41,15 +41,22 @@ decrement) and then stored FREE.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import logging
 import weakref
 
 import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastload.host import MB, SHM, shm_bytes
+from fastload.loaders.checks import SHM_FIX
+from fastload.torch_internals import has_use_count, new_shared_storage, use_count
+
+log = logging.getLogger("fastload.loaders")
+
 FREE, WORKER, CONSUMER = 0, 1, 2
-_use_count = getattr(torch._C, "_storage_Use_Count", None)
 # The rings of this (main) process by token, for RingSlot.pin_memory in the pin thread.
 _RINGS: dict[int, weakref.ref] = {}
 _TOKENS = itertools.count()
@@ -84,8 +91,7 @@ class BatchRing:
             int(slot_bytes),
         )
         self.storages = [
-            torch.UntypedStorage._new_shared(self.slot_bytes)
-            for _ in range(self.num_workers * self.slots)
+            new_shared_storage(self.slot_bytes) for _ in range(self.num_workers * self.slots)
         ]
         self.state = torch.zeros(self.num_workers, self.slots, dtype=torch.int32).share_memory_()
         # Per worker: batches stacked into a slot (hits) and into a fresh segment (misses).
@@ -149,12 +155,12 @@ class BatchRing:
 
     def reclaim(self) -> int:
         """Free the consumer's slots that nothing references any more; returns how many."""
-        if _use_count is None:
+        if not has_use_count():
             return 0
         state, _ = self._views()
         freed = 0
         for w, s in zip(*np.nonzero(state == CONSUMER), strict=True):
-            if _use_count(self.storages[w * self.slots + s]._cdata) <= 1:  # the ring's own
+            if use_count(self.storages[w * self.slots + s]) <= 1:  # the ring's own
                 state[w, s] = FREE
                 freed += 1
         return freed
@@ -165,7 +171,7 @@ class BatchRing:
         copy, after which the slot is free at once."""
         state, _ = self._views()
         view = self._tensor(ref.worker, ref.slot, ref.shape, ref.stride, ref.dtype)
-        if pin_memory or _use_count is None:
+        if pin_memory or not has_use_count():
             out = torch.empty_like(view, pin_memory=pin_memory)  # same (channels_last) strides
             out.copy_(view)
             state[ref.worker, ref.slot] = FREE
@@ -186,3 +192,50 @@ class BatchRing:
         """Batches stacked into a slot (hits) and into a fresh segment (misses), summed."""
         hits, misses = (int(v) for v in self.counters.sum(0))
         return {"ring_hits": hits, "ring_misses": misses}
+
+
+class LoaderSlots:
+    """A loader's batch slots over its epochs: sized at construction, allocated at the first
+    epoch (a loader never iterated costs nothing), wired into the DataLoader's collate, and
+    released with `close()` (after each epoch when workers are not persistent, so the eval
+    loader's slots do not sit in /dev/shm while training runs). Counts hits and misses over
+    every epoch."""
+
+    def __init__(self, num_workers: int, slots: int, slot_bytes: int):
+        self.num_workers, self.slots, self.slot_bytes = num_workers, slots, slot_bytes
+        self.ring: BatchRing | None = None
+        self._totals = {"ring_hits": 0, "ring_misses": 0}
+
+    def open(self, dataloader, collate) -> BatchRing | None:
+        """The slots (allocated if needed, before the workers start); None when /dev/shm
+        has no room for them (this epoch then uses a new shared segment per batch)."""
+        if self.ring is not None:
+            return self.ring
+        nbytes = self.num_workers * self.slots * self.slot_bytes
+        shm = shm_bytes()
+        if shm is not None and nbytes > shm[1] // 2:
+            log.warning(
+                "loader.reuse_batch_memory: %d MB of batch slots would take more than half of "
+                "the %d MB free in %s; this epoch falls back to a new shared segment per "
+                "batch. %s",
+                nbytes // MB,
+                shm[1] // MB,
+                SHM,
+                SHM_FIX,
+            )
+            return None
+        self.ring = BatchRing(self.num_workers, self.slots, self.slot_bytes)
+        dataloader.collate_fn = functools.partial(collate, ring=self.ring)
+        return self.ring
+
+    def close(self, dataloader, collate) -> None:
+        """Drop the slots (batches the consumer still holds keep their own slot alive)."""
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            for k, v in ring.stats().items():
+                self._totals[k] += v
+            dataloader.collate_fn = collate
+
+    def stats(self) -> dict:
+        now = self.ring.stats() if self.ring is not None else {}
+        return {k: v + now.get(k, 0) for k, v in self._totals.items()}

@@ -1,0 +1,88 @@
+"""Build a folder under a temporary name beside its final place, then rename it into place.
+
+Packs, tmpfs staging and the synthetic dataset are all made this way, so a killed or failed
+build never leaves something that looks complete: readers only ever see the final name,
+which appears in one `rename`.
+
+The temporary folder is `.<name>.tmp-<host>-<pid>` next to the final one (same file system,
+so the rename is atomic). Before building, temporary folders of the same name left by dead
+processes are removed, but only those of *this* host: on a shared file system another node's
+pid means nothing here, and a node auto-packing beside us must not lose its folder. Folders of
+other hosts are removed only once they have not changed for `stale_after_s` (a day).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastload.host import hostname, pid_alive
+
+DAY_S = 86400.0
+
+
+class AlreadyBuilt(FileExistsError):
+    """Another process put a complete folder at the final name while we were building."""
+
+
+def temp_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def temp_path(final: Path, host: str | None = None, pid: int | None = None) -> Path:
+    host = hostname() if host is None else host
+    pid = os.getpid() if pid is None else pid
+    return final.parent / f"{temp_prefix(final)}{host}-{pid}"
+
+
+def is_stale(entry: Path, final: Path, stale_after_s: float = DAY_S) -> bool:
+    """A temporary folder of `final` whose builder is gone (see the module doc)."""
+    tag = entry.name[len(temp_prefix(final)) :]
+    host, _, pid = tag.rpartition("-")
+    if host == hostname() and pid.isdigit():
+        return not pid_alive(int(pid))
+    try:
+        return time.time() - entry.stat().st_mtime > stale_after_s
+    except OSError:
+        return False
+
+
+def remove_stale(final: Path, stale_after_s: float = DAY_S) -> list[Path]:
+    """Remove the stale temporary folders of `final`; returns what was removed."""
+    removed = []
+    try:
+        entries = list(final.parent.glob(f"{temp_prefix(final)}*"))
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.is_dir() and is_stale(entry, final, stale_after_s):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def building(final: str | os.PathLike) -> Iterator[Path]:
+    """`with building(final) as tmp:` fill `tmp`; on a clean exit it is renamed to `final`
+    (an empty folder at `final` is replaced). On any error, or when another process
+    completed `final` first (`AlreadyBuilt`), `tmp` is removed and `final` is untouched."""
+    final = Path(final).absolute()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(final)
+    tmp = temp_path(final)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if final.exists():
+                raise AlreadyBuilt(f"{final} appeared while it was being built") from exc
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""The decode stage's contract: bytes -> the transformed uint8 image a worker collates.
+
+A backend (one module + one conf/backend/<name>.yaml) is a `DecodeBackend`:
+
+    load(data, transform, rng)    required: encoded bytes -> uint8 HWC numpy array, cropped
+                                  and flipped by `transform` with the sample's `rng` (the box
+                                  comes from `transform.sample(width, height, rng)`, so every
+                                  backend crops the same box for the same draw); or a
+                                  `DeferredSample` when the decode happens in device prep;
+    info()                        required: what actually decodes, for the run's records
+                                  ({"decoder": "simplejpeg-1.8", "decoder_fallback": ...});
+    pop_counts()                  optional: per-sample counters since the last call
+                                  ({"decode_fallback_cmyk": 1, ...}), summed per batch;
+    load_pixels(pixels, transform, rng)
+                                  optional: already-decoded HWC pixels (raw-pixel shards)
+                                  -> the same crop, resized this backend's way (default: PIL);
+    device_decoder                optional: a callable (cpu_images, encoded, device) -> uint8
+                                  NCHW batch on `device`, set by backends whose `load` returns
+                                  `DeferredSample`s (backend=nvjpeg); None otherwise.
+
+`open_rgb` is the project's reference decode: every backend falls back to it for what its
+own decoder cannot do (PNG, palette, CMYK, EXIF rotation, undecodable bytes), and the tests
+compare every backend against it. `JpegOnlyBackend` is the shared front of the decoders that
+read JPEG only (accimage, turbo, nvjpeg).
+"""
+
+from __future__ import annotations
+
+import abc
+import io
+from collections.abc import Callable
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from fastload.data.transforms import resized_crop
+from fastload.decode.jpeg_header import Counts, fallback_reason, jpeg_info
+
+
+class DeferredSample(abc.ABC):
+    """A sample a backend leaves encoded for device prep to decode (backend=nvjpeg). The
+    worker's collate batches a batch's deferred samples with their class's `collate`, under
+    the batch key "encoded" (fastload/data/batch.py)."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def collate(samples: list, positions: list[int]) -> dict:
+        """The batch form of `samples`, which sit at `positions` within their batch."""
+
+
+DeviceDecoder = Callable[..., "object"]  # (cpu_images | None, encoded: dict, device) -> NCHW
+
+
+class DecodeBackend(abc.ABC):
+    name: str
+    device_decoder: DeviceDecoder | None = None
+
+    @abc.abstractmethod
+    def load(self, data: bytes, transform, rng: np.random.Generator):
+        """bytes -> transformed uint8 HWC array, or a DeferredSample."""
+
+    @abc.abstractmethod
+    def info(self) -> dict:
+        """{"decoder": what decodes, ...}: recorded in every epoch row."""
+
+    def pop_counts(self) -> dict:
+        return {}
+
+    def load_pixels(self, pixels: np.ndarray, transform, rng: np.random.Generator) -> np.ndarray:
+        """Decoded HWC uint8 pixels -> the transform's crop, the way backend=pil crops."""
+        h, w = pixels.shape[:2]
+        img = Image.frombuffer("RGB", (w, h), pixels, "raw", "RGB", 0, 1)  # a view, no copy
+        return np.array(transform(img, rng), dtype=np.uint8)
+
+
+def open_rgb(data: bytes) -> Image.Image:
+    """Decode to an RGB image the way real datasets need: EXIF orientation applied,
+    grayscale / CMYK / palette / alpha converted to RGB."""
+    img = Image.open(io.BytesIO(data))
+    img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def reference_load(data: bytes, transform, rng: np.random.Generator) -> np.ndarray:
+    """The PIL path: full decode, then the transform (which samples the box itself)."""
+    return np.array(transform(open_rgb(data), rng), dtype=np.uint8)
+
+
+def load_with_box(data: bytes, box, flip: bool, size: int) -> np.ndarray:
+    """The PIL path for a box already sampled on this image's full-resolution size (used
+    when a faster decoder fails after the RNG draw, so the crop stays the same)."""
+    return np.array(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)
+
+
+class JpegOnlyBackend(DecodeBackend):
+    """The shared front of the JPEG-only decoders (accimage, turbo, nvjpeg): read the header,
+    send what they cannot decode (not a JPEG, CMYK, EXIF-rotated) to PIL and count it, else
+    draw the crop once from the full-size header dimensions (the same box as every other
+    backend for the same RNG draw) and hand over to the subclass's
+    `load_jpeg(data, info, box, flip, transform)`."""
+
+    counts: Counts
+
+    def load(self, data: bytes, transform, rng: np.random.Generator):
+        info = jpeg_info(data)
+        reason = fallback_reason(info)
+        if reason is not None:
+            self.counts.add(f"decode_fallback_{reason}")
+            return reference_load(data, transform, rng)
+        box, flip = transform.sample(info.width, info.height, rng)
+        return self.load_jpeg(data, info, box, flip, transform)
+
+    @abc.abstractmethod
+    def load_jpeg(self, data: bytes, info, box, flip: bool, transform):
+        """Decode a JPEG the header says this decoder handles, crop `box`, flip."""
+
+    def pop_counts(self) -> dict:
+        return self.counts.pop()

@@ -1,0 +1,101 @@
+"""Facts about this host that the loaders, the storage and the benchmarks all need: usable
+cores, memory, /dev/shm, file system types. The ground floor of the package: it imports
+nothing from fastload, so anything may import it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+MB = 2**20
+SHM = "/dev/shm"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (cpuset / taskset aware, unlike os.cpu_count())."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def total_ram() -> int:
+    """Bytes of physical memory."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def shm_bytes() -> tuple[int, int] | None:
+    """(total, free) bytes of /dev/shm, where worker batches travel; None where absent."""
+    try:
+        usage = shutil.disk_usage(SHM)
+    except OSError:
+        return None
+    return usage.total, usage.free
+
+
+def memory_limit_available() -> int | None:
+    """Bytes the container may still allocate (cgroup v2 or v1), or None without a limit."""
+    for limit_f, usage_f in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        try:
+            limit = Path(limit_f).read_text().strip()
+            usage = int(Path(usage_f).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None
+        return int(limit) - usage
+    return None
+
+
+def fs_type(path: str | os.PathLike) -> str:
+    """The file system type of the mount holding `path` (longest /proc/mounts prefix)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def size_text(n: float) -> str:
+    """Bytes as a short binary-unit string: '812.0 MiB', '3.25 GiB'."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,92 @@
+"""Checks a loader makes before and at its first batch: /dev/shm room for the workers'
+batches, the pinned-memory cap, and batch entries that pinning silently left pageable."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from fastload.errors import ConfigError
+from fastload.host import MB, SHM, shm_bytes
+
+log = logging.getLogger("fastload.loaders")
+
+SHM_FLOOR = 256 * MB  # Docker's default is 64 MB: workers die with "Bus error" well before 256
+SHM_FIX = (
+    "Give the container more shared memory (docker run --shm-size=8g, or in Kubernetes mount "
+    "an emptyDir with medium: Memory at /dev/shm), or lower loader.num_workers / "
+    "loader.prefetch_factor."
+)
+
+
+def warn_small_shm(num_workers: int) -> None:
+    """At construction: a /dev/shm far too small for any worker batches (Docker's 64 MB)."""
+    shm = shm_bytes()
+    if num_workers and shm is not None and shm[0] < SHM_FLOOR:
+        log.warning(
+            "%s is only %d MB and loader.num_workers=%d: workers pass every batch through "
+            "it and die with 'Bus error' or hang when it fills. %s",
+            SHM,
+            shm[0] // MB,
+            num_workers,
+            SHM_FIX,
+        )
+
+
+def unpinned_entries(batch, path="batch") -> list[str]:
+    """Entries of a batch that pinning left in pageable memory: tensors that are not pinned
+    and objects of types torch's pin_memory does not know (it returns those unchanged)."""
+    if torch.is_tensor(batch):
+        return [] if batch.is_pinned() else [f"{path} (tensor)"]
+    if isinstance(batch, dict):
+        return [e for k, v in batch.items() for e in unpinned_entries(v, f"{path}[{k!r}]")]
+    if isinstance(batch, (list, tuple)):
+        return [e for i, v in enumerate(batch) for e in unpinned_entries(v, f"{path}[{i}]")]
+    if batch is None or isinstance(batch, (str, bytes, int, float, bool, np.number)):
+        return []
+    return [f"{path} ({type(batch).__name__}: give it a pin_memory() method)"]
+
+
+def check_pinned(batch, batch_bytes: int, loader) -> None:
+    """Unpinnable entries warn; pinned memory in flight above loader.pin_memory_max_mb stops
+    the run: too much page-locked memory can freeze the host (pytorch#135794), and silently
+    unpinning would hide a slowdown."""
+    missed = unpinned_entries(batch)
+    if missed:
+        log.warning(
+            "loader.pin_memory=true, but these batch entries could not be pinned and are "
+            "copied from pageable memory: %s",
+            ", ".join(missed[:5]) + (" ..." if len(missed) > 5 else ""),
+        )
+    in_flight = loader.num_workers * loader.prefetch_factor + loader.stage_batches
+    pinned, cap = batch_bytes * in_flight, loader.pin_memory_max_mb
+    if cap is not None and pinned > cap * MB:
+        raise ConfigError(
+            f"pinned memory in flight would be about {pinned / MB:.0f} MB (batches of "
+            f"{batch_bytes / MB:.1f} MB x {in_flight}: loader.num_workers="
+            f"{loader.num_workers} x loader.prefetch_factor={loader.prefetch_factor} + "
+            f"{loader.stage_batches} held by the loader stages), above "
+            f"loader.pin_memory_max_mb={cap}. Lower loader.prefetch_factor, "
+            f"loader.num_workers or trainer.batch_size, raise loader.pin_memory_max_mb "
+            f"(null: no cap) if the host has the RAM, or set loader.pin_memory=false."
+        )
+
+
+def check_shm_room(batch_bytes: int, num_workers: int, prefetch_factor: int) -> None:
+    """At the first batch: /dev/shm free space against the workers' batches in flight."""
+    shm = shm_bytes()
+    need = 2 * num_workers * prefetch_factor * batch_bytes
+    if num_workers and shm is not None and shm[1] < need:
+        log.warning(
+            "%s has %d MB free; loader.num_workers=%d x loader.prefetch_factor=%d batches of "
+            "%.1f MB want about %d MB (with 2x headroom). %s",
+            SHM,
+            shm[1] // MB,
+            num_workers,
+            prefetch_factor,
+            batch_bytes / MB,
+            need // MB,
+            SHM_FIX,
+        )

@@ -1,0 +1,91 @@
+"""DataLoader worker processes: how many, how each starts, how each seeds the global RNGs."""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import random
+import signal
+import sys
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
+
+from fastload.errors import ConfigError
+from fastload.host import usable_cores
+
+
+def resolve_num_workers(value, local_world_size: int) -> int:
+    """loader.num_workers: a whole number, or auto = usable cores / local ranks."""
+    if value == "auto":
+        return max(1, usable_cores() // max(1, local_world_size))
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        raise ConfigError(f"loader.num_workers={value!r}: use a whole number >= 0 or 'auto'.")
+    return n
+
+
+def fault_stream():
+    """Where faulthandler can write: sys.stderr when it has a file descriptor, else the
+    process's real stderr (in Jupyter or under pytest's capture sys.stderr has none, and
+    faulthandler refuses such a stream); None when neither has one."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, ValueError, io.UnsupportedOperation):
+            continue
+    return None
+
+
+def worker_init(worker_id: int) -> None:
+    # Global RNGs are seeded per worker, rank and epoch by WorkerSeeding (below), at the first
+    # sample of each epoch, which also covers persistent workers.
+    # One intra-op thread per worker: N workers x all-core thread pools oversubscribe the CPU.
+    torch.set_num_threads(1)
+    if "cv2" in sys.modules:
+        sys.modules["cv2"].setNumThreads(0)
+    # Ctrl-C is the main process's to handle (it writes a checkpoint, then stops the workers);
+    # a worker dying of SIGINT mid-batch would turn that into "worker exited unexpectedly".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The stall watchdog sends SIGUSR1 to a stuck worker: it prints its own Python stacks
+    # (from C, so it works even while the worker is blocked in a read or a decoder).
+    stream = fault_stream()
+    if hasattr(faulthandler, "register") and hasattr(signal, "SIGUSR1") and stream is not None:
+        faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
+
+
+def worker_seed(seed: int, rank: int, epoch: int, worker_id: int) -> int:
+    return int(np.random.SeedSequence([seed, rank, epoch, worker_id]).generate_state(1)[0])
+
+
+class WorkerSeeding(torch.utils.data.Dataset):
+    """Seeds numpy, `random` and torch in each worker from (seed, rank, epoch, worker id) at
+    the first sample of every epoch (keys are `(epoch, index)`): distinct across workers
+    (pytorch#5059), different every epoch even with persistent workers, reproducible across
+    runs. Our own transforms need none of it (they use a per-sample RNG); user code that
+    draws from the global RNGs does. In the main process (num_workers=0) the global RNGs
+    belong to the training loop and are left alone."""
+
+    def __init__(self, dataset, seed: int, rank: int):
+        self.dataset, self.seed, self.rank = dataset, int(seed), int(rank)
+        self._epoch = None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch = key[0] if isinstance(key, tuple) else 0
+        if epoch != self._epoch:
+            self._epoch = epoch
+            info = get_worker_info()
+            if info is not None:
+                s = worker_seed(self.seed, self.rank, epoch, info.id)
+                np.random.seed(s)
+                random.seed(s)
+                torch.manual_seed(s)
+        return self.dataset[key]

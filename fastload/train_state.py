@@ -1,0 +1,94 @@
+"""Everything a checkpoint holds, in one object: model, optimizer, LR schedule, loss scaler,
+where training stands (epoch, step within it), the best accuracy and the epoch history.
+
+`state_dict()` is the checkpoint layout, written in this one place; `load_state_dict()` reads
+it back. Resuming from it continues bit for bit (tests/test_train.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from fastload import checkpoint as ckpt
+from fastload.errors import CheckpointError
+from fastload.optim import build_optimizer, warmup_cosine
+
+
+def model_config(cfg: DictConfig) -> dict:
+    """What identifies the model a checkpoint was written for."""
+    return {"arch": cfg.model.get("arch"), "num_classes": cfg.model.get("num_classes")}
+
+
+@dataclass
+class TrainState:
+    model: torch.nn.Module  # unwrapped (no DDP / compile): what is saved
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    steps_per_epoch: int
+    model_config: dict
+    epoch: int = 0  # the epoch to run next
+    step: int = 0  # steps of `epoch` already done (a mid-epoch checkpoint)
+    best_acc1: float = 0.0
+    history: list = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls, cfg: DictConfig, device, world_size: int, steps_per_epoch: int, *, amp, channels_last
+    ):
+        """The model, an SGD-style optimizer at the linearly scaled LR (base_lr x global
+        batch / 256) and a per-step warm-up + cosine schedule."""
+        model = instantiate(cfg.model).to(device)
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        lr = cfg.optim.base_lr * cfg.trainer.batch_size * world_size / 256
+        optimizer = build_optimizer(model, instantiate(cfg.optim), lr, device)
+        total = steps_per_epoch * cfg.trainer.epochs
+        warmup = max(1, min(total, int(cfg.optim.warmup_epochs * steps_per_epoch)))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_cosine(total, warmup, cfg.optim.min_lr_ratio)
+        )
+        scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
+        return cls(model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg))
+
+    def state_dict(self) -> dict:
+        return {
+            "format": ckpt.FORMAT,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step_in_epoch": self.step,
+            "best_acc1": self.best_acc1,
+            "history": self.history,
+            "rng": ckpt.rng_state(),
+            "model_config": self.model_config,
+        }
+
+    def load_state_dict(self, state: dict, path) -> None:
+        """Restore from a checkpoint read by `checkpoint.load`; refuses one written for
+        another model, naming both."""
+        have = state.get("model_config", {})
+        if have != self.model_config:
+            raise CheckpointError(
+                f"checkpoint {path} was written for model {have}, but this run builds "
+                f"{self.model_config}. Resume with the same model= and dataset= as that run, "
+                f"or use resume=null."
+            )
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this run: {exc}. Use resume=null."
+            ) from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.step = state["epoch"], state["step_in_epoch"]
+        self.best_acc1, self.history = state["best_acc1"], state["history"]
+        ckpt.set_rng_state(state["rng"])
