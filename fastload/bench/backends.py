@@ -180,7 +180,7 @@ def nvjpeg_rate(datas: list[bytes], batch_size: int = 64) -> float | None:
     return len(tensors) / (time.perf_counter() - t0)
 
 
-def main(argv: list[str]) -> int:
+def parse(argv):
     p = argparse.ArgumentParser(prog="python -m fastload.bench backends", description=__doc__)
     p.add_argument("--root", help="dataset root (default: the synthetic default set)")
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
@@ -190,10 +190,41 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-loaders", action="store_true", help="skip the DataLoader rows")
     p.add_argument("--ffcv-python", help="python of an env with ffcv (scripts/bench_ffcv.py)")
     p.add_argument("--json", default="bench-results/backends.json", help="where to write JSON")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    from fastload.data.transforms import RandomResizedCropFlip
+
+def measure_backends(names: list[str], n: int, w: int, repeats: int, row):
+    """One row per backend (or 'unavailable'); returns the fastest one on all cores."""
     from fastload.errors import FastloadError
+
+    best_name, best_rate, best_backend = None, 0.0, None
+    for name in names:
+        try:
+            backend = build(name)
+        except FastloadError as exc:
+            print(f"  {name}: not available ({exc.user_message.split('. ')[0]})", file=sys.stderr)
+            row(f"backend={name}", "unavailable", None, None)
+            continue
+        _JOB["backend"] = backend
+        one = timed(_run_backend, n, 1, repeats)
+        many = timed(_run_backend, n, w, repeats)
+        info = backend.info()
+        row(
+            f"backend={name}",
+            "backend",
+            one,
+            many,
+            decoder=info.get("decoder"),
+            resize=info.get("resize"),
+        )
+        if many > best_rate:
+            best_name, best_rate, best_backend = name, many, backend
+    return best_name, best_backend
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    from fastload.data.transforms import RandomResizedCropFlip
 
     root = Path(args.root) if args.root else default_dataset()
     paths = sorted(str(f) for f in root.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg"))
@@ -212,7 +243,8 @@ def main(argv: list[str]) -> int:
         rows.append(
             {"pipeline": name, "kind": kind, "1 core img/s": one, f"{w} cores img/s": many, **extra}
         )
-        print(f"  {name}: {one or 0:,.0f} / {many or 0:,.0f} img/s", file=sys.stderr)
+        if kind != "unavailable":
+            print(f"  {name}: {one or 0:,.0f} / {many or 0:,.0f} img/s", file=sys.stderr)
 
     row("read bytes", "ceiling", timed(_run_read, n, 1, 1), timed(_run_read, n, w, 1))
     row(
@@ -221,28 +253,8 @@ def main(argv: list[str]) -> int:
         timed(_run_decode, n, 1, args.repeats),
         timed(_run_decode, n, w, args.repeats),
     )
-    best_name, best_rate, best_backend = None, 0.0, None
-    for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        try:
-            backend = build(name)
-        except FastloadError as exc:
-            print(f"  {name}: not available ({exc.user_message.split('. ')[0]})", file=sys.stderr)
-            rows.append({"pipeline": f"backend={name}", "kind": "unavailable"})
-            continue
-        _JOB["backend"] = backend
-        one = timed(_run_backend, n, 1, args.repeats)
-        many = timed(_run_backend, n, w, args.repeats)
-        info = backend.info()
-        row(
-            f"backend={name}",
-            "backend",
-            one,
-            many,
-            decoder=info.get("decoder"),
-            resize=info.get("resize"),
-        )
-        if many > best_rate:
-            best_name, best_rate, best_backend = name, many, backend
+    names = [b.strip() for b in args.backends.split(",") if b.strip()]
+    best_name, best_backend = measure_backends(names, n, w, args.repeats, row)
     gpu = nvjpeg_rate(datas)
     if gpu is not None:
         row("nvjpeg batched decode (GPU, full size)", "gpu", None, gpu)

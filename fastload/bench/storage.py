@@ -158,7 +158,7 @@ def ffcv_rates(args, root: Path) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m fastload.bench storage",
         description=__doc__,
@@ -189,57 +189,46 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--ffcv-python", help="python of an env with ffcv: FFCV rows in the same run")
     p.add_argument("--json", default="outputs/bench/storage.json")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    return p.parse_args(argv)
 
-    root = Path(args.root) if args.root else default_dataset()
+
+def measure_store(name: str, root: Path, args) -> list[dict]:
+    """The warm and the cold row of one store."""
+    cfg, storage, where, pack_s = open_store(name, root, args)
+    apparent, allocated = du_bytes(where)
+    on_ram = fs_type(where) in ("tmpfs", "ramfs")
     rows = []
-    for name in args.stores.split(","):
-        cfg, storage, where, pack_s = open_store(name, root, args)
-        apparent, allocated = du_bytes(where)
-        on_ram = fs_type(where) in ("tmpfs", "ramfs")
-        for mode in ("warm", "cold"):
-            # Cold passes need fresh workers: a live worker's mmap pins the pages it mapped.
-            loader = make_loader(cfg, storage, mode == "warm" and not args.fresh_workers)
-            one_pass(loader, cold=False, epoch=0)  # warm-up: page cache, workers
-            runs = [one_pass(loader, cold=mode == "cold", epoch=1 + r) for r in range(args.repeats)]
-            ring = loader.ring_stats()
-            loader.close()  # stops persistent workers
-            row = {
-                "storage": name,
-                "cache": mode + (" (RAM: no-op)" if mode == "cold" and on_ram else ""),
-                "epoch_img_s": statistics.median(r["epoch_img_s"] for r in runs),
-                "steady_img_s": statistics.median(r["steady_img_s"] or 0 for r in runs),
-                "read_mb_s": statistics.median(r["read_mb_s"] or 0 for r in runs),
-                "size_mb": apparent / 1e6,
-                "on_disk_mb": allocated / 1e6,
-                "prep_s": pack_s,
-                "images": len(loader.dataset),
-                "epochs_img_s": [r["epoch_img_s"] for r in runs],
-                **ring,
-            }
-            rows.append(row)
-            print(format_table([row], COLUMNS).splitlines()[-1], flush=True)
-    if not args.keep_tmpfs and "tmpfs" in args.stores:
-        shutil.rmtree(args.tmpfs_dir, ignore_errors=True)
-    if args.ffcv_python:
-        rows += ffcv_rates(args, root)
+    for mode in ("warm", "cold"):
+        # Cold passes need fresh workers: a live worker's mmap pins the pages it mapped.
+        loader = make_loader(cfg, storage, mode == "warm" and not args.fresh_workers)
+        one_pass(loader, cold=False, epoch=0)  # warm-up: page cache, workers
+        runs = [one_pass(loader, cold=mode == "cold", epoch=1 + r) for r in range(args.repeats)]
+        ring = loader.ring_stats()
+        loader.close()  # stops persistent workers
+        row = {
+            "storage": name,
+            "cache": mode + (" (RAM: no-op)" if mode == "cold" and on_ram else ""),
+            "epoch_img_s": statistics.median(r["epoch_img_s"] for r in runs),
+            "steady_img_s": statistics.median(r["steady_img_s"] or 0 for r in runs),
+            "read_mb_s": statistics.median(r["read_mb_s"] or 0 for r in runs),
+            "size_mb": apparent / 1e6,
+            "on_disk_mb": allocated / 1e6,
+            "prep_s": pack_s,
+            "images": len(loader.dataset),
+            "epochs_img_s": [r["epoch_img_s"] for r in runs],
+            **ring,
+        }
+        rows.append(row)
+        print(format_table([row], COLUMNS).splitlines()[-1], flush=True)
+    return rows
 
-    print()
-    print(
-        f"{root}/{args.split}: {rows[0]['images']} images, batch {args.batch_size}, "
-        f"{args.workers} workers ({'fresh' if args.fresh_workers else 'persistent'} when warm, "
-        f"fresh when cold), RandomResizedCrop {args.crop} + flip, backend={args.backend}, "
-        f"median of {args.repeats} epochs"
-    )
-    print(format_table(rows, COLUMNS))
-    # The targets compare whole epochs (epoch_img_s), as FFCV's loop reports them.
+
+def print_targets(rows: list[dict], args) -> None:
+    """The targets compare whole epochs (epoch_img_s), as FFCV's loop reports them."""
     warm = {r["storage"]: r["epoch_img_s"] for r in rows if r["cache"] == "warm"}
-    ffcv_raw = warm.get(f"ffcv-raw-{args.raw_size}")
-    ffcv_jpeg = warm.get("ffcv-jpeg-full")
     for store, ref, factor, label in (
-        ("shards-raw", ffcv_raw, 1.0, "FFCV raw"),
-        ("shards-jpeg", ffcv_jpeg, 1.5, "1.5 x FFCV full-size JPEG"),
+        ("shards-raw", warm.get(f"ffcv-raw-{args.raw_size}"), 1.0, "FFCV raw"),
+        ("shards-jpeg", warm.get("ffcv-jpeg-full"), 1.5, "1.5 x FFCV full-size JPEG"),
     ):
         if store not in warm:
             continue
@@ -252,6 +241,28 @@ def main(argv: list[str] | None = None) -> int:
             f"({'measured in this run' if measured else 'the issue reference figure'}): "
             f"{warm[store] / goal:.2f}x, target {'met' if warm[store] >= goal else 'NOT met'}"
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    root = Path(args.root) if args.root else default_dataset()
+    rows = []
+    for name in args.stores.split(","):
+        rows += measure_store(name, root, args)
+    if not args.keep_tmpfs and "tmpfs" in args.stores:
+        shutil.rmtree(args.tmpfs_dir, ignore_errors=True)
+    if args.ffcv_python:
+        rows += ffcv_rates(args, root)
+    print()
+    print(
+        f"{root}/{args.split}: {rows[0]['images']} images, batch {args.batch_size}, "
+        f"{args.workers} workers ({'fresh' if args.fresh_workers else 'persistent'} when warm, "
+        f"fresh when cold), RandomResizedCrop {args.crop} + flip, backend={args.backend}, "
+        f"median of {args.repeats} epochs"
+    )
+    print(format_table(rows, COLUMNS))
+    print_targets(rows, args)
     print("prep_s: time to stage / pack the split in this run (0 when reused).")
     path = write_json(args.json, "storage", vars(args) | {"root": str(root)}, rows)
     print(f"wrote {path}")

@@ -338,8 +338,13 @@ def render_image(
         patch += (sec - prim) * (shade * t)[..., None]
         patch += grain[..., None]
 
-    # Camera: slight lens blur, then sensor grain. On uint8 with a table of Gaussian values
-    # indexed by random bytes: same look as float maths, a fraction of the cost.
+    return _camera(img, rng)
+
+
+def _camera(img: np.ndarray, rng: np.random.Generator) -> Image.Image:
+    """Slight lens blur, then sensor grain. On uint8 with a table of Gaussian values indexed
+    by random bytes: same look as float maths, a fraction of the cost."""
+    h, w = img.shape[:2]
     img8 = (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
     pil = Image.fromarray(img8, "RGB").filter(ImageFilter.BoxBlur(rng.uniform(0.25, 0.6)))
     sigma = rng.uniform(2.0, 4.0)

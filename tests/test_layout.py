@@ -1,0 +1,128 @@
+"""The package's shape, kept by tests: no import circle, short functions, the loader built
+in one place, every private torch internal still there, docs that point inside the repo."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+PACKAGE = REPO / "fastload"
+MAX_FUNCTION_LINES = 80
+
+
+def modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def fastload_imports(tree: ast.Module, known) -> set[str]:
+    """Every fastload module a module imports, at module level or inside a function (a lazy
+    import that closes a circle is still a circle)."""
+    deps = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            deps.add(node.module)
+            deps |= {f"{node.module}.{a.name}" for a in node.names}
+    return {d for d in deps if d in known}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, path = {}, []
+
+    def visit(u):
+        state[u] = "open"
+        path.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                return path[path.index(v) :] + [v]
+            if v not in state and (found := visit(v)):
+                return found
+        path.pop()
+        state[u] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    mods = modules()
+    graph = {name: fastload_imports(tree, mods) - {name} for name, tree in mods.items()}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    # and the check itself sees a circle when there is one
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_every_module_imports_in_a_fresh_interpreter():
+    names = [n for n in modules() if not n.endswith("__main__")]
+    code = f"import importlib\nfor n in {names!r}:\n    importlib.import_module(n)\n"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_no_function_over_80_lines():
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, long
+
+
+LOADER_CLASSES = {"BaselineLoader", "BackgroundLoader", "CudaPrefetchLoader"}
+LOADER_CLASSES |= {"PrefetchBackgroundLoader", "loader_factory"}
+
+
+def loader_constructions(tree: ast.Module) -> int:
+    """Calls of a fastload loader class, of loader_factory(...), or instantiate(<...loader>)."""
+    n = 0
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+        if name in LOADER_CLASSES:
+            n += 1
+        elif name == "instantiate" and node.args and "loader" in ast.unparse(node.args[0]):
+            n += 1
+    return n
+
+
+def test_the_loader_is_constructed_in_one_place():
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("test_*.py"), REPO / "train.py"]
+    files += [REPO / "tests" / "conftest.py", REPO / "tests" / "helpers.py"]
+    places = {
+        str(path.relative_to(REPO)): n
+        for path in files
+        if (n := loader_constructions(ast.parse(path.read_text())))
+    }
+    assert places == {"fastload/pipeline.py": 1}, places
+    assert loader_constructions(ast.parse("BaselineLoader(ds, s)\ninstantiate(cfg.loader)")) == 2
+
+
+def test_private_torch_internals_are_all_still_there():
+    """A torch upgrade that drops one of them makes fastload fall back to a slower path
+    (fastload/torch_internals.py): this test makes that visible instead of silent."""
+    from fastload import torch_internals
+
+    assert torch_internals.missing() == []
+
+
+def test_readme_points_only_inside_the_repository():
+    readme = (REPO / "README.md").read_text()
+    assert "../shared" not in readme
+    for link in re.findall(r"\]\(([^)#]+)\)", readme):
+        if not link.startswith(("http://", "https://")):
+            assert (REPO / link).exists(), link
