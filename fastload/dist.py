@@ -36,6 +36,26 @@ def _from_slurm() -> None:
     os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ["SLURM_JOB_ID"]) % 1000))
 
 
+def local_world_size_from_env() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def check_gpus_for_ranks(local_ranks: int) -> None:
+    """One GPU per local rank, or one clear error before any process group exists (NCCL
+    would otherwise fail with "Duplicate GPU detected" and a wall of tracebacks)."""
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        from fastload.errors import ConfigError
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise ConfigError(
+            f"{local_ranks} ranks on this node but {gpus} GPU(s) visible{where}: each rank "
+            f"needs its own GPU. Start one rank per GPU (torchrun --nproc_per_node={gpus}), or "
+            f"run the ranks on the CPU with trainer.device=cpu."
+        )
+
+
 def env_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
@@ -73,7 +93,8 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
             "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto."
         )
     if use_cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        check_gpus_for_ranks(local_world_size_from_env())
+        torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
@@ -81,7 +102,7 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
         rank=int(os.environ.get("RANK", "0")),
         local_rank=local_rank,
         world_size=world,
-        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        local_world_size=local_world_size_from_env(),
         device=dev,
     )
     if ctx.distributed and not dist.is_initialized():

@@ -14,6 +14,8 @@ import math
 import os
 import shutil
 import signal
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -150,17 +152,27 @@ class ModelStep:
         )
 
 
-def train_one_epoch(step, loader, ctx, *, epoch, first_step, max_steps, stopper, timer, progress):
-    """Steps `first_step` .. `max_steps` of one epoch; returns (steps done, timing, metrics)."""
+@dataclass(frozen=True)
+class EpochSpan:
+    epoch: int
+    first_step: int  # > 0 when resuming mid-epoch
+    max_steps: int
+
+
+def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, hooks=None):
+    """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
+    step k (the evaluation loader's warm start). Returns (steps done, timing, metrics)."""
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, n
-    skipped, counts, steps = 0, {}, first_step
-    bar = ProgressBar(total=max_steps, enabled=progress and ctx.is_main, desc=f"epoch {epoch}")
-    bar.update(n=first_step) if first_step else None
+    skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
+    bar = ProgressBar(span.max_steps, enabled=progress and ctx.is_main, desc=f"epoch {span.epoch}")
+    bar.update(n=steps) if steps else None
     step.train_mode()
     timer.start()
     for batch in timer.iter(loader):
-        if steps >= max_steps:
+        if steps >= span.max_steps:
             break
+        if steps in hooks:
+            hooks[steps]()
         skipped += batch["skipped"]
         for k, v in batch.get("counts", {}).items():  # the backend's counters, e.g. fallbacks
             counts[k] = counts.get(k, 0) + v
@@ -170,7 +182,7 @@ def train_one_epoch(step, loader, ctx, *, epoch, first_step, max_steps, stopper,
         step.after_step()
         steps += 1
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
-        if stop_agreed(stopper, ctx, steps, max_steps):
+        if stop_agreed(stopper, ctx, steps, span.max_steps):
             break
     bar.close()
     timing = timer.stop()
@@ -219,10 +231,12 @@ def reduce_timing(timing, resources, ctx) -> dict:
     gpu = [nan if v is None else float(v) for v in gpu]
     cpu = resources.get("cpu_percent") or 0.0
     s = dist.all_reduce([timing.data_wait_s, timing.compute_s, timing.samples, *gpu, cpu], ctx)
-    m = dist.all_reduce([timing.wall_s, resources.get("peak_rss_mb") or 0.0], ctx, op="max")
+    mem = [resources.get("peak_pss_mib") or 0.0, resources.get("peak_rss_sum_mib") or 0.0]
+    m = dist.all_reduce([timing.wall_s, *mem], ctx, op="max")
     w = ctx.world_size
     return {
         "epoch_time_s": m[0],
+        "train_images": int(s[2]),
         "images_per_s": s[2] / m[0] if m[0] > 0 else 0.0,
         "data_wait_s": s[0] / w,
         "data_wait_share": (s[0] / w) / m[0] if m[0] > 0 else 0.0,
@@ -230,18 +244,8 @@ def reduce_timing(timing, resources, ctx) -> dict:
         "gpu_util_mean": None if math.isnan(s[3]) else s[3] / w,
         "gpu_util_p10": None if math.isnan(s[4]) else s[4] / w,
         "cpu_percent": s[5] / w,
-        "peak_rss_mb": m[1],
-    }
-
-
-def storage_stats(reader, ctx) -> dict:
-    """Bytes the storage read this epoch (all ranks) and the read bandwidth one reader saw."""
-    s = reader.epoch_stats()
-    nbytes, seconds = dist.all_reduce([s["read_mb"], s["read_s"]], ctx)
-    return {
-        "read_mb": nbytes,
-        "read_mb_per_s": nbytes / seconds if seconds > 0 else None,
-        "cold_cache": s["cold_cache"],
+        "peak_pss_mib": m[1] or None,  # one rank's process tree, the largest rank's
+        "peak_rss_sum_mib": m[2] or None,
     }
 
 
@@ -339,7 +343,8 @@ def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
         "images_per_s": mean("images_per_s", steady),
         "data_wait_share": mean("data_wait_share", steady),
         "gpu_util_mean": mean("gpu_util_mean", steady),
-        "peak_rss_mb": max((r["peak_rss_mb"] for r in history), default=None),
+        "peak_pss_mib": max((r["peak_pss_mib"] or 0 for r in history), default=None) or None,
+        "peak_rss_sum_mib": max((r["peak_rss_sum_mib"] or 0 for r in history), default=0) or None,
         "best_acc1": best_acc1,
         "final_val_acc1": history[-1].get("val_acc1") if history else None,
         "final_train_loss": history[-1].get("train_loss") if history else None,
@@ -348,15 +353,38 @@ def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
     }
 
 
+class EvalWarmStart:
+    """When to start the evaluation loader so that its first batch is ready as training's
+    last step ends: lead = (the time its first batch took last evaluation) / (the time a
+    training step took last epoch), plus one step; two steps before anything is measured."""
+
+    def __init__(self):
+        self.first_batch_s: float | None = None
+        self.step_s: float | None = None
+
+    def at_step(self, span: EpochSpan) -> int:
+        lead = 2
+        if self.first_batch_s is not None and self.step_s:
+            lead = math.ceil(self.first_batch_s / self.step_s) + 1
+        return max(span.first_step, span.max_steps - lead)
+
+    def measured(self, timing, val_loader) -> None:
+        if timing.steps:
+            self.step_s = timing.wall_s / timing.steps
+        if val_loader.first_batch_s is not None:
+            self.first_batch_s = val_loader.first_batch_s
+
+
 class Epochs:
     """The epoch loop of one run: train, evaluate when due, record, checkpoint; a signal
-    stops it with a checkpoint (mid-epoch or after the epoch) and TrainingInterrupted."""
+    stops it with a checkpoint (mid-epoch or after the epoch) and TrainingInterrupted.
+    `record` is a RunRecord (bench train passes one that only keeps the rows)."""
 
-    def __init__(self, cfg, ctx, state: TrainState, step, data: DataPath, record: RunRecord):
+    def __init__(self, cfg, ctx, state: TrainState, step, data: DataPath, record):
         self.cfg, self.ctx, self.state, self.step = cfg, ctx, state, step
         self.data, self.record = data, record
         self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
-        self.decoder = data.backend.info()
+        self.warm = EvalWarmStart()
 
     def run(self) -> None:
         gpu = self.ctx.device.index if self.ctx.device.type == "cuda" else None
@@ -364,39 +392,40 @@ class Epochs:
             for epoch in range(self.state.epoch, self.cfg.trainer.epochs):
                 self.one(epoch, stopper, sampler)
 
+    def evaluates(self, epoch: int) -> bool:
+        last = epoch + 1 == self.cfg.trainer.epochs
+        return last or (epoch + 1) % self.cfg.trainer.eval_every == 0
+
     def one(self, epoch: int, stopper, sampler) -> None:
         cfg, ctx, state, data = self.cfg, self.ctx, self.state, self.data
         if state.step == 0:
             torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
         data.train.set_epoch(epoch, skip_batches=state.step)
-        data.train_reader.before_epoch()  # reset read counters; cold_cache: evict
+        data.before_epoch()
         sampler.reset()
+        span = EpochSpan(epoch, state.step, state.steps_per_epoch)
+        hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
         steps, timing, metrics = train_one_epoch(
-            self.step,
-            data.train,
-            ctx,
-            epoch=epoch,
-            first_step=state.step,
-            max_steps=state.steps_per_epoch,
-            stopper=stopper,
-            timer=self.timer,
-            progress=cfg.trainer.progress,
-        )
+            self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
+            progress=cfg.trainer.progress, hooks=hooks,
+        )  # fmt: skip
         resources = sampler.snapshot()
         if stopper.signum is not None and steps < state.steps_per_epoch:
             state.epoch, state.step = epoch, steps
             self.stop(stopper, f"at epoch {epoch} step {steps}")
         state.epoch, state.step = epoch + 1, 0
-        last = epoch + 1 == cfg.trainer.epochs
         row = {"epoch": epoch, **metrics, "lr": state.optimizer.param_groups[0]["lr"]}
-        if last or (epoch + 1) % cfg.trainer.eval_every == 0:
+        if self.evaluates(epoch):
+            t0 = time.perf_counter()
             row.update(evaluate(self.step, data.val, ctx))
+            row["eval_time_s"] = time.perf_counter() - t0
             state.best_acc1 = max(state.best_acc1, row["val_acc1"])
+            self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
-        row.update(world_size=ctx.world_size, **self.decoder)
-        row.update(storage_stats(data.train_reader, ctx))
+        row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
         state.history.append(row)
         self.record.epoch(row)
+        last = epoch + 1 == cfg.trainer.epochs
         if last or (epoch + 1) % cfg.trainer.checkpoint_every == 0:
             self.record.save(state)
         if stopper.signum is not None and not last:
@@ -426,9 +455,8 @@ def fit(cfg: DictConfig) -> dict:
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
     data = build_data(cfg, ctx, storage, channels_last=channels_last)
-    steps_per_epoch = min(len(data.train), cfg.trainer.max_steps_per_epoch or len(data.train))
     state = TrainState.create(
-        cfg, ctx.device, ctx.world_size, steps_per_epoch, amp=amp, channels_last=channels_last
+        cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last
     )
     resume(state, cfg)
     record = RunRecord(cfg, ctx, run_dir, state.history)

@@ -44,6 +44,22 @@ class DataPath:
         self.train.close()
         self.val.close()
 
+    def before_epoch(self) -> None:
+        """Reset the storage's read counters (cold_cache: evict its files first)."""
+        self.train_reader.before_epoch()
+
+    def epoch_stats(self, ctx) -> dict:
+        """Bytes the storage read this epoch (all ranks), the read bandwidth one reader saw,
+        and what decoded (the backend's own report)."""
+        s = self.train_reader.epoch_stats()
+        nbytes, seconds = dist.all_reduce([s["read_mb"], s["read_s"]], ctx)
+        return {
+            **self.backend.info(),
+            "read_mb": nbytes,
+            "read_mb_per_s": nbytes / seconds if seconds > 0 else None,
+            "cold_cache": s["cold_cache"],
+        }
+
 
 def build_storage(cfg: DictConfig):
     return instantiate(cfg.storage)
@@ -168,6 +184,8 @@ def build_loader(
         rank=rank,
         local_world_size=local_world_size,
         sample_bytes=sample_bytes(dataset, where),
+        epochs=cfg.trainer.epochs if train else None,
+        max_batches=cfg.trainer.max_steps_per_epoch if train else None,
         collate_fn=collate_fn,
     )
 

@@ -41,8 +41,11 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 
 def tiny_overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
-    """Shrink the real config to seconds on 2 CPU cores."""
+    """Shrink the real config to seconds on 2 CPU cores. trainer.device=cpu: these runs test
+    the application's logic (bit-exact resume, gloo DDP, messages) the same way on a GPU
+    machine; the cuda-marked tests train on the GPU."""
     return [
+        "trainer.device=cpu",
         f"dataset.root={root}",
         "dataset.prepare=null",
         "dataset.num_classes=3",

@@ -26,6 +26,7 @@ def build(folder, *overrides, batch_size=2, workers=2):
         "loader=baseline",
         f"loader.num_workers={workers}",
         "loader.normalize_on=cpu",
+        "loader.persistent_workers=false",
         *overrides,
         folder=folder,
         batch_size=batch_size,
@@ -58,7 +59,7 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_ring_batches_equal_torchs_path(folder, reference, context):
-    loader = build(folder)
+    loader = build(folder, "trainer.epochs=2")  # the stream plans exactly these two epochs
     loader.dataloader.multiprocessing_context = context
     for e in range(2):
         assert_same(run_epoch(loader, e, clone=True), reference[e])
@@ -68,7 +69,8 @@ def test_ring_batches_equal_torchs_path(folder, reference, context):
 
 
 def test_kept_batches_are_never_overwritten(folder, reference):
-    loader = build(folder, "loader.persistent_workers=true")  # one set of slots throughout
+    # one set of slots throughout; one stream per epoch, so hits can be counted per epoch
+    loader = build(folder, "loader.persistent_workers=true", "loader.cross_epoch=false")
     held = run_epoch(loader, 0)  # 12 batches kept: more than the 8 slots
     ring = loader.batch_ring
     assert len(held) > ring.num_workers * ring.slots
@@ -86,8 +88,9 @@ def test_kept_batches_are_never_overwritten(folder, reference):
 
 
 def test_batches_kept_past_the_epoch_outlive_its_slots(folder, reference):
-    """Non-persistent workers: the slots are dropped after each epoch, the batches are not."""
-    loader = build(folder)
+    """Non-persistent workers, one stream per epoch: the slots are dropped after each epoch,
+    the batches are not."""
+    loader = build(folder, "loader.cross_epoch=false")
     held = run_epoch(loader, 0)
     assert loader.batch_ring is None
     run_epoch(loader, 1)
@@ -107,7 +110,8 @@ def test_a_numpy_view_of_one_image_keeps_its_slot(folder, reference):
 
 
 def test_abandoned_epoch_with_persistent_workers_leaves_no_slot_behind(folder, reference):
-    loader = build(folder, "loader.persistent_workers=true")
+    # epoch 1 is the run's last: its stream ends there and nothing is in flight afterwards
+    loader = build(folder, "loader.persistent_workers=true", "trainer.epochs=2")
     loader.set_epoch(0)
     for _ in loader:
         break
@@ -162,7 +166,7 @@ def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
     loader = build(folder, "loader.pin_memory=true")
     loader.set_epoch(0)
     got = []
-    for b in loader._host_batches():
+    for b in loader.host_batches():
         ring = loader.batch_ring
         assert ring.slots == loader.prefetch_factor + 1
         x = b["image"]

@@ -98,3 +98,18 @@ def test_run_id_agrees_across_torchrun_ranks(monkeypatch):
     assert run_id() == "torchrun-job42"
     monkeypatch.setenv("FASTLOAD_RUN_ID", "mine")
     assert run_id() == "mine"
+
+
+def test_more_local_ranks_than_gpus_is_one_clear_error(monkeypatch):
+    from fastload import dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("no device chosen"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError) as err:
+        dist.setup("auto")
+    msg = err.value.user_message
+    assert "2 ranks on this node but 1 GPU(s) visible (CUDA_VISIBLE_DEVICES=0)" in msg
+    assert "--nproc_per_node=1" in msg and "trainer.device=cpu" in msg

@@ -75,7 +75,7 @@ def test_uint8_path_and_cpu_normalisation_agree(folder):
     # the host stage: the uint8 crops themselves, before device prep
     loader = make_loader("bg", folder, "loader.num_workers=0")
     loader.set_epoch(0)
-    raw = list(loader._host_batches())
+    raw = list(loader.host_batches())
     assert all(b["image"].dtype == torch.uint8 for b in raw)
     cpu = epoch(make_loader("bg", folder, "loader.normalize_on=cpu"))
     dev = epoch(make_loader("prefetch+bg", folder))
@@ -487,3 +487,109 @@ def test_fault_stream_falls_back_to_the_real_stderr(monkeypatch):
     assert workers_mod.fault_stream() is sys.__stderr__
     monkeypatch.setattr(sys, "__stderr__", None)
     assert workers_mod.fault_stream() is None
+
+
+# -- cross-epoch pipelining (loader.cross_epoch) -----------------------------------------------
+
+
+def run_epochs(loader, epochs, skip=0):
+    """(epoch, target, image) of every batch of `epochs`; the first one from batch `skip`."""
+    out = []
+    for n, e in enumerate(epochs):
+        loader.set_epoch(e, skip_batches=skip if n == 0 else 0)
+        out += [(e, b["target"].clone(), b["image"].clone()) for b in loader]
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "bg"])
+def test_pipelined_epochs_give_the_same_batches_resume_included(folder, strategy):
+    opts = [f"loader={strategy}", "loader.num_workers=2", "trainer.epochs=4"]
+    plain = run_epochs(
+        build_test_loader(*opts, "loader.cross_epoch=false", folder=folder), range(4)
+    )
+    piped = build_test_loader(*opts, folder=folder)
+    first = run_epochs(piped, [0, 1])
+    resumed = build_test_loader(*opts, folder=folder)  # a new process resuming at epoch 2 step 1
+    second = run_epochs(resumed, [2, 3], skip=1)
+    per_epoch = len(plain) // 4
+    want = plain[: 2 * per_epoch] + plain[2 * per_epoch + 1 :]
+    got = first + second
+    assert len(got) == len(want) == 4 * per_epoch - 1 and per_epoch == 4
+    for (e, t, x), (we, wt, wx) in zip(got, want, strict=True):
+        assert e == we and torch.equal(t, wt) and torch.equal(x, wx)
+    assert {e for e, _, _ in plain} == {0, 1, 2, 3}
+    assert not torch.equal(plain[0][2], plain[per_epoch][2])  # epochs differ
+
+
+def test_the_stream_runs_into_the_next_epoch_and_stops_after_the_last(folder):
+    before, kids = set(threading.enumerate()), children()
+    loader = build_test_loader(
+        "loader.num_workers=2", "loader.persistent_workers=false", "trainer.epochs=2", folder=folder
+    )
+    loader.set_epoch(0)
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    stream = loader._stream
+    with pytest.raises(StopIteration):
+        next(it)  # epoch 0 is over for the consumer...
+    assert loader._stream is stream and stream.position == (1, 0)  # ...not for the workers
+    assert len(children() - kids) == 2
+    assert len(run_epochs(loader, [1])) == len(loader)  # the same stream, no restart
+    assert loader._stream is None  # epoch 1 is the run's last: the stream stopped
+    wait_clean(before, kids)  # and its workers (not persistent) with it
+
+
+def test_an_unplanned_epoch_restarts_the_stream_with_the_right_batches(folder):
+    opts = ["loader.num_workers=2", "trainer.epochs=4"]
+    want = run_epochs(build_test_loader(*opts, "loader.cross_epoch=false", folder=folder), [3])
+    loader = build_test_loader(*opts, folder=folder)
+    run_epochs(loader, [0])  # the stream now produces epoch 1...
+    got = run_epochs(loader, [3])  # ...but epoch 3 is asked for
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(got, want, strict=True))
+
+
+def test_warm_started_evaluation_gives_the_same_batches(folder):
+    loader = build_test_loader("loader.num_workers=2", split="val", folder=folder)
+    cold = [b["image"].clone() for b in loader]
+    loader.start()  # what the engine does a few steps before training's last one
+    assert loader._stream is not None
+    time.sleep(0.5)
+    warm = [b["image"].clone() for b in loader]
+    assert loader.first_batch_s is not None and loader.first_batch_s > 0
+    assert len(cold) == len(warm) and all(
+        torch.equal(a, b) for a, b in zip(cold, warm, strict=True)
+    )
+    loader.close()
+
+
+def test_pinned_memory_cap_auto_scales_with_the_host(monkeypatch):
+    monkeypatch.setattr(checks_mod, "total_ram", lambda: 128 * 2**30)
+    assert checks_mod.resolve_pin_cap("auto", 1) == 32 * 1024  # a quarter of 128 GiB, in MB
+    assert checks_mod.resolve_pin_cap("auto", 8) == 4 * 1024  # shared by 8 local ranks
+    assert checks_mod.resolve_pin_cap(None, 1) is None and checks_mod.resolve_pin_cap(512, 1) == 512
+    with pytest.raises(ConfigError, match="loader.pin_memory_max_mb='lots'"):
+        checks_mod.resolve_pin_cap("lots", 1)
+
+
+def test_bench_train_cli_smoke(tiny_folder, tmp_path, capsys):
+    """python -m fastload.bench train: the engine's loop through the configured data path,
+    then against one resident batch; one JSON row per epoch and the whole run's."""
+    from fastload.bench.__main__ import main
+
+    out = tmp_path / "train.json"
+    data = [f"dataset.root={tiny_folder}", "dataset.prepare=null", "dataset.num_classes=3"]
+    data += ["dataset.train_transform.size=32", "dataset.val_transform.size=32"]
+    data += ["trainer.batch_size=4", "loader.num_workers=1", "backend=pil", "trainer.device=cpu"]
+    argv = ["train", "--step-ms", "5", "--epochs", "3", "--steps-per-epoch", "3"]
+    assert main([*argv, "--json", str(out), *data]) == 0
+    text = capsys.readouterr().out
+    assert "vs_ceiling" in text and "target <= 2 %" in text and "pillow" in text
+    rows = json.loads(out.read_text())["results"]
+    assert [r["epoch"] for r in rows] == [0, 1, 2, "all"]
+    for r in rows[:3]:
+        assert r["images_per_s"] > 0 and 0 <= r["data_wait_share"] < 1 and r["eval_s"] > 0
+        assert 0 < r["vs_ceiling"] <= 1.5
+    run = rows[-1]
+    assert run["epochs"] == 3 and run["wall_s"] > 3 * 3 * 0.005
+    assert run["steps_time_s"] == pytest.approx(3 * 3 * 0.005 + 3 * 3 * 0.005 / 3)  # 9 val imgs

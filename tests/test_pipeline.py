@@ -24,7 +24,7 @@ def test_normalisation_happens_in_exactly_one_place(tiny_folder, where):
     on_device = loader.device_prep.normalize is not None
     assert (in_workers, on_device) == ((True, False) if where == "cpu" else (False, True))
     loader.set_epoch(0)
-    host = next(iter(loader._host_batches()))["image"]
+    host = next(iter(loader.host_batches()))["image"]
     assert host.dtype == (torch.float32 if where == "cpu" else torch.uint8)
 
 

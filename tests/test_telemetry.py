@@ -96,7 +96,7 @@ def _touch(buf: bytearray) -> None:
 def _window_peak(sampler: ResourceSampler, settle_s: float = 0.35) -> float:
     sampler.reset()
     time.sleep(settle_s)
-    return sampler.snapshot()["peak_rss_mb"]
+    return sampler.snapshot()["peak_rss_sum_mib"]
 
 
 def test_sampler_peak_rss_follows_own_allocation():
@@ -127,6 +127,31 @@ CHILD = (
 )
 
 
+def test_pss_counts_shared_pages_once_where_summed_rss_counts_them_per_process():
+    """Forked children share the parent's pages: summed RSS counts them once per process,
+    PSS once in all, so PSS stays near one process's memory while summed RSS multiplies."""
+    import multiprocessing
+
+    buf = bytearray(200 * MB)
+    _touch(buf)
+    ctx = multiprocessing.get_context("fork")
+    events = [ctx.Event() for _ in range(3)]
+    kids = [ctx.Process(target=e.wait, args=(30,)) for e in events]
+    for k in kids:
+        k.start()
+    try:
+        with ResourceSampler(gpu_index=None, interval_s=0.05) as sampler:
+            time.sleep(0.3)
+            snap = sampler.snapshot()
+    finally:
+        for e in events:
+            e.set()
+        for k in kids:
+            k.join(10)
+    assert snap["peak_rss_sum_mib"] > 4 * 200  # the 200 MB buffer, once per process
+    assert snap["peak_pss_mib"] < snap["peak_rss_sum_mib"] - 2 * 200
+
+
 def test_sampler_counts_descendant_processes_and_tolerates_their_exit():
     with ResourceSampler(gpu_index=None, interval_s=0.05) as sampler:
         base = _window_peak(sampler)
@@ -148,9 +173,12 @@ def test_sampler_counts_descendant_processes_and_tolerates_their_exit():
     assert after < with_child - 150
 
 
-def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread():
+def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread(monkeypatch):
+    broken = types.ModuleType("pynvml")  # no driver: NVML fails (also on a GPU machine)
+    broken.nvmlInit = lambda: (_ for _ in ()).throw(OSError("NVML Shared Library Not Found"))
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
     before = set(threading.enumerate())
-    sampler = ResourceSampler(gpu_index=0, interval_s=0.02)  # no driver here: NVML fails
+    sampler = ResourceSampler(gpu_index=0, interval_s=0.02)
     sampler.start()
     sampler.start()  # idempotent: still one thread
     new = [t for t in threading.enumerate() if t not in before]
@@ -160,7 +188,7 @@ def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread():
     assert snap["gpu_util_mean"] is None
     assert snap["gpu_util_p10"] is None
     assert snap["gpu_mem_used_max_mb"] is None
-    assert snap["peak_rss_mb"] > 10
+    assert snap["peak_rss_sum_mib"] > 10 and snap["peak_pss_mib"] > 10
     sampler.stop()
     assert not new[0].is_alive()
     assert set(threading.enumerate()) <= before
@@ -548,7 +576,7 @@ def test_format_summary_table_renders_values_and_na():
     assert rows["images / s"] == "4,512"
     assert rows["data wait"] == "12.3 %"
     assert rows["GPU util"] == "n/a"
-    assert rows["peak RSS"] == "n/a"
+    assert rows["peak memory"] == "n/a"
     assert rows["best top-1"] == "76.10 %"
     assert rows["run directory"] == "/runs/a"
     assert rows["W&B"] == "wandb sync /runs/a/wandb/offline-run-x"

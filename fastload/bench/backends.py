@@ -153,6 +153,7 @@ def fastload_loader_rate(root: Path, backend, size: int, workers: int) -> float:
     cfg = compose(
         data_overrides(root, crop=size)
         + [f"loader.num_workers={workers}", f"loader.persistent_workers={workers > 0}"]
+        + ["loader.cross_epoch=false"]  # per-epoch iteration, as loader_rate's textbook row
     )
     loader = product_loader(cfg, backend=backend)
     try:

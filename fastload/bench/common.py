@@ -128,7 +128,7 @@ def host_epoch(loader, epoch: int) -> dict:
     loader.set_epoch(epoch)
     t0 = time.perf_counter()
     t_first, n, n_first = None, 0, 0
-    for batch in loader._host_batches():
+    for batch in loader.host_batches():
         n += len(batch["target"])
         if t_first is None:
             t_first, n_first = time.perf_counter(), n

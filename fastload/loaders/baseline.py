@@ -2,10 +2,26 @@
 
 Also the base of the other strategies. A loader is two stages that subclasses override:
 
-* `_host_batches()`: an iterator of collated (pinned) uint8 CPU batches; here the DataLoader
-  iterator with the stall watchdog and first-batch checks (loader=bg runs it in a thread);
+* `_host_batches()`: an iterator of collated (pinned) uint8 CPU batches, started at once;
+  here the DataLoader iterator with the stall watchdog and first-batch checks (loader=bg
+  runs it in a thread);
 * `_device_batches(host)`: turns them into device-ready batches; here `DevicePrep` in the
   calling thread (loader=prefetch copies and converts the next batch on a side CUDA stream).
+
+Epochs do not stop the data (loader.cross_epoch, training only). The host stage is a
+*stream* over a plan of epochs (fastload/data/sampling.py: EpochBatches): from the epoch
+`set_epoch` names to the run's last one. Each `__iter__` hands out one epoch's batches from
+the stream, and when the next `set_epoch` names the epoch the stream is already producing,
+iteration simply continues: while the last batches of epoch e are consumed, the workers (and
+the background thread) are already building epoch e+1's first ones. Anything else (a resume
+elsewhere, an abandoned epoch) closes the stream and starts a new one. Each epoch's batches
+are exactly those of a fresh per-epoch iterator. Extra memory: none beyond what is always in
+flight (num_workers x prefetch_factor batches, the reused slots, max_prefetch for loader=bg):
+the same batches are in flight, they just belong to the next epoch.
+
+`start()` begins producing the current epoch now: the engine starts the evaluation loader
+before training's last step, so its workers and first batches are ready when it is needed
+(its in-flight batches then coexist with training's for those last steps).
 
 Composition is then plain cooperative inheritance (see fastload/loaders/prefetch_bg.py).
 A loader is built by fastload/pipeline.py, which decides where normalisation happens and
@@ -14,12 +30,17 @@ hands the loader its `DevicePrep`; the loader never reaches into the dataset.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
+import time
+import weakref
 
 import torch
 from torch.utils.data import DataLoader
 
 from fastload.data.batch import collate
+from fastload.data.sampling import EpochBatches
 from fastload.errors import ConfigError
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
@@ -33,6 +54,18 @@ log = logging.getLogger(__name__)
 def accelerator_available() -> bool:
     acc = getattr(torch, "accelerator", None)  # torch >= 2.6
     return acc.is_available() if acc is not None else torch.cuda.is_available()
+
+
+_live: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # Registered after torch's own exit hook, so it runs before it (atexit is LIFO): live
+    # streams and persistent workers stop while the interpreter is whole, instead of being
+    # torn down piecemeal during finalisation (which can trip torch's tensor bookkeeping).
+    for loader in list(_live):
+        loader.close()
 
 
 class BaselineLoader:
@@ -56,12 +89,15 @@ class BaselineLoader:
         sample_bytes: int | None = None,
         num_workers="auto",
         pin_memory="auto",
-        pin_memory_max_mb: float | None = 4096,
+        pin_memory_max_mb: float | str | None = "auto",
         persistent_workers: bool = False,
         prefetch_factor: int | None = 2,
         drop_last: bool = True,
         timeout: float = 0,
         reuse_batch_memory: bool = True,
+        cross_epoch: bool = True,
+        epochs: int | None = None,
+        max_batches: int | None = None,
         collate_fn=None,
     ):
         if timeout < 0:
@@ -73,7 +109,8 @@ class BaselineLoader:
         if self.pin_memory and not accelerator_available():
             log.warning("loader.pin_memory=true, but there is no GPU here: pinning is off")
             self.pin_memory = False
-        self.pin_memory_max_mb = pin_memory_max_mb
+        self.pin_memory_max_option = pin_memory_max_mb
+        self.pin_memory_max_mb = checks.resolve_pin_cap(pin_memory_max_mb, local_world_size)
         self.timeout = float(timeout)
         self.dataset, self.sampler = dataset, sampler
         self.seed, self.rank = seed, rank
@@ -85,21 +122,29 @@ class BaselineLoader:
         self.slots = None
         if workers and reuse_batch_memory and collate_fn is None and sample_bytes:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
+        self.batches = EpochBatches(sampler, batch_size, drop_last and train)
         self.dataloader = DataLoader(
             WorkerSeeding(dataset, seed, rank),
-            batch_size=batch_size,
-            sampler=sampler,
+            batch_sampler=self.batches,
             num_workers=self.num_workers,
             collate_fn=self.collate,
             pin_memory=self.pin_memory,
-            drop_last=drop_last and train,
             timeout=self.timeout if workers else 0,
             worker_init_fn=worker_init if workers else None,
             generator=self.generator,
             persistent_workers=persistent_workers and workers,
             prefetch_factor=prefetch_factor if workers else None,
         )
+        whole = self.batches.epoch_batches()
+        self.epoch_length = min(whole, max_batches) if max_batches else whole
+        # The last epoch a stream may run into: the run's last (training), or none.
+        self.last_epoch = epochs - 1 if (cross_epoch and train and epochs) else None
+        self.batch_size = batch_size
+        self._want = (0, 0)  # (epoch, skip_batches) of the next __iter__
+        self._stream: _Stream | None = None
+        self.first_batch_s: float | None = None  # stream start -> its first host batch
         checks.warn_small_shm(self.num_workers)
+        _live.add(self)
 
     def _ring_size(self, batch_size: int, sample_bytes: int) -> tuple[int, int]:
         """(slots per worker, bytes per slot) of the reused batch slots
@@ -127,50 +172,70 @@ class BaselineLoader:
         return 1
 
     def _host_batches(self):
-        """Collated CPU batches from the DataLoader, with the stall watchdog."""
+        """Collated CPU batches of the planned epochs from the DataLoader, started now (its
+        workers start and the first tasks go out before this returns)."""
         ring = self.slots.open(self.dataloader, collate) if self.slots is not None else None
         if ring is not None:
-            ring.reset()  # before the iterator exists: no batch of this epoch is in flight
-        it = iter(self.dataloader)
-        try:
-            while True:
-                try:
-                    with watchdog.main_process_batch(0 if self.num_workers else self.timeout):
-                        batch = next(it)
-                except StopIteration:
-                    if ring is not None:
-                        ring.reset()  # nothing in flight now: slots of abandoned tasks too
-                    return
-                except RuntimeError as exc:
-                    if self.timeout and watchdog.is_timeout(exc):
-                        raise watchdog.stall_error(it, self.timeout) from None
-                    raise
-                if ring is not None:
-                    batch = ring.resolve_batch(batch, self.pin_memory)
-                if not self._checked_first_batch:
-                    self._checked_first_batch = True
-                    self._check_first_batch(batch)
-                yield batch
-        finally:
-            if not self.dataloader.persistent_workers:
-                shutdown_workers(it)
-                self._close_slots()
+            ring.reset()  # before the iterator exists: no batch of this stream is in flight
+        return _DataLoaderBatches(self, iter(self.dataloader), ring, time.perf_counter())
 
     def _device_batches(self, host_batches):
         for batch in host_batches:
             yield self.device_prep(batch)
 
+    def _plan(self, epoch: int, skip: int) -> list[tuple[int, int, int]]:
+        last = self.last_epoch if self.last_epoch is not None else epoch
+        plan = [(e, 0, self.epoch_length) for e in range(epoch, max(epoch, last) + 1)]
+        plan[0] = (epoch, skip, self.epoch_length - skip)
+        return plan
+
+    def start(self) -> None:
+        """Begin producing the batches of the epoch `set_epoch` named, now (no-op when a
+        stream is already there)."""
+        if self._stream is not None and self._stream.position == self._want:
+            return
+        self._close_stream()
+        epoch, skip = self._want
+        self.batches.plan = self._plan(epoch, skip)
+        self.generator.manual_seed(hash((self.seed, epoch, self.rank)) & (2**63 - 1))
+        self._stream = _Stream(self._host_batches(), self.batches.plan)
+
     def __iter__(self):
-        host = self._host_batches()
+        """One epoch's device-ready batches (the epoch and skip of the last `set_epoch`)."""
+        return self._epoch(device=True)
+
+    def host_batches(self):
+        """One epoch's collated CPU batches, before device prep: what the benchmarks time
+        and the tests inspect (the same stream as `__iter__`)."""
+        return self._epoch(device=False)
+
+    def _epoch(self, device: bool):
+        self.start()
+        stream, done = self._stream, False
+        host = itertools.islice(stream.host, stream.batches_now())
         try:
-            yield from self._device_batches(host)
+            yield from (self._device_batches(host) if device else host)
+            done = True
         finally:
-            host.close()  # early break, crash or exhaustion: stop threads and workers now
+            if done and stream.advance():
+                self._want = stream.position  # the stream goes on into the next epoch
+            elif done:  # the plan's last epoch: run it out (frees abandoned slots), stop it
+                next(stream.host, None)
+                self._close_stream()
+            else:  # an early break or an error: stop threads and workers, persistent or not
+                self.close()
+
+    def _close_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.host.close()
 
     # -- the rest of the contract --------------------------------------------------------
 
     def close(self) -> None:
-        """Stop persistent workers now (they otherwise live until the loader is collected)."""
+        """Stop the stream and persistent workers now (they otherwise live until the loader
+        is collected)."""
+        self._close_stream()
         stop_persistent_workers(self.dataloader)
         self._close_slots()
 
@@ -179,11 +244,12 @@ class BaselineLoader:
             self.slots.close(self.dataloader, self.collate)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        self.sampler.set_epoch(epoch, skip=skip_batches * self.dataloader.batch_size)
-        self.generator.manual_seed(hash((self.seed, epoch, self.rank)) & (2**63 - 1))
+        """The epoch the next `__iter__` yields, from its batch `skip_batches` (resume)."""
+        self._want = (int(epoch), int(skip_batches))
 
     def __len__(self) -> int:
-        return len(self.dataloader)
+        """Batches in one epoch (capped by trainer.max_steps_per_epoch)."""
+        return self.epoch_length
 
     def _check_first_batch(self, batch) -> None:
         """Pinned-memory cap, unpinnable entries and /dev/shm room, from the real batch size."""
@@ -191,3 +257,82 @@ class BaselineLoader:
         if self.pin_memory:
             checks.check_pinned(batch, batch_bytes, self)
         checks.check_shm_room(batch_bytes, self.num_workers, self.prefetch_factor)
+
+
+class _Stream:
+    """A running host stage over a plan of epochs, and where it stands in that plan."""
+
+    def __init__(self, host, plan: list[tuple[int, int, int]]):
+        self.host, self.plan, self.step = host, plan, 0
+
+    @property
+    def position(self) -> tuple[int, int] | None:
+        """(epoch, skip) whose batches come next; None when the plan is done."""
+        return self.plan[self.step][:2] if self.step < len(self.plan) else None
+
+    def batches_now(self) -> int:
+        return self.plan[self.step][2]
+
+    def advance(self) -> bool:
+        """One planned epoch consumed; whether the stream goes on into another."""
+        self.step += 1
+        return self.step < len(self.plan)
+
+
+class _DataLoaderBatches:
+    """One stream's DataLoader iterator: batches out of their reused slots, the stall
+    watchdog, the first-batch checks; `close()` stops its workers unless they persist."""
+
+    def __init__(self, loader: BaselineLoader, it, ring, t0: float):
+        # A proxy, not a reference: the loader holds this stream, and a cycle would keep a
+        # dropped loader's workers alive until the garbage collector happens to run. What
+        # `close()` needs is held directly, so it also works once the loader is gone.
+        self.loader, self.it, self.ring, self.t0 = weakref.proxy(loader), it, ring, t0
+        self.persistent = loader.dataloader.persistent_workers
+        self.release = (loader.slots, loader.dataloader, loader.collate)
+        self.closed = False
+        loader.first_batch_s = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.closed:
+            raise StopIteration
+        try:
+            return self._next(self.loader)
+        except ReferenceError:  # the loader was dropped while a thread still pulled
+            self.close()
+            raise StopIteration from None
+
+    def _next(self, loader):
+        try:
+            with watchdog.main_process_batch(0 if loader.num_workers else loader.timeout):
+                batch = next(self.it)
+        except StopIteration:
+            if self.ring is not None:
+                self.ring.reset()  # nothing in flight now: slots of abandoned tasks too
+            self.close()
+            raise
+        except RuntimeError as exc:
+            if loader.timeout and watchdog.is_timeout(exc):
+                raise watchdog.stall_error(self.it, loader.timeout) from None
+            raise
+        if loader.first_batch_s is None:
+            loader.first_batch_s = time.perf_counter() - self.t0
+        if self.ring is not None:
+            batch = self.ring.resolve_batch(batch, loader.pin_memory)
+        if not loader._checked_first_batch:
+            loader._checked_first_batch = True
+            loader._check_first_batch(batch)
+        return batch
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.persistent:
+            shutdown_workers(self.it)
+            slots, dataloader, collate_fn = self.release
+            if slots is not None:
+                slots.close(dataloader, collate_fn)

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from fastload.errors import ConfigError
-from fastload.host import MB, SHM, shm_bytes
+from fastload.host import MB, SHM, shm_bytes, total_ram
 
 log = logging.getLogger("fastload.loaders")
 
@@ -19,6 +19,28 @@ SHM_FIX = (
     "an emptyDir with medium: Memory at /dev/shm), or lower loader.num_workers / "
     "loader.prefetch_factor."
 )
+
+
+PIN_RAM_SHARE = 0.25
+
+
+def resolve_pin_cap(value, local_world_size: int) -> float | None:
+    """loader.pin_memory_max_mb: MB, null (no cap) or auto = a quarter of the host's RAM,
+    shared by the node's ranks (on a 125 GiB host with one rank: ~31 GiB)."""
+    if value is None:
+        return None
+    if value == "auto":
+        return total_ram() * PIN_RAM_SHARE / max(1, local_world_size) / MB
+    try:
+        cap = float(value)
+    except (TypeError, ValueError):
+        cap = -1.0
+    if cap <= 0:
+        raise ConfigError(
+            f"loader.pin_memory_max_mb={value!r}: use a number of MB > 0, auto (a quarter of "
+            f"the RAM per node, shared by its ranks) or null (no cap)."
+        )
+    return cap
 
 
 def warn_small_shm(num_workers: int) -> None:
@@ -68,7 +90,7 @@ def check_pinned(batch, batch_bytes: int, loader) -> None:
             f"{batch_bytes / MB:.1f} MB x {in_flight}: loader.num_workers="
             f"{loader.num_workers} x loader.prefetch_factor={loader.prefetch_factor} + "
             f"{loader.stage_batches} held by the loader stages), above "
-            f"loader.pin_memory_max_mb={cap}. Lower loader.prefetch_factor, "
+            f"loader.pin_memory_max_mb={loader.pin_memory_max_option} ({cap:,.0f} MB). Lower loader.prefetch_factor, "
             f"loader.num_workers or trainer.batch_size, raise loader.pin_memory_max_mb "
             f"(null: no cap) if the host has the RAM, or set loader.pin_memory=false."
         )

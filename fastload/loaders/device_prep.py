@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastload.data.batch import ENCODED, IMAGE
 from fastload.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,7 +62,12 @@ class DevicePrep:
 
     def transfer(self, batch):
         """Copy every tensor of the (nested) batch to the device; non_blocking only for
-        pinned sources, where it is truly asynchronous (for pageable memory it buys nothing)."""
+        pinned sources, where it is truly asynchronous (for pageable memory it buys nothing).
+        The encoded part of a GPU-decoding batch stays on the host: nvJPEG reads its input
+        from host memory (torchvision's decode_jpeg refuses device tensors)."""
+        if isinstance(batch, dict) and ENCODED in batch:
+            rest = {k: v for k, v in batch.items() if k != ENCODED}
+            return {**self.transfer(rest), ENCODED: batch[ENCODED]}
         return map_tensors(lambda v: v.to(self.device, non_blocking=v.is_pinned()), batch)
 
     def decode(self, batch: dict) -> dict:
@@ -71,21 +77,20 @@ class DevicePrep:
                 "the batch carries encoded images (a GPU-decoding backend) but this loader gave "
                 "device prep no decoder: build DevicePrep(..., decoder=backend.device_decoder)."
             )
-        rest = {k: v for k, v in batch.items() if k != "encoded"}
-        rest["image"] = self.decoder(batch["image"], batch["encoded"], self.device)
+        rest = {k: v for k, v in batch.items() if k != ENCODED}
+        rest[IMAGE] = self.decoder(batch[IMAGE], batch[ENCODED], self.device)
         return rest
 
     def _convert_image(self, image: torch.Tensor) -> torch.Tensor:
-        if self.normalize is not None:
-            image = self.normalize(image, self.dtype)
-        elif image.dtype != self.dtype:
-            image = image.to(self.dtype)
         if image.dim() == 4:
             # The CPU batch may be NCHW with channels_last strides (collate's stack_images):
-            # give the model the layout it asked for either way (a no-op when it already is).
+            # give the model the layout it asked for either way (a no-op when it already
+            # is), on the integer batch, which moves a quarter of the float's bytes.
             fmt = torch.channels_last if self.channels_last else torch.contiguous_format
             image = image.contiguous(memory_format=fmt)
-        return image
+        if self.normalize is not None:
+            return self.normalize(image, self.dtype)  # elementwise: keeps the layout
+        return image if image.dtype == self.dtype else image.to(self.dtype)
 
     def convert(self, batch):
         """uint8 -> float (or the configured dtype), normalise, channels_last: the batch's
@@ -93,7 +98,7 @@ class DevicePrep:
         entry is left as it is."""
         if not isinstance(batch, dict):
             return batch
-        if "encoded" in batch:  # a GPU-decoding backend: decode first, then as usual
+        if ENCODED in batch:  # a GPU-decoding backend: decode first, then as usual
             batch = self.decode(batch)
         image = batch.get("image")
         if torch.is_tensor(image):

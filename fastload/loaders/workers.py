@@ -43,8 +43,8 @@ def fault_stream():
 
 
 def worker_init(worker_id: int) -> None:
-    # Global RNGs are seeded per worker, rank and epoch by WorkerSeeding (below), at the first
-    # sample of each epoch, which also covers persistent workers.
+    # Global RNGs are seeded per batch by WorkerSeeding (below), which also covers
+    # persistent workers and batches of an epoch reached across a pipelined boundary.
     # One intra-op thread per worker: N workers x all-core thread pools oversubscribe the CPU.
     torch.set_num_threads(1)
     if "cv2" in sys.modules:
@@ -59,33 +59,34 @@ def worker_init(worker_id: int) -> None:
         faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True, chain=False)
 
 
-def worker_seed(seed: int, rank: int, epoch: int, worker_id: int) -> int:
-    return int(np.random.SeedSequence([seed, rank, epoch, worker_id]).generate_state(1)[0])
+def batch_seed(seed: int, rank: int, epoch: int, first_index: int) -> int:
+    return int(np.random.SeedSequence([seed, rank, epoch, first_index]).generate_state(1)[0])
 
 
 class WorkerSeeding(torch.utils.data.Dataset):
-    """Seeds numpy, `random` and torch in each worker from (seed, rank, epoch, worker id) at
-    the first sample of every epoch (keys are `(epoch, index)`): distinct across workers
-    (pytorch#5059), different every epoch even with persistent workers, reproducible across
-    runs. Our own transforms need none of it (they use a per-sample RNG); user code that
-    draws from the global RNGs does. In the main process (num_workers=0) the global RNGs
-    belong to the training loop and are left alone."""
+    """Seeds numpy, `random` and torch in a worker at the start of every batch, from (seed,
+    rank, epoch, the batch's first index): distinct across batches and workers (pytorch#5059),
+    new every epoch even with persistent workers, reproducible across runs, and independent of
+    which worker builds the batch, of the worker count, and of whether the epoch was reached
+    through a pipelined stream or a resume. Our own transforms need none of it (each sample
+    has its own RNG); user code that draws from the global RNGs does. In the main process
+    (num_workers=0) the global RNGs belong to the training loop and are left alone."""
 
     def __init__(self, dataset, seed: int, rank: int):
         self.dataset, self.seed, self.rank = dataset, int(seed), int(rank)
-        self._epoch = None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def __getitems__(self, keys: list) -> list:
+        """The DataLoader's fetcher hands a worker a whole batch of keys at once."""
+        if keys and get_worker_info() is not None:
+            epoch, index = keys[0] if isinstance(keys[0], tuple) else (0, keys[0])
+            s = batch_seed(self.seed, self.rank, epoch, index)
+            np.random.seed(s)
+            random.seed(s)
+            torch.manual_seed(s)
+        return [self.dataset[k] for k in keys]
+
     def __getitem__(self, key):
-        epoch = key[0] if isinstance(key, tuple) else 0
-        if epoch != self._epoch:
-            self._epoch = epoch
-            info = get_worker_info()
-            if info is not None:
-                s = worker_seed(self.seed, self.rank, epoch, info.id)
-                np.random.seed(s)
-                random.seed(s)
-                torch.manual_seed(s)
-        return self.dataset[key]
+        return self.__getitems__([key])[0]

@@ -98,7 +98,8 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
     Summary keys (all optional):
       ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (steady-state mean),
       ``data_wait_share`` (fraction 0..1), ``gpu_util_mean`` (percent 0..100),
-      ``peak_rss_mb`` (MB, process tree), ``best_acc1`` (top-1, percent 0..100),
+      ``peak_pss_mib`` / ``peak_rss_sum_mib`` (MiB, process tree: PSS summed, RSS
+      summed), ``best_acc1`` (top-1, percent 0..100),
       ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
       shown instead of ``wandb_dir`` when present).
     """
@@ -114,6 +115,16 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
                 return str(value)
         return "n/a"
 
+    def memory() -> str:
+        pss, rss = _num(summary.get("peak_pss_mib")), _num(summary.get("peak_rss_sum_mib"))
+        if pss is None:
+            return (
+                "n/a"
+                if rss is None
+                else f"{rss:,.0f} MiB summed RSS (shared pages counted per process)"
+            )
+        return f"{pss:,.0f} MiB PSS" + ("" if rss is None else f" (summed RSS {rss:,.0f} MiB)")
+
     epochs = summary.get("epochs")
     rows = [
         ("epochs", str(epochs) if epochs is not None else "n/a"),
@@ -121,7 +132,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
         ("images / s", fmt("images_per_s", ",.0f")),
         ("data wait", fmt("data_wait_share", ".1f", 100.0, " %")),
         ("GPU util", fmt("gpu_util_mean", ".0f", unit=" %")),
-        ("peak RSS", fmt("peak_rss_mb", ",.0f", unit=" MB")),
+        ("peak memory", memory()),
         ("best top-1", fmt("best_acc1", ".2f", unit=" %")),
         ("run directory", text("run_dir")),
         ("W&B", text("wandb_sync", "wandb_dir")),

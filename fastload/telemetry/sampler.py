@@ -3,6 +3,15 @@
 One daemon thread samples every `interval_s`; the engine opens a window per epoch with
 `reset()` and reads it with `snapshot()`. NVML is optional: without a driver or GPU the
 GPU fields stay None and training goes on.
+
+Memory of the process tree (this process and its DataLoader workers), two figures in MiB:
+* PSS summed over the tree (`peak_pss_mib`): each page shared by N processes counts 1/N in
+  each, so the sum is the memory the run really holds; forked workers share most of their
+  pages with the main process. Reading PSS walks each process's page tables
+  (/proc/<pid>/smaps_rollup, ~10 ms for a torch process), so it is sampled every
+  `pss_interval_s` and at every snapshot, not every `interval_s`.
+* RSS summed over the tree (`peak_rss_sum_mib`): cheap, sampled every `interval_s`, but a
+  shared page counts once per process: an upper bound that grows with the worker count.
 """
 
 from __future__ import annotations
@@ -111,18 +120,21 @@ class ResourceSampler:
 
     `gpu_index` is the torch CUDA device index of this rank (None: no GPU sampling).
     `snapshot()` keys: ``gpu_util_mean``, ``gpu_util_p10`` (percent), ``gpu_mem_used_max_mb``
-    (None without NVML), ``cpu_percent`` (host-wide, mean over the window), ``peak_rss_mb``
-    (max over the window of the summed RSS of this process and all its descendants, e.g.
-    DataLoader workers; pages shared copy-on-write with forked workers count once per
-    process, so it is an upper bound), ``resource_samples`` (samples in the window; named
-    so it cannot clash with StepTimer's ``samples``).
+    (None without NVML), ``cpu_percent`` (host-wide, mean over the window),
+    ``peak_pss_mib`` and ``peak_rss_sum_mib`` (the process tree's memory, see the module
+    doc; PSS is None where the OS cannot tell), ``resource_samples`` (samples in the window;
+    named so it cannot clash with StepTimer's ``samples``).
     """
 
-    def __init__(self, gpu_index: int | None = None, interval_s: float = 0.2) -> None:
+    def __init__(
+        self, gpu_index: int | None = None, interval_s: float = 0.2, pss_interval_s: float = 5.0
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.gpu_index = gpu_index
         self.interval_s = float(interval_s)
+        self.pss_interval_s = float(pss_interval_s)
+        self._pss_at = -float("inf")
         self._lock = threading.Lock()  # guards the window
         self._tree_lock = threading.Lock()  # guards the children cache (two threads sample)
         self._stop = threading.Event()
@@ -138,6 +150,7 @@ class ResourceSampler:
         self._gpu_mem_mb: list[float] = []
         self._cpu: list[float] = []
         self._rss_peak_mb: float | None = None
+        self._pss_peak_mb: float | None = None
         self._samples = 0
 
     # -- public API ---------------------------------------------------------------------
@@ -163,15 +176,16 @@ class ResourceSampler:
 
     def snapshot(self) -> dict[str, float | None]:
         """Summary of the current window; the thread keeps running."""
-        # One synchronous memory sample, so a window shorter than interval_s still has one.
-        self._sample_memory()
+        # One synchronous memory sample (PSS included), so every window has one.
+        self._sample_memory(pss=True)
         with self._lock:
             return {
                 "gpu_util_mean": _mean(self._gpu_util),
                 "gpu_util_p10": percentile(self._gpu_util, 10),
                 "gpu_mem_used_max_mb": max(self._gpu_mem_mb) if self._gpu_mem_mb else None,
                 "cpu_percent": _mean(self._cpu),
-                "peak_rss_mb": self._rss_peak_mb,
+                "peak_pss_mib": self._pss_peak_mb,
+                "peak_rss_sum_mib": self._rss_peak_mb,
                 "resource_samples": float(self._samples),
             }
 
@@ -191,11 +205,8 @@ class ResourceSampler:
 
     # -- sampling -----------------------------------------------------------------------
 
-    def _tree_rss_bytes(self) -> int:
-        with self._tree_lock:
-            return self._tree_rss_bytes_locked()
-
-    def _tree_rss_bytes_locked(self) -> int:
+    def _tree(self) -> list[psutil.Process]:
+        """This process and its descendants (the children list is rescanned seldom)."""
         now = time.monotonic()
         if now - self._children_scanned_at >= _CHILDREN_RESCAN_S:
             try:
@@ -205,23 +216,36 @@ class ResourceSampler:
             # Keep known Process objects: psutil guards them against pid reuse.
             self._children = {p.pid: self._children.get(p.pid, p) for p in kids}
             self._children_scanned_at = now
-        total = self._proc.memory_info().rss
-        for pid, proc in list(self._children.items()):
-            try:
-                total += proc.memory_info().rss
-            except psutil.Error:  # exited (or zombie) between listing and reading
-                self._children.pop(pid, None)
-        return total
+        return [self._proc, *self._children.values()]
 
-    def _sample_memory(self) -> None:
+    def _tree_memory(self, pss: bool) -> tuple[int, int | None]:
+        """(summed RSS, summed PSS or None) in bytes over the process tree."""
+        with self._tree_lock:
+            rss, pss_total = 0, 0 if pss else None
+            for proc in self._tree():
+                try:
+                    rss += proc.memory_info().rss
+                    if pss_total is not None:
+                        value = getattr(proc.memory_full_info(), "pss", None)
+                        pss_total = None if value is None else pss_total + value
+                except psutil.Error:  # exited (or zombie) between listing and reading
+                    if proc is not self._proc:
+                        self._children.pop(proc.pid, None)
+            return rss, pss_total
+
+    def _sample_memory(self, pss: bool = False) -> None:
+        pss = pss or time.monotonic() - self._pss_at >= self.pss_interval_s
         try:
-            rss_mb = self._tree_rss_bytes() / _MB
+            rss, pss_bytes = self._tree_memory(pss)
         except Exception as exc:
-            log.debug("RSS sample failed: %s", exc)
+            log.debug("memory sample failed: %s", exc)
             return
         with self._lock:
-            if self._rss_peak_mb is None or rss_mb > self._rss_peak_mb:
-                self._rss_peak_mb = rss_mb
+            if pss:
+                self._pss_at = time.monotonic()
+            self._rss_peak_mb = max(self._rss_peak_mb or 0.0, rss / _MB)
+            if pss_bytes is not None:
+                self._pss_peak_mb = max(self._pss_peak_mb or 0.0, pss_bytes / _MB)
 
     def _init_nvml(self) -> tuple[Any, Any] | tuple[None, None]:
         if self.gpu_index is None:

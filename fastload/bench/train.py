@@ -1,0 +1,276 @@
+"""python -m fastload.bench train: the real training loop, end to end, against its ceiling.
+
+    python -m fastload.bench train --step-ms 40 --epochs 6 --steps-per-epoch 30   # CPU proxy
+    python -m fastload.bench train --model resnet50 --epochs 5 --steps-per-epoch 40 \\
+        trainer.batch_size=256 trainer.compile=true loader.num_workers=14 backend=turbo
+
+Runs the engine's own epoch loop (fastload/engine.py: train, evaluate, epoch boundaries,
+the evaluation loader's warm start) for N epochs of S steps through the configured data path
+(every override honoured: backend=, storage=, loader=, dataset=...), then the same loop fed
+one batch that never leaves the device: the end-to-end ceiling. Per epoch and for the whole
+run, boundaries and evaluation included: images/s, data-wait share, ratio to the ceiling.
+
+The step: `--model NAME` (conf/model/NAME.yaml) trains that model with the configured
+precision, channels_last and torch.compile, on the GPU; `--step-ms MS` replaces the model with
+a fixed step that releases the GIL (as a GPU step does: kernels launch asynchronously), an
+evaluation step costing a third of it (a forward pass), so the loader's side can be measured
+on any machine. Nothing is written but the JSON: no checkpoints, no W&B, no metric files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from fastload.bench.common import compose, format_table, write_json
+
+EVAL_STEP_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
+
+
+class SleepStep:
+    """A step of fixed duration that releases the GIL; counts samples like ModelStep."""
+
+    def __init__(self, ms: float, device: torch.device):
+        self.seconds, self.device = ms / 1000, device
+
+    def train_mode(self) -> None:
+        pass
+
+    eval_mode = train_mode
+    after_step = train_mode
+
+    def train(self, x, y) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return torch.tensor([0.0, 0.0, len(y)], dtype=torch.float64, device=self.device)
+
+    def evaluate(self, x, y) -> torch.Tensor:
+        time.sleep(self.seconds * EVAL_STEP_SHARE)
+        return torch.tensor([0.0, 0.0, 0.0, len(y)], dtype=torch.float64, device=self.device)
+
+
+class Timeline:
+    """What `Epochs` records, kept in memory: each epoch's row and its full wall time (from the
+    previous epoch's end, so the boundary and the evaluation are inside)."""
+
+    checkpoint_path = Path("(bench: none written)")
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.t = time.perf_counter()
+
+    def epoch(self, row: dict) -> None:
+        now = time.perf_counter()
+        self.rows.append({**row, "wall_s": now - self.t})
+        self.t = now
+
+    def save(self, state) -> None:
+        pass
+
+
+class ResidentLoader:
+    """The ceiling's loader: one device-ready batch, `n` times per epoch, never reloaded."""
+
+    first_batch_s = 0.0
+
+    def __init__(self, batch: dict, n: int):
+        self.batch, self.n = batch, n
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.skip = skip_batches
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return (self.batch for _ in range(self.n))
+
+
+class ResidentData:
+    """A DataPath whose loaders are resident batches (no storage, no decode)."""
+
+    def __init__(self, data, train_batch: dict, val_batch: dict):
+        self.train = ResidentLoader(train_batch, len(data.train))
+        self.val = ResidentLoader(val_batch, len(data.val))
+
+    def before_epoch(self) -> None:
+        pass
+
+    def epoch_stats(self, ctx) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def first_batch(loader) -> dict:
+    loader.set_epoch(0)
+    for batch in loader:
+        return batch
+    raise RuntimeError("the loader produced no batch")
+
+
+def run_loop(cfg, ctx, data, args, amp, channels_last) -> tuple[list[dict], float]:
+    """The engine's epoch loop over `data`; (per-epoch rows, total seconds)."""
+    from fastload.engine import Epochs, ModelStep
+    from fastload.train_state import TrainState
+
+    torch.manual_seed(cfg.seed)
+    state = TrainState.create(
+        cfg, ctx.device, 1, len(data.train), amp=amp, channels_last=channels_last
+    )
+    if args.model:
+        step = ModelStep(state, cfg, ctx, amp)
+    else:
+        step = SleepStep(args.step_ms, ctx.device)
+    timeline = Timeline()
+    t0 = timeline.t
+    Epochs(cfg, ctx, state, step, data, timeline).run()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    return timeline.rows, time.perf_counter() - t0
+
+
+def epoch_rows(rows: list[dict], ceiling: list[dict]) -> list[dict]:
+    """Per epoch: its whole wall time (boundary and evaluation included) against the
+    ceiling's same epoch; images/s over that wall; the training part's data-wait share."""
+    out = []
+    for r, c in zip(rows, ceiling, strict=True):
+        out.append(
+            {
+                "epoch": r["epoch"],
+                "wall_s": r["wall_s"],
+                "train_s": r["epoch_time_s"],
+                "eval_s": r.get("eval_time_s", 0.0),
+                "images_per_s": r["train_images"] / r["wall_s"],
+                "data_wait_share": r["data_wait_share"],
+                "vs_ceiling": c["wall_s"] / r["wall_s"],
+            }
+        )
+    return out
+
+
+def summarize(rows, total_s, ceiling_s, steps: int, val_batches: int, args) -> dict:
+    images = sum(r["train_images"] for r in rows)
+    out = {
+        "epochs": len(rows),
+        "wall_s": total_s,
+        "images_per_s": images / total_s,
+        "ceiling_wall_s": ceiling_s,
+        "ceiling_images_per_s": images / ceiling_s,
+        "vs_ceiling": ceiling_s / total_s,
+        "data_wait_share": sum(r["data_wait_s"] for r in rows) / total_s,
+        "data_wait_share_epochs_2_on": max((r["data_wait_share"] for r in rows[1:]), default=None),
+    }
+    if not args.model:  # the CPU proxy: every step at its fixed cost, nothing else
+        evals = sum(1 for r in rows if "eval_time_s" in r)
+        step_s = args.step_ms / 1000
+        steps_s = len(rows) * steps * step_s
+        steps_s += evals * val_batches * step_s * EVAL_STEP_SHARE
+        out.update(steps_time_s=steps_s, vs_steps_time=steps_s / total_s)
+    return out
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m fastload.bench train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--model", help="conf/model/<NAME>: a real training step (GPU)")
+    step.add_argument("--step-ms", type=float, help="a fixed GIL-releasing step (default 50)")
+    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--steps-per-epoch", type=int, default=30)
+    p.add_argument("--json", default="outputs/bench/train.json")
+    p.add_argument("override", nargs="*", help="train.py overrides: backend=turbo loader=bg ...")
+    args = p.parse_args(argv)
+    if args.model is None and args.step_ms is None:
+        args.step_ms = 50.0
+    if args.epochs < 1 or args.steps_per_epoch < 1:
+        p.error("--epochs and --steps-per-epoch must be >= 1")
+    return args
+
+
+def build(args):
+    """(config, rank context, data path, autocast dtype, channels_last) as fit builds them."""
+    from fastload.dist import DistContext, check_gpus_for_ranks
+    from fastload.engine import amp_dtype
+    from fastload.pipeline import build_data, prepare_data
+
+    overrides = [*args.override, "logger=none", "trainer.progress=false"]
+    overrides += [f"trainer.epochs={args.epochs}"]
+    overrides += [f"trainer.max_steps_per_epoch={args.steps_per_epoch}"]
+    overrides += [f"model={args.model}"] if args.model else []
+    cfg = compose(overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.trainer.device != "auto":
+        device = torch.device(cfg.trainer.device)
+    if args.model and device.type != "cuda":
+        raise SystemExit("--model needs a GPU; on a CPU machine use --step-ms MS")
+    if device.type == "cuda":
+        check_gpus_for_ranks(1)
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    ctx = DistContext(device=device)
+    channels_last = cfg.trainer.channels_last
+    channels_last = device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+    storage = prepare_data(cfg, ctx)
+    data = build_data(cfg, ctx, storage, channels_last=channels_last)
+    return cfg, ctx, data, amp_dtype(cfg.trainer.precision, device), channels_last
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv or [])
+    if not args.model:
+        # A GPU box's training thread does no math of its own (kernels run on the GPU); here
+        # its device prep would otherwise fight the workers for the cores with a thread pool.
+        torch.set_num_threads(1)
+    cfg, ctx, data, amp, channels_last = build(args)
+    if len(data.train) < args.steps_per_epoch:
+        print(f"note: an epoch of this data has {len(data.train)} steps < --steps-per-epoch")
+    try:
+        rows, total = run_loop(cfg, ctx, data, args, amp, channels_last)
+        resident = ResidentData(data, first_batch(data.train), first_batch(data.val))
+        ceiling, ceiling_total = run_loop(cfg, ctx, resident, args, amp, channels_last)
+    finally:
+        data.close()
+    per_epoch = epoch_rows(rows, ceiling)
+    summary = summarize(rows, total, ceiling_total, len(data.train), len(data.val), args)
+    step = f"model {args.model}" if args.model else f"fixed step {args.step_ms:g} ms"
+    print(
+        f"\nbench train: {args.epochs} epochs x {args.steps_per_epoch} steps, batch "
+        f"{cfg.trainer.batch_size}, {step}, device {ctx.device}, loader={cfg.loader._target_}, "
+        f"{data.backend.info().get('decoder')}, {len(data.train.dataset)} training images"
+    )
+    print(format_table(per_epoch, list(per_epoch[0])))
+    print()
+    print(format_table([summary], list(summary)))
+    print_targets(summary, args)
+    params = {**vars(args), "config_overrides": args.override, "device": str(ctx.device)}
+    path = write_json(args.json, "train", params, per_epoch + [{"epoch": "all", **summary}])
+    print(f"wrote {path}")
+    return 0
+
+
+def print_targets(summary: dict, args) -> None:
+    wait = summary["data_wait_share_epochs_2_on"]
+    if wait is not None:
+        verdict = "met" if wait <= 0.02 else "NOT met"
+        print(f"epochs >= 2: worst data-wait share {100 * wait:.1f} % (target <= 2 %): {verdict}")
+    if "vs_steps_time" in summary:
+        r = summary["vs_steps_time"]
+        verdict = "met" if r >= 0.95 else "NOT met"
+        print(f"whole run: steps x step time / wall = {r:.3f} (target >= 0.95): {verdict}")
+    else:
+        r = summary["vs_ceiling"]
+        verdict = "met" if r >= 0.95 else "NOT met"
+        print(f"whole run vs the GPU-resident ceiling: {r:.3f} (target >= 0.95): {verdict}")
