@@ -39,12 +39,29 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as exc:
         logging.getLogger("fastload").warning(exc.user_message)
         sys.exit(exc.exit_code)
-    except FastloadError as exc:
-        # A user error: one clear message naming the file or option and the fix, no traceback.
-        print(f"error: {exc.user_message}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (generating, packing, ...)
+        print("interrupted (Ctrl-C): nothing half-written was kept.", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:
+        # A user error, raised by us or while Hydra built one of our objects (Hydra wraps it):
+        # one clear message naming the file or option and the fix, no traceback, exit 2.
+        error = user_error(exc)
+        if error is None:
+            raise
+        print(f"error: {error.user_message}", file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         dist.cleanup()
+
+
+def user_error(exc: BaseException) -> FastloadError | None:
+    """The FastloadError behind `exc` (itself, or the cause Hydra's InstantiationException
+    wraps), else None."""
+    while exc is not None:
+        if isinstance(exc, FastloadError):
+            return exc
+        exc = exc.__cause__
+    return None
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ other hosts are removed only once they have not changed for `stale_after_s` (a d
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fastload.host import hostname, pid_alive
+from fastload.host import hostname, pid_alive, size_text
 
 DAY_S = 86400.0
 
@@ -66,10 +67,12 @@ def remove_stale(final: Path, stale_after_s: float = DAY_S) -> list[Path]:
 
 
 @contextlib.contextmanager
-def building(final: str | os.PathLike) -> Iterator[Path]:
+def building(final: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """`with building(final) as tmp:` fill `tmp`; on a clean exit it is renamed to `final`
-    (an empty folder at `final` is replaced). On any error, or when another process
-    completed `final` first (`AlreadyBuilt`), `tmp` is removed and `final` is untouched."""
+    (an empty folder at `final` is replaced; with `replace=True` any folder is: the old one
+    is moved aside, the new one renamed in, the old one deleted). On any error, or when
+    another process completed `final` first (`AlreadyBuilt`), `tmp` is removed and `final`
+    is untouched."""
     final = Path(final).absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(final)
@@ -78,11 +81,48 @@ def building(final: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        try:
-            os.rename(tmp, final)
-        except OSError as exc:
-            if final.exists():
-                raise AlreadyBuilt(f"{final} appeared while it was being built") from exc
-            raise
+        _publish(tmp, final, replace)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path, replace: bool) -> None:
+    old = None
+    if replace and final.exists():
+        old = final.parent / f"{temp_prefix(final)}{hostname()}-{os.getpid()}-old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError as exc:
+        if old is not None:
+            os.rename(old, final)  # put the previous one back
+        if final.exists():
+            raise AlreadyBuilt(f"{final} appeared while it was being built") from exc
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An OSError of a full disk or quota, or torch's zip writer failing mid-file on one (it
+    reports "unexpected pos" / "file write failed" instead of the errno)."""
+    if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("unexpected pos" in text or "write failed" in text)
+
+
+def no_space_message(what: str, path, need: int) -> str:
+    """One line: what could not be written where, the space needed and available, the fix."""
+    path = Path(path)
+    where = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(where).free
+    return (
+        f"no space left to write {what} {path}: it needs about {size_text(need)}, "
+        f"{size_text(free)} is free on that file system. Free some space there or write "
+        f"elsewhere; nothing half-written was left behind."
+    )

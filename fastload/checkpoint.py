@@ -1,25 +1,146 @@
-"""Atomic checkpoints and the state needed to resume exactly."""
+"""Atomic, self-checking checkpoints and the state needed to resume exactly.
+
+A checkpoint is a plain `torch.save` of a dict (`torch.load(path, weights_only=True)` reads
+it anywhere), which carries:
+
+* `checksum`: xxh3-128 over every value of the payload (tensors by dtype, shape and bytes;
+  everything else by repr), verified before use: a flipped byte in the weights is refused,
+  naming the file, instead of training on from damaged weights;
+* `run_config`: the resolved config minus the keys that do not shape the result (workers,
+  logging, paths, the loader strategy: see `NOT_SHAPING`); resuming compares it with this
+  run's and refuses with the keys that differ.
+
+It is written to a temporary name in the same folder, fsynced and renamed: a crash or a full
+disk at any point leaves the previous checkpoint intact and never a half-written one.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
+from fastload.atomic import is_disk_full, no_space_message
 from fastload.errors import CheckpointError
 
-FORMAT = 1
+log = logging.getLogger("fastload")
+
+FORMAT = 2  # 2: checksum + run_config; 1 (first sessions): neither, read with a warning
+READABLE = (1, 2)
 LAST = "last.pt"
+
+# Config keys that change how fast a run goes or where it writes, not what it computes.
+NOT_SHAPING = (
+    "name",
+    "resume",
+    "output_root",
+    "logger",
+    "hydra",
+    "trainer.progress",
+    "trainer.checkpoint_every",
+    "trainer.eval_every",
+    "trainer.device",
+    "trainer.dist_backend",
+    "trainer.ddp",
+    "trainer.compile",
+    "loader",  # every strategy yields the same batches; the two that change numbers follow
+    "storage._target_",  # disk, tmpfs, lmdb and shards of the source bytes read the same bytes
+    "storage.path",
+    "storage.auto_pack",
+    "storage.verify",
+    "storage.cold_cache",
+    "storage.threads",
+    "storage.reserve_gb",
+    "storage.cleanup",
+    "storage.progress",
+    "storage.target_dir",
+    "storage.shard_mb",
+)
+SHAPING_EXCEPTIONS = ("loader.normalize_on", "loader.input_dtype", "loader.drop_last")
+
+
+def flatten(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def run_config(cfg) -> dict:
+    """The keys of a resolved config that shape the result, flattened ('optim.base_lr')."""
+    from omegaconf import OmegaConf
+
+    flat = flatten(OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False))
+    resolved = {}
+    for key in flat:
+        skip = any(key == p or key.startswith(p + ".") for p in NOT_SHAPING)
+        if skip and key not in SHAPING_EXCEPTIONS:
+            continue
+        resolved[key] = OmegaConf.select(cfg, key, throw_on_missing=False)
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+        for k, v in resolved.items()
+    }
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    keys = sorted(set(saved) | set(current))
+    missing = "(unset)"
+    return [
+        f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}"
+        for k in keys
+        if saved.get(k, missing) != current.get(k, missing)
+    ]
+
+
+def _feed(h, obj) -> None:
+    """Hash a checkpoint payload the same way whether it was just built or loaded."""
+    if torch.is_tensor(obj):
+        t = obj.detach().to("cpu").contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for k, v in obj.items():
+            h.update(repr(k).encode())
+            _feed(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        for v in obj:
+            _feed(h, v)
+    else:
+        h.update(repr(obj).encode())
+
+
+def checksum(payload: dict) -> str:
+    h = xxhash.xxh3_128()
+    _feed(h, {k: v for k, v in payload.items() if k != "checksum"})
+    return h.hexdigest()
+
+
+def _nbytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 64
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    """Write to a temporary name in the same folder, fsync, rename: a crash or a full disk
-    at any point leaves the previous checkpoint intact and never a half-written one."""
+    """Checksum, write to a temporary name in the same folder, fsync, rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    state = {**state, "format": FORMAT}
+    state["checksum"] = checksum(state)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -27,6 +148,13 @@ def save_atomic(state: dict, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        if is_disk_full(exc):
+            raise CheckpointError(
+                no_space_message("the checkpoint", path, _nbytes(state))
+                + " (set output_root=<a folder with room>)"
+            ) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -60,24 +188,40 @@ def set_rng_state(state: dict) -> None:
 
 
 def load(path: str | os.PathLike) -> dict:
+    """A checkpoint, verified; CheckpointError naming the file when it is missing, not a
+    fastload checkpoint, or damaged."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the resume= path.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
+    except Exception as exc:  # torch's own advice (weights_only=False, file an issue) misleads
         raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); it is not a fastload "
-            f"checkpoint or is damaged. Use another file or resume=null."
+            f"{path} is not a fastload checkpoint, or it is damaged (torch cannot read it: "
+            f"{type(exc).__name__}). Pass a checkpoints/last.pt written by train.py, or "
+            f"resume=null to start fresh."
         ) from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in READABLE:
         raise CheckpointError(
-            f"{path} is not a fastload checkpoint (format {FORMAT}); use resume=null."
+            f"{path} is not a fastload checkpoint (no format {FORMAT} record); pass a "
+            f"checkpoints/last.pt written by train.py, or resume=null."
+        )
+    if state["format"] == 1:
+        log.warning("%s predates checkpoint checksums: it cannot be verified", path)
+    elif state.get("checksum") != checksum(state):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: its contents do not match the checksum written "
+            f"with it (a disk or copy error). Use an intact checkpoint or resume=null."
         )
     return state
 
 
+def candidates(output_root: Path, name: str) -> list[Path]:
+    """resume=auto: the last.pt of every run called `name`, newest first."""
+    found = (Path(output_root) / name).glob(f"*/checkpoints/{LAST}")
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def find_latest(output_root: Path, name: str) -> Path | None:
-    """resume=auto: the newest last.pt among the runs called `name`."""
-    candidates = list((Path(output_root) / name).glob(f"*/checkpoints/{LAST}"))
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+    found = candidates(output_root, name)
+    return found[0] if found else None

@@ -130,6 +130,15 @@ def all_reduce(values: list[float], ctx: DistContext, op: str = "sum") -> list[f
     return t.tolist()
 
 
+def gather_lists(items: list, ctx: DistContext) -> list:
+    """Every rank's list, concatenated in rank order, on every rank."""
+    if not ctx.distributed:
+        return list(items)
+    parts: list = [None] * ctx.world_size
+    dist.all_gather_object(parts, list(items))
+    return [x for part in parts for x in part]
+
+
 def broadcast_object(obj, ctx: DistContext):
     if not ctx.distributed:
         return obj

@@ -25,8 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist
-from fastload.errors import ConfigError, FastloadError
-from fastload.pipeline import DataPath, build_data, prepare_data
+from fastload.errors import CheckpointError, ConfigError, FastloadError
+from fastload.pipeline import DataPath, build_backend, build_data, prepare_data
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
@@ -161,9 +161,11 @@ class EpochSpan:
 
 def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, hooks=None):
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
-    step k (the evaluation loader's warm start). Returns (steps done, timing, metrics)."""
+    step k (the evaluation loader's warm start). Returns (steps done, timing, metrics, the
+    files skipped as undecodable on every rank)."""
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, n
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
+    skipped_files: list[str] = []
     bar = ProgressBar(span.max_steps, enabled=progress and ctx.is_main, desc=f"epoch {span.epoch}")
     bar.update(n=steps) if steps else None
     step.train_mode()
@@ -174,6 +176,7 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
         if steps in hooks:
             hooks[steps]()
         skipped += batch["skipped"]
+        skipped_files += batch.get("skipped_files", ())
         for k, v in batch.get("counts", {}).items():  # the backend's counters, e.g. fallbacks
             counts[k] = counts.get(k, 0) + v
         if batch["image"] is not None:
@@ -198,6 +201,7 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
             "skipped_corrupt": int(skipped),
             **{k: int(v) for k, v in zip(keys, reduced[4:], strict=True)},
         },
+        dist.gather_lists(skipped_files, ctx),
     )
 
 
@@ -249,24 +253,31 @@ def reduce_timing(timing, resources, ctx) -> dict:
     }
 
 
-def resolve_resume(cfg) -> Path | None:
-    if cfg.resume in (None, "", "null"):
-        return None
-    if cfg.resume == "auto":
-        found = ckpt.find_latest(Path(cfg.output_root), cfg.name)
-        if found is None:
-            log.info(
-                "resume=auto: no checkpoint under %s/%s/, starting fresh", cfg.output_root, cfg.name
-            )
-        return found
-    return Path(cfg.resume)
-
-
 def resume(state: TrainState, cfg) -> None:
-    path = resolve_resume(cfg)
-    if path is not None:
+    """resume=<file>: that checkpoint, verified and checked against this run's config.
+    resume=auto: the newest intact checkpoint of a run with this name (damaged ones are
+    skipped, saying so), checked the same way."""
+    if cfg.resume in (None, "", "null"):
+        return
+    if cfg.resume != "auto":
+        path = Path(cfg.resume)
         state.load_state_dict(ckpt.load(path), path)
-        log.info("resumed from %s at epoch %d step %d", path, state.epoch, state.step)
+    else:
+        found = None
+        for path in ckpt.candidates(Path(cfg.output_root), cfg.name):
+            try:
+                found = (path, ckpt.load(path))
+                break
+            except CheckpointError as exc:
+                log.warning("resume=auto: skipping %s: %s", path, exc.user_message)
+        if found is None:
+            log.info("resume=auto: no intact checkpoint under %s/%s/, starting fresh",
+                     cfg.output_root, cfg.name)  # fmt: skip
+            return
+        path = found[0]
+        log.info("resume=auto: resuming from %s, the newest intact checkpoint", path)
+        state.load_state_dict(found[1], path)
+    log.info("resumed from %s at epoch %d step %d", path, state.epoch, state.step)
 
 
 def check_required(cfg: DictConfig) -> None:
@@ -277,6 +288,28 @@ def check_required(cfg: DictConfig) -> None:
         raise ConfigError(
             f"{', '.join(missing)} must be set for this configuration: add {example} to the "
             f"command (e.g. dataset.root=/data/imagenet)."
+        )
+
+
+TRAINER_MINIMUMS = {
+    "batch_size": (1, "images per rank per step"),
+    "epochs": (1, "epochs to train"),
+    "eval_every": (1, "evaluate every N epochs"),
+    "checkpoint_every": (0, "write a checkpoint every N epochs; 0: never"),
+}
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    """Whole numbers where the loop needs them, refused before anything starts."""
+    t = cfg.trainer
+    for key, (low, meaning) in TRAINER_MINIMUMS.items():
+        value = t[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"trainer.{key}={value!r}: use a whole number >= {low} ({meaning}).")
+    cap = t.max_steps_per_epoch
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigError(
+            f"trainer.max_steps_per_epoch={cap!r}: use null (whole epochs) or a whole number >= 1."
         )
 
 
@@ -299,6 +332,7 @@ class RunRecord:
 
     def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list):
         self.ctx, self.run_dir = ctx, run_dir
+        self.checkpoints = cfg.trainer.checkpoint_every > 0  # 0: never (debug=fast)
         self.files = self.sink = None
         if ctx.is_main:
             self.files = MetricsFiles(run_dir)
@@ -311,8 +345,26 @@ class RunRecord:
         return self.run_dir / "checkpoints" / ckpt.LAST
 
     def save(self, state: TrainState) -> None:
-        if self.ctx.is_main:
+        if self.ctx.is_main and self.checkpoints:
             ckpt.save_atomic(state.state_dict(), self.checkpoint_path)
+
+    def skipped(self, epoch: int, files: list[str]) -> None:
+        """What dataset.skip_corrupt left out: the count and the first few on the console,
+        every one in the run directory's skipped_files.txt."""
+        if not (self.ctx.is_main and files):
+            return
+        listing = self.run_dir / "skipped_files.txt"
+        with open(listing, "a", encoding="utf-8") as f:
+            f.writelines(f"epoch {epoch}\t{where}\n" for where in files)
+        shown = ", ".join(files[:3]) + (" ..." if len(files) > 3 else "")
+        log.warning(
+            "epoch %d: skipped %d image(s) that cannot be decoded (dataset.skip_corrupt=true): "
+            "%s; all of them in %s",
+            epoch,
+            len(files),
+            shown,
+            listing,
+        )
 
     def epoch(self, row: dict) -> None:
         if self.ctx.is_main:
@@ -405,7 +457,7 @@ class Epochs:
         sampler.reset()
         span = EpochSpan(epoch, state.step, state.steps_per_epoch)
         hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
-        steps, timing, metrics = train_one_epoch(
+        steps, timing, metrics, skipped = train_one_epoch(
             self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
             progress=cfg.trainer.progress, hooks=hooks,
         )  # fmt: skip
@@ -425,8 +477,10 @@ class Epochs:
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
         state.history.append(row)
         self.record.epoch(row)
+        self.record.skipped(epoch, skipped)
         last = epoch + 1 == cfg.trainer.epochs
-        if last or (epoch + 1) % cfg.trainer.checkpoint_every == 0:
+        every = cfg.trainer.checkpoint_every
+        if every and (last or (epoch + 1) % every == 0):
             self.record.save(state)
         if stopper.signum is not None and not last:
             self.stop(stopper, f"after epoch {epoch}", saved=True)
@@ -435,26 +489,32 @@ class Epochs:
         if not saved:
             self.record.save(self.state)
         dist.barrier(self.ctx)
+        if not self.record.checkpoints:
+            then = "no checkpoint was written (trainer.checkpoint_every=0)."
+        else:
+            then = (
+                f"checkpoint {self.record.checkpoint_path}. Continue with the same command "
+                f"plus resume=auto (or resume=<that file>)."
+            )
         raise TrainingInterrupted(
-            f"stopped by {signal.Signals(stopper.signum).name} {where}; checkpoint "
-            f"{self.record.checkpoint_path}. Continue with the same command plus resume=auto "
-            f"(or resume=<that file>).",
-            stopper.signum,
+            f"stopped by {signal.Signals(stopper.signum).name} {where}; {then}", stopper.signum
         )
 
 
 def fit(cfg: DictConfig) -> dict:
     check_required(cfg)
+    check_trainer(cfg)
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:
         check_writable(run_dir)
     torch.manual_seed(cfg.seed)
+    backend = build_backend(cfg)  # a missing decoder is refused before any data work
     storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
-    data = build_data(cfg, ctx, storage, channels_last=channels_last)
+    data = build_data(cfg, ctx, storage, channels_last=channels_last, backend=backend)
     state = TrainState.create(
         cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last
     )

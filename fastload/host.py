@@ -99,3 +99,12 @@ def pid_alive(pid: int) -> bool:
 def size_text(n: float) -> str:
     """Bytes as a short binary-unit string: '812.0 MiB', '3.25 GiB'."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def ignore_sigint() -> None:
+    """Pool initializer: Ctrl-C reaches every process of the terminal's group; the parent
+    handles it (one line, exit 130) and stops the pool, so its children ignore it instead of
+    each printing a traceback."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -33,7 +33,7 @@ from pathlib import Path
 from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import FastloadError, StorageError
 from fastload.storage.lmdb_store import LmdbStorage
-from fastload.storage.packing import pack_split
+from fastload.storage.packing import pack_split, stale_reason
 from fastload.storage.shards import ShardStorage, verify_pack
 
 
@@ -64,12 +64,17 @@ def make_storage(args):
 
 
 def pack_one(args, src_dir, out, source=None) -> None:
-    """Pack one split into `out` with the command line's options (skipped if it exists)."""
-    if out.exists():
-        print(f"{out} exists: skipped (delete it to re-pack)")
-        return
-    t0 = time.perf_counter()
+    """Pack one split into `out` with the command line's options; an existing pack is kept
+    when it matches its source and options, re-packed (replaced) when it does not."""
     store = make_storage(args)
+    replace = out.exists()
+    if replace:
+        reason = stale_reason(src_dir, out, store.pack_options()) if source is None else None
+        if reason is None:
+            print(f"{out} exists and matches its source: skipped (delete it to re-pack)")
+            return
+        print(f"{out} is out of date ({reason}): re-packing")
+    t0 = time.perf_counter()
     meta = pack_split(
         store.writer,
         src_dir,
@@ -78,8 +83,11 @@ def pack_one(args, src_dir, out, source=None) -> None:
         workers=args.workers,
         source=source,
         label=args.format,
+        skip_corrupt=args.skip_corrupt,
+        replace=replace,
     )
-    print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s")
+    skipped = f", {len(meta['skipped'])} undecodable file(s) left out" if meta["skipped"] else ""
+    print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s{skipped}")
 
 
 def verify(root: Path) -> int:
@@ -119,6 +127,9 @@ def parse(argv):
     p.add_argument("--shard-mb", type=int, default=1024)
     p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument(
+        "--skip-corrupt", action="store_true", help="leave out files that cannot be decoded"
+    )
     return p, p.parse_args(argv)
 
 
@@ -150,11 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         dirs = split_dirs(args.src)
         if args.splits:
             dirs = [args.src / s for s in args.splits.split(",")]
-        for d in dirs:
-            pack_one(args, d, args.dst / d.name)
+        created = not args.dst.exists()
+        try:
+            for d in dirs:
+                pack_one(args, d, args.dst / d.name)
+        finally:
+            if created and args.dst.is_dir() and not any(args.dst.iterdir()):
+                args.dst.rmdir()  # a failed first pack leaves no empty DST behind
     except FastloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): nothing half-written was kept.", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -77,7 +77,8 @@ def prepare_data(cfg: DictConfig, ctx):
     if ctx.is_local_main:
         if cfg.dataset.prepare is not None:
             instantiate(cfg.dataset.prepare)
-        storage.prepare(cfg.dataset.root, [cfg.dataset[k] for k in SPLIT_KEYS.values()])
+        splits = [cfg.dataset[k] for k in SPLIT_KEYS.values()]
+        storage.prepare(cfg.dataset.root, splits, skip_corrupt=cfg.dataset.skip_corrupt)
     dist.barrier(ctx)
     return storage
 
@@ -190,9 +191,9 @@ def build_loader(
     )
 
 
-def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool) -> DataPath:
+def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool, backend=None) -> DataPath:
     """Both splits for training on this rank, sharing one backend."""
-    backend = build_backend(cfg)
+    backend = backend if backend is not None else build_backend(cfg)
     common = dict(
         device=ctx.device,
         channels_last=channels_last,
@@ -211,4 +212,28 @@ def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool) -> DataPat
             f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
+    check_classes(cfg, train.dataset.reader, val.dataset.reader)
     return DataPath(train, val, backend, storage, train.dataset.reader)
+
+
+def check_classes(cfg: DictConfig, train_reader, val_reader) -> None:
+    """dataset.num_classes against the class folders, and the splits against each other,
+    before training: a model with too few outputs fails part-way through an epoch
+    (IndexError: Target 2 is out of bounds), too many trains silently, and val class
+    folders that differ from train's misalign every target."""
+    classes, where = train_reader.classes, train_reader.store_root()
+    if not classes:  # a source without class folders (COCO ids, DIV2K positions)
+        return
+    if cfg.dataset.num_classes != len(classes):
+        shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
+        raise ConfigError(
+            f"dataset.num_classes={cfg.dataset.num_classes}, but {where} has {len(classes)} "
+            f"class folders ({shown}): set dataset.num_classes={len(classes)}."
+        )
+    if tuple(val_reader.classes) != tuple(classes):
+        extra = sorted(set(val_reader.classes) ^ set(classes))[:6]
+        raise ConfigError(
+            f"the class folders of {val_reader.store_root()} differ from those of {where} "
+            f"({', '.join(extra) or 'same names, other order'}): targets would not match. "
+            f"Give both splits the same class folders."
+        )

@@ -31,6 +31,7 @@ class TrainState:
     scaler: torch.amp.GradScaler
     steps_per_epoch: int
     model_config: dict
+    run_config: dict  # the config keys that shape the result (checkpoint.run_config)
     epoch: int = 0  # the epoch to run next
     step: int = 0  # steps of `epoch` already done (a mid-epoch checkpoint)
     best_acc1: float = 0.0
@@ -53,7 +54,10 @@ class TrainState:
             optimizer, warmup_cosine(total, warmup, cfg.optim.min_lr_ratio)
         )
         scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
-        return cls(model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg))
+        return cls(
+            model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg),
+            ckpt.run_config(cfg),
+        )  # fmt: skip
 
     def state_dict(self) -> dict:
         return {
@@ -68,11 +72,13 @@ class TrainState:
             "history": self.history,
             "rng": ckpt.rng_state(),
             "model_config": self.model_config,
+            "run_config": self.run_config,
         }
 
     def load_state_dict(self, state: dict, path) -> None:
         """Restore from a checkpoint read by `checkpoint.load`; refuses one written for
-        another model, naming both."""
+        another model, or by a run whose result-shaping config differs, naming the keys."""
+        self.check_same_run(state, path)
         have = state.get("model_config", {})
         if have != self.model_config:
             raise CheckpointError(
@@ -92,3 +98,17 @@ class TrainState:
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
         self.best_acc1, self.history = state["best_acc1"], state["history"]
         ckpt.set_rng_state(state["rng"])
+
+    def check_same_run(self, state: dict, path) -> None:
+        saved = state.get("run_config")
+        if saved is None:
+            return  # a format-1 checkpoint: load() already said it cannot be verified
+        diff = ckpt.config_differences(saved, self.run_config)
+        model_only = all(d.startswith(("model.", "dataset.num_classes")) for d in diff)
+        if diff and not model_only:  # a model change gets the model message below
+            shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+            raise CheckpointError(
+                f"checkpoint {path} belongs to a run with a different configuration "
+                f"(checkpoint -> this run: {shown}). Resume with the same settings, or start "
+                f"a new run: resume=null (or another name=)."
+            )

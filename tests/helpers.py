@@ -25,17 +25,15 @@ class SigtermReader(DiskReader):
 
 
 class SigtermAfterReads(DiskStorage):
-    """storage=disk whose train split sends SIGTERM after `reads` reads (use with
-    loader.num_workers=0)."""
-
-    def __init__(self, reads: int, **kw):
-        super().__init__(**kw)
-        self.reads = reads
+    """storage=disk whose train split sends SIGTERM after $SIGTERM_AFTER_READS reads (use
+    with loader.num_workers=0). An environment variable, not a config key: a preemption is
+    not part of the run's configuration, so the resumed run's config is the same."""
 
     def open(self, root, split):
-        if split != "train":
+        reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
+        if split != "train" or not reads:
             return super().open(root, split)
-        return SigtermReader(os.path.join(root, split), self.reads)
+        return SigtermReader(os.path.join(root, split), reads)
 
 
 class RecordingTmpfs(TmpfsStorage):
@@ -46,7 +44,7 @@ class RecordingTmpfs(TmpfsStorage):
         super().__init__(**kw)
         self.record = record
 
-    def prepare(self, root, splits):
+    def prepare(self, root, splits, **kw):
         with open(self.record, "a") as f:
             f.write(f"{os.environ.get('RANK', '0')}\n")
-        super().prepare(root, splits)
+        super().prepare(root, splits, **kw)

@@ -92,8 +92,8 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
             *common,
             "name=b",
             "storage._target_=tests.helpers.SigtermAfterReads",
-            "+storage.reads=23",
-        )
+        ),
+        env={"SIGTERM_AFTER_READS": "23"},
     )
     assert killed.returncode == 143, killed.stderr
     text = killed.stdout + killed.stderr
@@ -103,7 +103,11 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
     assert not list((killed_dir / "checkpoints").glob(".*tmp*"))  # nothing half-written
 
     resumed_dir = tmp_path / "out" / "b" / "r2"
-    resumed = run_train(tiny_overrides(tiny_folder, resumed_dir, *common, "name=b", "resume=auto"))
+    # the same settings as the interrupted run (resume checks them), without the preemption
+    same = ["storage._target_=tests.helpers.SigtermAfterReads"]
+    resumed = run_train(
+        tiny_overrides(tiny_folder, resumed_dir, *common, *same, "name=b", "resume=auto")
+    )
     assert resumed.returncode == 0, resumed.stderr
     a = torch.load(tmp_path / "ref" / "r" / "checkpoints" / "last.pt", weights_only=True)
     b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)

@@ -3,7 +3,8 @@
 A sample leaves the dataset (fastload/data/dataset.py) as `(image, target)` or
 `(image, target, counts)`: image a uint8 CHW tensor (a view of the decoder's HWC array; float
 when normalize_on=cpu) or a `DeferredSample` (fastload/decode/base.py), target an int, counts
-a dict of per-sample backend counters; `None` is a corrupt sample skipped by the dataset.
+a dict of per-sample backend counters; a `Skipped` is a corrupt sample the dataset left out
+(dataset.skip_corrupt), `None` one a custom dataset left out.
 
 `collate` turns a list of them into a batch, a dict with these keys:
 """
@@ -29,10 +30,20 @@ SKIPPED = "skipped"
 COUNTS = "counts"
 """optional dict[str, int]: the backend's per-sample counters summed over the batch (decode
 fallbacks, DCT-scaled decodes); the engine adds them into the epoch metrics."""
+SKIPPED_FILES = "skipped_files"
+"""optional list[str]: where the skipped samples live (their reader's `describe`), for the
+run's report of what dataset.skip_corrupt left out."""
 ENCODED = "encoded"
 """optional dict: samples whose decode is deferred to device prep (backend=nvjpeg), batched by
 their class's `collate`; IMAGE then holds only the samples decoded in the workers. Device
 prep replaces both with the decoded IMAGE."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A sample the dataset could not decode and skipped: where it lives."""
+
+    where: str
 
 
 def collate(samples: list, ring=None) -> dict:
@@ -42,7 +53,8 @@ def collate(samples: list, ring=None) -> dict:
     With a `BatchRing` (in a DataLoader worker), the images are stacked into a reused
     shared-memory slot and IMAGE is the slot's `RingSlot`; the loader's host stage swaps it
     for the tensor (fastload/loaders/batch_ring.py)."""
-    kept = [s for s in samples if s is not None]
+    kept = [s for s in samples if s is not None and not isinstance(s, Skipped)]
+    gone = [s.where for s in samples if isinstance(s, Skipped)]
     counts: dict[str, int] = {}
     for s in kept:
         for k, v in (s[2] if len(s) > 2 else {}).items():
@@ -60,6 +72,8 @@ def collate(samples: list, ring=None) -> dict:
             batch[ENCODED] = type(encoded[0]).collate(encoded, deferred)
     if counts:
         batch[COUNTS] = counts
+    if gone:
+        batch[SKIPPED_FILES] = gone
     return batch
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from fastload.data import rawimage
+from fastload.data.batch import Skipped
 from fastload.errors import CorruptImageError
 
 
@@ -49,7 +50,7 @@ class ImageDataset(torch.utils.data.Dataset):
         except Exception as exc:  # any decoder's failure on bad bytes
             self.backend.pop_counts()  # a skipped file is counted as skipped, not as a fallback
             if self.skip_corrupt:
-                return None
+                return Skipped(self.reader.describe(index))
             raise CorruptImageError(
                 f"cannot decode image {self.reader.describe(index)} ({type(exc).__name__}: "
                 f"{exc}). Remove or replace the file, or set dataset.skip_corrupt=true to skip "

@@ -26,6 +26,7 @@ from PIL import Image, ImageFilter
 
 from fastload.atomic import AlreadyBuilt, building
 from fastload.errors import ConfigError, DatasetError
+from fastload.host import ignore_sigint
 
 MANIFEST_NAME = "fastload-synthetic.json"
 _GENERATOR = "fastload-synthetic-imagenet"
@@ -387,8 +388,8 @@ def _check_existing(root: Path, params: dict) -> bool:
         return False
     if not root.is_dir():
         raise DatasetError(
-            f"synthetic dataset root {root} exists and is not a folder; "
-            f"pass dataset.root=<other folder> or delete {root}"
+            f"synthetic dataset root {root} exists and is not a folder; pass "
+            f"dataset.root=<a new or empty folder> for the generated images"
         )
     manifest = _read_manifest(root / MANIFEST_NAME)
     if manifest is None:
@@ -399,8 +400,11 @@ def _check_existing(root: Path, params: dict) -> bool:
         if empty:
             return False
         raise DatasetError(
-            f"{root} is not empty and holds no complete synthetic dataset (no readable "
-            f"{MANIFEST_NAME}); pass dataset.root=<other folder> or delete {root}"
+            f"{root} is not empty and is not a synthetic dataset made by fastload (no "
+            f"readable {MANIFEST_NAME}), so nothing is generated there. dataset=synthetic "
+            f"writes its images into dataset.root: pass dataset.root=<a new or empty folder>. "
+            f"To train on the images in {root}, use dataset=imagenet dataset.root={root} "
+            f"(train/<class>/*.jpg, val/<class>/*.jpg)."
         )
     theirs = manifest.get("params")
     if (
@@ -557,7 +561,7 @@ def _run_tasks(tasks: list[tuple], workers: int | None, progress: bool, root: Pa
             # spawn, not fork: the caller may hold CUDA contexts or torch/OpenMP threads, which
             # fork does not survive; the few hundred ms of start-up are paid once per cache.
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(workers) as pool:
+            with ctx.Pool(workers, initializer=ignore_sigint) as pool:
                 for size in pool.imap_unordered(_write_one, tasks, chunksize=8):
                     total += size
                     bar.update()

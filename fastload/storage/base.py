@@ -171,8 +171,12 @@ class Reader(abc.ABC):
 class Storage(abc.ABC):
     """What conf/storage/<name>.yaml builds: the store's settings and its once-per-node steps."""
 
-    def prepare(self, root: str | os.PathLike, splits: list[str]) -> None:
-        """Once per node, before any `open`: make the splits readable (default: nothing)."""
+    def prepare(
+        self, root: str | os.PathLike, splits: list[str], skip_corrupt: bool = False
+    ) -> None:
+        """Once per node, before any `open`: make the splits readable (default: nothing).
+        `skip_corrupt` (dataset.skip_corrupt): a store that decodes while preparing (a
+        re-encoding pack) leaves undecodable files out instead of stopping."""
         return None
 
     @abc.abstractmethod

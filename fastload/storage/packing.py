@@ -14,23 +14,26 @@ from __future__ import annotations
 
 import abc
 import io
+import json
 import logging
 import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
+import xxhash
 from PIL import Image
 
-from fastload.atomic import AlreadyBuilt, building
+from fastload.atomic import AlreadyBuilt, building, is_disk_full, no_space_message
 from fastload.data import rawimage
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
 from fastload.errors import StorageError
-from fastload.host import usable_cores
+from fastload.host import ignore_sigint, usable_cores
 from fastload.storage.base import Reader, Storage
 
 log = logging.getLogger("fastload")
@@ -90,10 +93,51 @@ def make_record(task) -> tuple[bytes, int, int, float, float]:
     return out.getvalue(), img.height, img.width, sx, sy
 
 
+class Unreadable(NamedTuple):
+    """What a pack worker returns for a file it cannot decode."""
+
+    path: str
+    error: str
+
+
 def make_item(task):
-    """Worker: one pack record and, for paired sources (DIV2K LR), its pair's record."""
+    """Worker: one pack record and, for paired sources (DIV2K LR), its pair's record; an
+    `Unreadable` for a file that cannot be decoded (truncated, not an image)."""
     main, pair = task
-    return make_record(main), (None if pair is None else make_record(pair))
+    try:
+        return make_record(main), (None if pair is None else make_record(pair))
+    except Exception as exc:  # any decoder's failure on bad bytes
+        bad = main[0] if pair is None or _readable(main[0]) else pair[0]
+        return Unreadable(bad, f"{type(exc).__name__}: {exc}")
+
+
+def _readable(path: str) -> bool:
+    try:
+        open_rgb(Path(path).read_bytes()).load()
+        return True
+    except Exception:
+        return False
+
+
+def source_digest(records, source) -> tuple[str, int]:
+    """(fingerprint, total bytes) of what a pack is made from: every file's path, size and
+    modification time, its target and boxes, in record order. A file added, removed,
+    rewritten or relabelled changes it."""
+    h, total = xxhash.xxh3_128(), 0
+    h.update(f"{source.kind}\0{len(records)}\n".encode())
+    for r in records:
+        for path in (r.path, r.pair):
+            if path is not None:
+                st = os.stat(path)
+                total += st.st_size
+                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{r.target}\n".encode())
+        for extra in (r.boxes, r.labels):
+            if extra is not None:
+                h.update(np.ascontiguousarray(extra).tobytes())
+    return h.hexdigest(), total
+
+
+SIDECAR = "fastload-pack.json"  # in every pack folder: what it was made from, and how
 
 
 def _records(tasks, workers: int):
@@ -101,16 +145,20 @@ def _records(tasks, workers: int):
         yield from map(make_item, tasks)
         return
     ctx = multiprocessing.get_context("spawn")  # the caller may hold threads or CUDA
-    with ctx.Pool(workers) as pool:
+    with ctx.Pool(workers, initializer=ignore_sigint) as pool:
         yield from pool.imap(make_item, tasks, chunksize=16)
+
+
+def record_options(kind: str, max_side=None, quality: int = 90, size: int = 256) -> dict:
+    """The options that decide a pack's records (only those that apply to its kind)."""
+    if kind == "raw":
+        return {"kind": "raw", "size": size}
+    return {"kind": kind, "max_side": max_side, "quality": quality if max_side else None}
 
 
 def pack_params(source, kind: str, max_side, quality: int, size: int) -> dict:
     """What a pack records of how it was made (meta["params"])."""
-    if kind == "raw":
-        params = {"kind": "raw", "size": size}
-    else:
-        params = {"kind": kind, "max_side": max_side, "quality": quality if max_side else None}
+    params = record_options(kind, max_side, quality, size)
     params["source"] = source.kind
     if hasattr(source, "category_ids"):
         params["category_ids"] = source.category_ids.tolist()  # labels are these ids
@@ -131,8 +179,22 @@ def _tasks(records, source, kind, max_side, quality, size) -> list:
     ]
 
 
-def _write_all(writer: PackWriter, records, results, bar) -> None:
-    for r, ((record, h, w, sx, sy), pair) in zip(records, results, strict=True):
+def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, tally) -> list:
+    """Feed the records to the writer; returns the skipped (unreadable) paths. `tally`
+    counts records and bytes written (for the space estimate of a full-disk error)."""
+    skipped = []
+    for r, result in zip(records, results, strict=True):
+        bar.update()
+        if isinstance(result, Unreadable):
+            if not skip_corrupt:
+                raise StorageError(
+                    f"cannot decode {result.path} while packing ({result.error}). Remove or "
+                    f"replace the file, or leave such files out and count them: --skip-corrupt "
+                    f"(python -m fastload.pack) or dataset.skip_corrupt=true (train.py)."
+                )
+            skipped.append(result.path)
+            continue
+        (record, h, w, sx, sy), pair = result
         boxes = r.boxes
         if boxes is not None and (sx, sy) != (1.0, 1.0):
             boxes = boxes * np.array([sx, sy, sx, sy], np.float32)  # x, y, w, h
@@ -147,7 +209,9 @@ def _write_all(writer: PackWriter, records, results, bar) -> None:
             pair=pair and pair[0],
             pair_hw=(pair[1], pair[2]) if pair else (0, 0),
         )
-        bar.update()
+        tally[0] += 1
+        tally[1] += len(record) + (len(pair[0]) if pair else 0)
+    return skipped
 
 
 def pack_split(
@@ -163,10 +227,13 @@ def pack_split(
     progress: bool | None = None,
     source=None,
     label: str = "pack",
+    skip_corrupt: bool = False,
+    replace: bool = False,
 ) -> dict:
-    """Pack one split into `dst` (atomically) with `writer(folder)`; returns the metadata.
-    The records come from `source` (fastload/data/sources.py: COCO, DIV2K, ...), by default
-    the ImageFolder split `src`. progress=None: a progress bar when stderr is a terminal."""
+    """Pack one split into `dst` (atomically; `replace`: over an outdated pack) with
+    `writer(folder)`; returns the metadata. The records come from `source`
+    (fastload/data/sources.py: COCO, DIV2K, ...), by default the ImageFolder split `src`.
+    progress=None: a progress bar when stderr is a terminal."""
     from tqdm import tqdm
 
     if kind not in KINDS:
@@ -174,6 +241,7 @@ def pack_split(
     dst = Path(dst).absolute()
     source = source if source is not None else ImageFolderSource(src)
     records = [source.record(i) for i in range(len(source))]
+    digest, source_bytes = source_digest(records, source)
     tasks = _tasks(records, source, kind, max_side, quality, size)
     bar = tqdm(
         total=len(tasks),
@@ -182,36 +250,57 @@ def pack_split(
         file=sys.stderr,
         disable=not (sys.stderr.isatty() if progress is None else progress),
     )
+    tally = [0, 0]  # records, bytes written
+    params = pack_params(source, kind, max_side, quality, size)
     try:
-        with building(dst) as tmp, bar:
+        with building(dst, replace=replace) as tmp, bar:
             out = writer(tmp)
-            _write_all(out, records, _records(tasks, workers or usable_cores()), bar)
-            params = pack_params(source, kind, max_side, quality, size)
+            results = _records(tasks, workers or usable_cores())
+            skipped = _write_all(out, records, results, bar, skip_corrupt, tally)
             meta = out.close(classes=source.classes, params=params, source=str(source.root))
+            record = {"source": str(source.root), "source_digest": digest, "params": params}
+            (tmp / SIDECAR).write_text(json.dumps({**record, "skipped": skipped}, indent=1))
     except AlreadyBuilt:
         raise StorageError(
             f"{dst} appeared while packing (another packer?); delete it and retry."
         ) from None
-    return meta
-
-
-def pack_missing(
-    writer: Callable[[Path], PackWriter], root, pack_root: Path, splits, marker: str, **options
-) -> None:
-    """Pack each split of ROOT whose pack under pack_root lacks `marker` (the file a complete
-    pack has), with pack_split's options."""
-    for split in dict.fromkeys(splits):
-        if (pack_root / split / marker).is_file():
-            continue
-        t0 = time.perf_counter()
-        pack_split(writer, Path(root) / split, pack_root / split, **options)
-        log.info(
-            "packed %s/%s into %s in %.1f s",
-            root,
-            split,
-            pack_root / split,
-            time.perf_counter() - t0,
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        need = max(source_bytes, tally[1] * len(records) // max(1, tally[0]))
+        raise StorageError(no_space_message("the pack", dst, need)) from None
+    if skipped:
+        log.warning(
+            "packing %s: left out %d file(s) that cannot be decoded (dataset.skip_corrupt): %s",
+            source.root,
+            len(skipped),
+            ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""),
         )
+    return {**meta, "skipped": skipped}
+
+
+OPTION_KEYS = ("kind", "max_side", "quality", "size")
+
+
+def stale_reason(src_dir: Path, pack_dir: Path, options: dict) -> str | None:
+    """Why the pack at `pack_dir` no longer matches the ImageFolder split `src_dir` and the
+    asked-for pack options; None when it does, or when the source is not here to compare."""
+    try:
+        record = json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"it records nothing of what it was made from ({SIDECAR} is missing)"
+    have = {k: v for k, v in record["params"].items() if k in OPTION_KEYS}
+    want = record_options(**options)
+    if have != want:
+        return f"it was packed with {have}, this run asks for {want}"
+    if not Path(src_dir).is_dir():
+        log.info("%s: the source %s is not here to compare with; using the pack", pack_dir, src_dir)
+        return None
+    source = ImageFolderSource(src_dir)
+    digest, _ = source_digest([source.record(i) for i in range(len(source))], source)
+    if digest != record.get("source_digest"):
+        return f"{src_dir} changed since it was packed (files added, removed, rewritten or moved)"
+    return None
 
 
 class PackedStorage(Storage):
@@ -257,10 +346,29 @@ class PackedStorage(Storage):
             + self.cli_options()
         )
 
-    def prepare(self, root, splits) -> None:
-        if self.auto_pack:
-            options = {**self.pack_options(), "label": self.format}
-            pack_missing(self.writer, root, self.pack_root(root), splits, self.marker, **options)
+    def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
+        """Pack each split that is missing or out of date (auto_pack), or refuse an outdated
+        one with the command; a missing one is refused by `open`."""
+        for split in dict.fromkeys(splits):
+            dst = self.pack_root(root) / split
+            exists = (dst / self.marker).is_file()
+            if exists:
+                reason = stale_reason(Path(root) / split, dst, self.pack_options())
+                if reason is None:
+                    continue
+                if not self.auto_pack:
+                    raise StorageError(
+                        f"the {self.format} pack {dst} is out of date: {reason}. Re-pack it "
+                        f"(the new pack replaces the old one):\n  {self.pack_command(root)}\n"
+                        f"or set storage.auto_pack=true to re-pack on first use."
+                    )
+                log.warning("re-packing %s: %s", dst, reason)
+            elif not self.auto_pack:
+                continue
+            t0 = time.perf_counter()
+            options = {**self.pack_options(), "label": self.format, "skip_corrupt": skip_corrupt}
+            pack_split(self.writer, Path(root) / split, dst, replace=exists, **options)
+            log.info("packed %s/%s into %s in %.1f s", root, split, dst, time.perf_counter() - t0)
 
     def open(self, root, split: str) -> Reader:
         split_dir = self.pack_root(root) / split

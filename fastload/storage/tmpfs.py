@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastload.atomic import building
+from fastload.atomic import building, is_disk_full, no_space_message
 from fastload.errors import StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
 from fastload.storage.base import Storage
@@ -161,15 +161,23 @@ def stage(
         )
         shutil.rmtree(final)
     t0 = time.perf_counter()
-    with building(final) as tmp:
-        copy_files(root, tmp, manifest["files"], threads, progress)
-        bad = [rel for rel, size in manifest["files"] if os.stat(tmp / rel).st_size != size]
-        if bad:
-            raise StorageError(
-                f"staging {root} into {tmp}: {len(bad)} file(s) differ from the source after "
-                f"copying (first: {bad[0]}); was the source modified during the copy? Retry."
-            )
-        (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    try:
+        with building(final) as tmp:
+            copy_files(root, tmp, manifest["files"], threads, progress)
+            bad = [rel for rel, size in manifest["files"] if os.stat(tmp / rel).st_size != size]
+            if bad:
+                raise StorageError(
+                    f"staging {root} into {tmp}: {len(bad)} file(s) differ from the source "
+                    f"after copying (first: {bad[0]}); was the source modified during the "
+                    f"copy? Retry."
+                )
+            (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        raise StorageError(
+            no_space_message("the staged copy", final, need) + " (storage.target_dir)"
+        ) from None
     dt = time.perf_counter() - t0
     log.info(
         "storage=tmpfs: staged %d files (%.1f MB) into %s in %.1f s (%.0f MB/s)",
@@ -198,7 +206,7 @@ class TmpfsStorage(Storage):
         self.threads, self.reserve_gb = int(threads), float(reserve_gb)
         self.cleanup, self.progress, self.cold_cache = bool(cleanup), bool(progress), cold_cache
 
-    def prepare(self, root, splits) -> None:
+    def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
         stage(
             root,
             splits,
@@ -219,7 +227,15 @@ class TmpfsStorage(Storage):
         return DiskReader(final / split, cold_cache=self.cold_cache)
 
     def finish(self, root, splits) -> None:
+        final = staged_root(root, self.target_dir)
         if self.cleanup:
-            final = staged_root(root, self.target_dir)
             shutil.rmtree(final, ignore_errors=True)
             log.info("storage.cleanup=true: removed the staged copy %s", final)
+        elif final.is_dir():
+            log.info(
+                "the staged copy %s stays in RAM for the next run (%.0f MB); remove it with "
+                "rm -rf %s, or set storage.cleanup=true to remove it at the end of each run",
+                final,
+                sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e6,
+                final,
+            )

@@ -1,0 +1,348 @@
+"""What a new user hit (issue 15), each reproduced as the user met it: stale packs, damaged
+checkpoints, resuming another experiment, class counts, bad numbers, corrupt files while
+packing, a full disk, Ctrl-C, and errors that arrived as tracebacks."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, make_image_folder, run_train, tiny_overrides
+
+FOUR = ("ant", "bee", "cat", "dog")
+
+
+def fail_cleanly(out, *needles):
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert "Traceback" not in text and "Error in call to target" not in text, text[-3000:]
+    for needle in needles:
+        assert needle in text, text[-3000:]
+    return text
+
+
+def said(out) -> str:
+    """Everything a run printed (Hydra's log handler writes to stdout)."""
+    return out.stdout + out.stderr
+
+
+def quick(root, run_dir, *extra):
+    """train.py on a 4-class folder: one epoch of one step (plus evaluation)."""
+    args = tiny_overrides(root, run_dir, "dataset.num_classes=4", "trainer.epochs=1", *extra)
+    return run_train([*args, "trainer.max_steps_per_epoch=1"])
+
+
+# 1. A stale pack is served ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, marker", [("shards", "meta.json"), ("lmdb", "data.mdb")])
+def test_a_pack_of_a_changed_folder_is_rebuilt_or_refused(tmp_path, fmt, marker):
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(6, 2))
+    pack = (
+        tmp_path / "SMALL.packs" / ("shards-jpeg-64px-q90" if fmt == "shards" else "lmdb-64px-q90")
+    )
+    over = [f"storage={fmt}", "storage.max_side=64"]
+    first = quick(root, tmp_path / "r1", *over)
+    assert first.returncode == 0, first.stderr[-3000:]
+    sidecar = json.loads((pack / "train" / "fastload-pack.json").read_text())
+    assert (pack / "train" / marker).is_file() and sidecar["params"]["max_side"] == 64
+
+    for cls in FOUR:  # delete 8 images, as the user did
+        for f in sorted((root / "train" / cls).iterdir())[:2]:
+            f.unlink()
+    second = quick(root, tmp_path / "r2", *over)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "re-packing" in said(second) and "changed since it was packed" in said(second)
+    again = json.loads((pack / "train" / "fastload-pack.json").read_text())
+    assert again["source_digest"] != sidecar["source_digest"]
+    count = sum(1 for _ in (root / "train").rglob("*.jpg"))
+    if fmt == "shards":
+        assert json.loads((pack / "train" / "meta.json").read_text())["count"] == count == 16
+
+    (sorted((root / "train" / "ant").iterdir())[0]).unlink()
+    refused = quick(root, tmp_path / "r3", *over, "storage.auto_pack=false")
+    fail_cleanly(refused, f"{pack / 'train'} is out of date", f"python -m fastload.pack {fmt}")
+
+
+def test_pack_command_repacks_an_outdated_pack_and_keeps_a_current_one(tmp_path, capsys):
+    from fastload.pack import main as pack_main
+
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(3, 1))
+    dst = tmp_path / "packs"
+    assert pack_main(["shards", str(root), str(dst)]) == 0
+    assert pack_main(["shards", str(root), str(dst)]) == 0
+    assert "matches its source: skipped" in capsys.readouterr().out
+    (root / "train" / "ant" / "ant_000.jpg").unlink()
+    assert pack_main(["shards", str(root), str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "out of date" in out and "re-packing" in out
+    assert json.loads((dst / "train" / "meta.json").read_text())["count"] == 11
+
+
+# 2. A corrupted checkpoint is loaded ------------------------------------------------------
+
+
+def flip_4kb(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 4096] = bytes(b ^ 0xFF for b in data[mid : mid + 4096])
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_checkpoint_is_refused_and_auto_falls_back_to_an_intact_one(
+    tiny_folder, tmp_path
+):
+    out_root = tmp_path / "out"
+    runs = []
+    for k in range(2):  # two runs of the same experiment; the newer one's checkpoint is hit
+        run_dir = out_root / "x" / f"r{k}"
+        out = run_train(tiny_overrides(tiny_folder, run_dir, "name=x", "trainer.epochs=1"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(run_dir / "checkpoints" / "last.pt")
+        time.sleep(0.05)
+    flip_4kb(runs[1])
+    direct = run_train(tiny_overrides(tiny_folder, tmp_path / "d", f"resume={runs[1]}"))
+    fail_cleanly(direct, f"checkpoint {runs[1]} is damaged", "resume=null")
+    again = ["name=x", "trainer.epochs=1", "resume=auto"]  # the same experiment
+    auto = run_train(tiny_overrides(tiny_folder, out_root / "x" / "r2", *again))
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    assert f"skipping {runs[1]}" in said(auto) and f"resuming from {runs[0]}" in said(auto)
+
+
+def test_a_checkpoint_holds_and_verifies_its_checksum(tmp_path):
+    from fastload import checkpoint as ckpt
+    from fastload.errors import CheckpointError
+
+    path = tmp_path / "last.pt"
+    ckpt.save_atomic({"model": {"w": torch.arange(1000.0)}, "epoch": 3}, path)
+    state = torch.load(path, weights_only=True)  # still a plain torch checkpoint
+    assert state["format"] == ckpt.FORMAT and state["checksum"] == ckpt.checksum(state)
+    assert ckpt.load(path)["epoch"] == 3
+    state["model"]["w"][500] = 7.0  # one changed value, file otherwise valid
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="is damaged"):
+        ckpt.load(path)
+
+
+# 3. resume=auto continues a different experiment -------------------------------------------
+
+
+def test_resume_refuses_another_experiment_and_names_the_keys(tiny_folder, tmp_path):
+    out_root = tmp_path / "out"
+    first = run_train(
+        tiny_overrides(tiny_folder, out_root / "x" / "a", "name=x", "optim.base_lr=0.2")
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = tiny_overrides(tiny_folder, out_root / "x" / "b", "name=x", "resume=auto")
+    out = run_train([*other, "optim.base_lr=0.1", "loader.num_workers=1"])  # workers: no matter
+    text = fail_cleanly(out, "optim.base_lr: 0.2 -> 0.1", "resume=null")
+    assert "num_workers" not in text
+
+
+def test_the_run_name_names_the_data_path(tiny_folder, tmp_path):
+    args = [a for a in tiny_overrides(tiny_folder, tmp_path / "x") if not a.startswith("hydra.run")]
+    out = run_train([*args, f"output_root={tmp_path / 'out'}", "storage=tmpfs",
+                     f"storage.target_dir={tmp_path / 'shm'}", "trainer.epochs=1"])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [
+        "synthetic-resnet18-turbo-tmpfs-baseline"
+    ]
+
+
+# 4. dataset.num_classes against the class folders ----------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 6])
+def test_num_classes_must_match_the_class_folders(tmp_path, n):
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(2, 1))
+    args = tiny_overrides(root, tmp_path / "r", "trainer.epochs=1")
+    out = run_train(
+        [a for a in args if not a.startswith("dataset.num_classes")] + [f"dataset.num_classes={n}"]
+    )
+    fail_cleanly(out, f"dataset.num_classes={n}, but {root / 'train'} has 4 class folders",
+                 "set dataset.num_classes=4")  # fmt: skip
+
+
+# 9. trainer.batch_size=0 or -8 ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-8"])
+def test_bad_batch_size_is_one_line(tiny_folder, tmp_path, value):
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "r", f"trainer.batch_size={value}"))
+    fail_cleanly(out, f"trainer.batch_size={value}: use a whole number >= 1")
+
+
+# 10. A truncated JPEG while packing -----------------------------------------------------
+
+
+def truncated_folder(tmp_path) -> tuple[Path, Path]:
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(3, 1))
+    bad = root / "train" / "bee" / "bee_001.jpg"
+    bad.write_bytes(bad.read_bytes()[:400])
+    return root, bad
+
+
+def test_packing_a_truncated_jpeg_names_it_and_leaves_nothing(tmp_path, capsys):
+    from fastload.pack import main as pack_main
+
+    root, bad = truncated_folder(tmp_path)
+    dst = tmp_path / "DST"
+    assert pack_main(["shards", str(root), str(dst), "--max-side", "64"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot decode {bad}" in err and "--skip-corrupt" in err and not dst.exists()
+    assert pack_main(["shards", str(root), str(dst), "--max-side", "64", "--skip-corrupt"]) == 0
+    assert "1 undecodable file(s) left out" in capsys.readouterr().out
+    assert json.loads((dst / "train" / "meta.json").read_text())["count"] == 11
+
+
+def test_training_with_skip_corrupt_packs_without_the_bad_file_and_says_so(tmp_path):
+    root, bad = truncated_folder(tmp_path)
+    out = quick(root, tmp_path / "r", "storage=shards", "storage.max_side=64",
+                "dataset.skip_corrupt=true")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "left out 1 file(s)" in said(out) and str(bad) in said(out)
+
+
+def test_skip_corrupt_says_which_files_it_skipped(tmp_path):
+    root, bad = truncated_folder(tmp_path)
+    run_dir = tmp_path / "r"
+    out = run_train(tiny_overrides(root, run_dir, "dataset.num_classes=4", "trainer.epochs=1",
+                                   "dataset.skip_corrupt=true"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "skipped 1 image(s) that cannot be decoded" in said(out) and str(bad) in said(out)
+    assert str(bad) in (run_dir / "skipped_files.txt").read_text()
+
+
+# 11. A full disk while checkpointing, packing or staging ------------------------------------
+
+
+def test_a_full_disk_while_checkpointing_is_one_message_and_keeps_the_last(tmp_path, monkeypatch):
+    from fastload import checkpoint as ckpt
+    from fastload.errors import CheckpointError
+
+    path = tmp_path / "c" / "last.pt"
+    ckpt.save_atomic({"w": torch.zeros(10)}, path)
+    before = path.read_bytes()
+
+    def full(obj, f):
+        f.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save_atomic({"w": torch.zeros(1 << 20)}, path)
+    msg = err.value.user_message
+    assert f"no space left to write the checkpoint {path}" in msg and "needs about 4.0 MiB" in msg
+    assert "free" in msg and "output_root" in msg
+    assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == ["last.pt"]
+
+
+def test_a_full_disk_while_packing_or_staging_is_one_message(tmp_path, monkeypatch):
+    from fastload.errors import StorageError
+    from fastload.storage import shards, tmpfs
+    from fastload.storage.packing import pack_split
+
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(3, 1))
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.ShardWriter, "_write", no_space)
+    store = shards.ShardStorage()
+    with pytest.raises(StorageError, match=r"no space left to write the pack .*needs about"):
+        pack_split(store.writer, root / "train", tmp_path / "p" / "train", progress=False)
+    assert not (tmp_path / "p" / "train").exists() and not list((tmp_path / "p").iterdir())
+
+    monkeypatch.setattr(tmpfs.shutil, "copyfile", no_space)
+    with pytest.raises(StorageError, match=r"no space left to write the staged copy .*target_dir"):
+        tmpfs.stage(root, ["train"], tmp_path / "shm", progress=False)
+    assert not list((tmp_path / "shm").iterdir())
+
+
+# 12. Ctrl-C while the built-in dataset is generated -----------------------------------------
+
+
+def test_ctrl_c_during_generation_is_one_line_and_exit_130(tmp_path):
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), f"output_root={tmp_path / 'out'}", "logger=none"],
+        env={**os.environ, "FASTLOAD_CACHE": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches it
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not list(cache.glob(".*.tmp-*/train/*/*.jpg")):
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err, err[-3000:]
+    assert not list(cache.glob(".*tmp*"))  # the partial dataset is gone
+
+
+# 13, 14. Tracebacks where a message belongs --------------------------------------------------
+
+
+def test_resume_from_a_file_that_is_not_a_checkpoint(tiny_folder, tmp_path):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a checkpoint")
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "r", f"resume={junk}"))
+    text = fail_cleanly(out, f"{junk} is not a fastload checkpoint", "resume=null")
+    assert "weights_only" not in text and "issue" not in text
+
+
+@pytest.mark.parametrize("backend, needle", [
+    ("pillow-simd", "backend=pillow-simd needs Pillow-SIMD"),
+    ("accimage", "backend=accimage needs accimage"),
+])  # fmt: skip
+def test_errors_while_building_objects_are_one_line_and_exit_2(
+    tiny_folder, tmp_path, backend, needle
+):
+    if backend == "pillow-simd":
+        import PIL
+
+        if ".post" in PIL.__version__:
+            pytest.skip("Pillow-SIMD is installed here")
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "r", f"backend={backend}"))
+    fail_cleanly(out, f"error: {needle}")
+
+
+# Quieter rough edges ---------------------------------------------------------------------
+
+
+def test_debug_fast_writes_no_checkpoint_and_has_its_own_name(tmp_path):
+    out = run_train(
+        [f"output_root={tmp_path / 'out'}", "debug=fast", "trainer.progress=false"],
+        env={"FASTLOAD_CACHE": str(tmp_path / "cache")},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = (tmp_path / "out").iterdir()
+    assert run.name == "debug-synthetic-resnet18"
+    assert not list(run.rglob("*.pt")) and list(run.rglob("metrics.jsonl"))
+
+
+def test_a_staged_copy_that_stays_says_where_and_how_to_remove_it(tmp_path, caplog):
+    from fastload.storage.tmpfs import TmpfsStorage
+
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(1, 1))
+    store = TmpfsStorage(target_dir=str(tmp_path / "shm"), progress=False)
+    store.prepare(root, ["train", "val"])
+    with caplog.at_level("INFO", logger="fastload"):
+        store.finish(root, ["train", "val"])
+    assert (
+        "stays in RAM" in caplog.text
+        and "rm -rf" in caplog.text
+        and "storage.cleanup=true" in caplog.text
+    )
