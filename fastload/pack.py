@@ -17,10 +17,12 @@ fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store}
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
 folder; DST gets one pack per split (DST/<split>/), in the same sample order as storage=disk.
 Each split is written into a temporary sibling folder and renamed into place when complete,
-so an interrupted pack is never mistaken for a finished one. `verify` checks every split
-found under DST (shards: each shard's whole-file crc32 and each record's checksum; LMDB: each
-record's crc32 and the pack's overall checksum), one line per split, exit 1 when damaged. Record kinds (jpeg as is, jpeg
+so an interrupted pack is never mistaken for a finished one. Record kinds (jpeg as is, jpeg
 re-encoded at --max-side, raw pixels at --size): fastload/storage/packing.py.
+
+`verify` checks every split found at or under DST (shards: each shard's whole-file crc32 and
+each record's checksum; LMDB: each record's crc32 and the pack's overall checksum), one line
+per split; exit 1 when one is damaged, 2 when DST holds no pack.
 
 This module is the command line only; packing lives in fastload/storage/.
 """
