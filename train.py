@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
 from fastload import dist
-from fastload.errors import FastloadError
+from fastload.errors import user_error
 
 
 def strip_local_rank_arg() -> None:
@@ -52,16 +52,6 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     finally:
         dist.cleanup()
-
-
-def user_error(exc: BaseException) -> FastloadError | None:
-    """The FastloadError behind `exc` (itself, or the cause Hydra's InstantiationException
-    wraps), else None."""
-    while exc is not None:
-        if isinstance(exc, FastloadError):
-            return exc
-        exc = exc.__cause__
-    return None
 
 
 if __name__ == "__main__":

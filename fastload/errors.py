@@ -45,3 +45,11 @@ class StorageError(FastloadError):
 
 class LoaderStallError(FastloadError):
     """The loader produced no batch within loader.timeout; the message names the stuck worker."""
+
+
+def user_error(exc: BaseException | None) -> FastloadError | None:
+    """The FastloadError behind `exc`: itself, or the cause Hydra's InstantiationException
+    wraps when a yaml's _target_ refused its options; None for anything else."""
+    while exc is not None and not isinstance(exc, FastloadError):
+        exc = exc.__cause__
+    return exc

@@ -6,7 +6,7 @@
         --annotations instances_train2017.json --images DIR      # -> DST/train2017/
     python -m fastload.pack {lmdb,shards} DST --source div2k \
         --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
-    python -m fastload.pack verify DST            # whole-file crc32 of every shard
+    python -m fastload.pack verify DST            # every record's checksum (shards, LMDB)
 
 COCO: one record per image (by image id), target = image id, plus its boxes [x, y, w, h]
 (float32, scaled with the image when re-encoded) and category ids (int64). DIV2K: one record
@@ -20,6 +20,10 @@ Each split is written into a temporary sibling folder and renamed into place whe
 so an interrupted pack is never mistaken for a finished one. Record kinds (jpeg as is, jpeg
 re-encoded at --max-side, raw pixels at --size): fastload/storage/packing.py.
 
+`verify` checks every split found at or under DST (shards: each shard's whole-file crc32 and
+each record's checksum; LMDB: each record's crc32 and the pack's overall checksum), one line
+per split; exit 1 when one is damaged, 2 when DST holds no pack.
+
 This module is the command line only; packing lives in fastload/storage/.
 """
 
@@ -32,9 +36,10 @@ from pathlib import Path
 
 from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import FastloadError, StorageError
+from fastload.storage import lmdb_store, shards
 from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.packing import pack_split, stale_reason
-from fastload.storage.shards import ShardStorage, verify_pack
+from fastload.storage.shards import ShardStorage
 
 
 def split_dirs(src: Path) -> list[Path]:
@@ -90,14 +95,58 @@ def pack_one(args, src_dir, out, source=None) -> None:
     print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s{skipped}")
 
 
+# The pack formats `verify` recognises: a split folder holding the store's marker file, and
+# the store module's check of one split (-> records checked, problems).
+PACK_CHECKS = (
+    (ShardStorage, shards.verify_split),
+    (LmdbStorage, lmdb_store.verify_split),
+)
+
+
+def find_packs(root: Path) -> list[tuple[Path, object]]:
+    """Every pack split at or under `root`: (folder, its check). Temporary folders of a pack
+    being written (or interrupted: fastload/atomic.py) are skipped, and said so."""
+    if not root.exists():
+        raise StorageError(
+            f"{root} does not exist: give verify the folder a pack was written to "
+            f"(DST of `python -m fastload.pack shards|lmdb SRC DST`, or one of its splits)."
+        )
+    found = []
+    for store, check in PACK_CHECKS:
+        for marker in sorted(root.glob(f"**/{store.marker}")):
+            rel = marker.parent.relative_to(root).parts
+            if any(part.startswith(".") and ".tmp-" in part for part in rel):
+                print(f"skipped {marker.parent}: a pack being written or interrupted (temporary)")
+                continue
+            found.append((marker.parent, check))
+    if not found:
+        raise StorageError(
+            f"no pack in {root}: expected a shard pack (a folder with meta.json) or an LMDB "
+            f"pack (a folder with data.mdb) there or below it (`python -m fastload.pack "
+            f"shards|lmdb SRC DST` writes one per split into DST)."
+        )
+    return sorted(found, key=lambda f: str(f[0]))
+
+
 def verify(root: Path) -> int:
-    bad = []
-    for meta in sorted(root.glob("**/meta.json")):
-        bad += verify_pack(meta.parent)
-        print(f"checked {meta.parent}")
-    for line in bad:
-        print(f"CORRUPT {line}", file=sys.stderr)
-    return 1 if bad else 0
+    """Check every pack split under `root`: one line per split; 1 when one is damaged."""
+    damaged = 0
+    for folder, check in find_packs(root):
+        records, problems = check(folder)
+        if not problems:
+            print(f"checked {folder}: {records} records, ok")
+            continue
+        damaged += 1
+        print(f"checked {folder}: {records} records, {len(problems)} problem(s)")
+        for line in problems:
+            print(f"CORRUPT {line}", file=sys.stderr)
+    if damaged:
+        print(
+            f"{damaged} pack split(s) damaged: delete them and re-pack "
+            f"(python -m fastload.pack shards|lmdb SRC DST).",
+            file=sys.stderr,
+        )
+    return 1 if damaged else 0
 
 
 def parse(argv):

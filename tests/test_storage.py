@@ -173,6 +173,86 @@ def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
     assert pack_main(["verify", str(tmp_path / "sj")]) == 1
 
 
+def flip_byte_of(path, data: bytes, at: int = -100) -> None:
+    """Flip one byte of `data` (a record's bytes) where it sits in the file `path` (in every
+    copy: LMDB may keep a stale one in a free page)."""
+    blob, piece = bytearray(path.read_bytes()), data[at : at + 32 or None]
+    where = blob.find(piece)
+    assert where >= 0
+    while where >= 0:
+        blob[where + 10] ^= 0xFF
+        where = blob.find(piece, where + 1)
+    path.write_bytes(bytes(blob))
+
+
+def test_verify_checks_every_shard_and_lmdb_split_and_says_so(packs, capsys):
+    assert pack_main(["verify", str(packs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    want = [
+        f"checked {packs / name / split}: {n} records, ok"
+        for name in ("lmdb", "sj", "sj64", "sr")
+        for split, n in (("train", 18), ("val", 9))
+    ]
+    assert lines == want
+    assert pack_main(["verify", str(packs / "lmdb" / "val")]) == 0  # one split
+    assert capsys.readouterr().out.splitlines() == [want[1]]
+
+
+def test_verify_refuses_a_path_without_a_pack(tiny_folder, tmp_path, capsys):
+    assert pack_main(["verify", str(tmp_path / "nonexistent")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'nonexistent'} does not exist") and "DST" in err
+    (tmp_path / "empty").mkdir()
+    for folder in (tiny_folder, tmp_path / "empty"):  # a plain image folder, an empty one
+        assert pack_main(["verify", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: no pack in {folder}") and len(err.splitlines()) == 1
+        assert "meta.json" in err and "data.mdb" in err
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "sj"])
+def test_verify_names_the_damaged_record(tiny_folder, packs, tmp_path, kind, capsys):
+    import shutil
+
+    shutil.copytree(packs / kind, tmp_path / kind)
+    disk = DiskStorage().open(tiny_folder, "train")
+    store_file = "data.mdb" if kind == "lmdb" else "shard-00000.bin"
+    flip_byte_of(tmp_path / kind / "train" / store_file, disk.read(7)[0])
+    assert pack_main(["verify", str(tmp_path / kind)]) == 1
+    out, err = capsys.readouterr()
+    assert f"checked {tmp_path / kind / 'train'}: 18 records, " in out and "problem" in out
+    assert f"checked {tmp_path / kind / 'val'}: 9 records, ok" in out
+    assert str(disk.index.paths[7]) in err and "CORRUPT" in err
+    assert ("key 0000000007 (crc32" if kind == "lmdb" else "xxh3_64 check: record 7 (") in err
+    if kind == "lmdb":
+        assert "the pack's checksum" in err  # the overall crc32 of all image bytes
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_verify_checks_paired_records_and_boxes(tmp_path, fmt, capsys):
+    hr, lr = make_div2k(tmp_path / "div2k")
+    out = tmp_path / "div2k-pack"
+    args = [fmt, str(out), "--source", "div2k", "--hr", str(hr), "--lr", str(lr)]
+    assert pack_main([*args, "--scale", "2"]) == 0
+    ann, images = make_coco(tmp_path / "coco")
+    coco = tmp_path / "coco-pack"
+    args = [fmt, str(coco), "--source", "coco", "--annotations", str(ann), "--images", str(images)]
+    assert pack_main(args) == 0
+    capsys.readouterr()
+    assert pack_main(["verify", str(out)]) == 0 and pack_main(["verify", str(coco)]) == 0
+    assert "checked" in capsys.readouterr().out
+    store_file = "data.mdb" if fmt == "lmdb" else "shard-00000.bin"
+    flip_byte_of(out / "DIV2K_train_HR" / store_file, (lr / "0002x2.png").read_bytes())
+    assert pack_main(["verify", str(out)]) == 1
+    want = "paired record crc32" if fmt == "lmdb" else "pair of record 1"
+    assert want in capsys.readouterr().err
+    if fmt == "lmdb":  # boxes carry their own crc32 (shard packs keep them in boxes.npy)
+        boxes = np.array([10.0, 20.0, 30.5, 40.0, 60.0, 0.0, 50.0, 70.0], "<f4").tobytes()
+        flip_byte_of(coco / "train2017" / "data.mdb", boxes, at=0)
+        assert pack_main(["verify", str(coco)]) == 1
+        assert "key 0000000002 (boxes crc32/length" in capsys.readouterr().err
+
+
 def test_version_1_packs_are_still_read_and_checked_with_crc32(tiny_folder, packs, tmp_path):
     """Packs written before the xxh3 record checksums (v1: a crc32 column) keep working."""
     import shutil

@@ -1,4 +1,7 @@
-"""python -m fastload.bench {loaders,backends,storage} [--help]"""
+"""python -m fastload.bench {backends,loaders,storage,train} [--help]
+
+A problem with the input (a missing dataset, a store that cannot be built, an override that
+does not compose) is one line, `error: <message>`, and exit status 2."""
 
 from __future__ import annotations
 
@@ -17,6 +20,12 @@ def suites() -> list[str]:
     )
 
 
+def one_line(hydra_message: str) -> str:
+    """Hydra's composition error without its search path, on one line."""
+    text = hydra_message.split("\nConfig search path")[0].strip()
+    return text.replace("\n\n", "; ").replace("\n\t", " ").replace("\n", " ")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     available = suites()
@@ -25,7 +34,17 @@ def main(argv: list[str] | None = None) -> int:
             f"usage: python -m fastload.bench {{{','.join(available)}}} [--help]", file=sys.stderr
         )
         return 2
-    return importlib.import_module(f"fastload.bench.{argv[0]}").main(argv[1:])
+    from hydra.errors import HydraException
+
+    from fastload.errors import FastloadError, user_error
+
+    try:
+        return importlib.import_module(f"fastload.bench.{argv[0]}").main(argv[1:])
+    except (FastloadError, HydraException) as exc:
+        # ours (also when Hydra's instantiate wrapped it), or an override that does not compose
+        ours = user_error(exc)
+        print(f"error: {ours.user_message if ours else one_line(str(exc))}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -13,7 +13,16 @@ them, measured in the same run on the same files:
 * optionally FFCV's JPEG pipeline (--ffcv-python: an environment with ffcv installed, see
   scripts/bench_ffcv.py), and nvJPEG batched decode when CUDA is available.
 
-The default dataset is the synthetic ImageNet-style set (1,250 photo-like JPEGs, ~450 px).
+Backends are built from the config as train.py builds them: --backends takes every
+conf/backend/*.yaml name (backend=nvjpeg decodes on the GPU: its row is the nvJPEG one) and
+the variants below (VARIANTS: a config name plus overrides).
+
+Both DataLoader rows are measured the same way (`warm_epochs`): persistent workers, a first
+untimed epoch, then whole epochs, each from its start to its last batch. A training set with
+fewer than 4 x workers x prefetch_factor (2) batches per epoch is refused: its epoch would be
+mostly the batches already in flight when it starts. The default dataset is the synthetic
+ImageNet-style set (photo-like JPEGs, ~450 px, 10 classes, 25 validation images per class),
+with 100 training images per class or as many as the DataLoader rows need.
 """
 
 from __future__ import annotations
@@ -27,36 +36,56 @@ from pathlib import Path
 import numpy as np
 
 from fastload.bench.common import (
+    check_root,
+    compose,
+    config_names,
     default_dataset,
     format_table,
     machine,
+    pick_names,
     run_ffcv,
+    user_error,
     write_json,
 )
 from fastload.host import usable_cores
 
-# name -> (import path, kwargs); those that cannot start here are reported and skipped.
-BACKENDS = {
-    "pil": ("fastload.decode.pil.PILBackend", {}),
-    "pil+draft": ("fastload.decode.pil.PILBackend", {"draft": True}),
-    "pillow-simd": ("fastload.decode.pillow_simd.PillowSIMDBackend", {}),
-    "accimage": ("fastload.decode.accimage.AccimageBackend", {}),
-    "turbo+pilresize": ("fastload.decode.turbo.TurboBackend", {"resize": "pil"}),
-    "turbo+cv2": ("fastload.decode.turbo.TurboBackend", {"resize": "cv2"}),
+# --backends takes every conf/backend/<name>.yaml as is (backend=<name>) and these variants
+# of them (backend=<config> + overrides); those that cannot start here are reported, skipped.
+VARIANTS = {
+    "pil+draft": ("pil", ["backend.draft=true"]),
+    "turbo+pilresize": ("turbo", ["backend.resize=pil"]),
+    "turbo+cv2": ("turbo", ["backend.resize=cv2"]),
     "turbo+cv2+fast": (
-        "fastload.decode.turbo.TurboBackend",
-        {"resize": "cv2", "fastdct": True, "fastupsample": True},
+        "turbo",
+        ["backend.resize=cv2", "backend.fastdct=true", "backend.fastupsample=true"],
     ),
 }
+DEFAULT_BACKENDS = "pil,pil+draft,pillow-simd,accimage,turbo+pilresize,turbo+cv2,turbo+cv2+fast"
+# The DataLoader rows time whole warm epochs; the batches in flight at an epoch's start
+# (workers x prefetch_factor) must be at most this share of an epoch for that to measure
+# the pipeline rather than its start.
+PREFETCH_FACTOR, EPOCH_PER_IN_FLIGHT = 2, 4
+
+
+def backend_names() -> dict[str, tuple[str, list[str]]]:
+    """Every name --backends accepts -> (conf/backend/ name, overrides)."""
+    return {**{n: (n, []) for n in config_names("backend")}, **VARIANTS}
+
 
 _JOB: dict = {}  # set before forking the pool: the children inherit it (nothing pickled)
 
 
 def build(name: str):
-    from hydra.utils import get_class
+    """Backend `name` as train.py builds it: from its yaml, through the Hydra config."""
+    from hydra.errors import InstantiationException
 
-    target, kwargs = BACKENDS[name]
-    return get_class(target)(**kwargs)
+    from fastload.pipeline import build_backend
+
+    group, overrides = backend_names()[name]
+    try:
+        return build_backend(compose([f"backend={group}", *overrides]))
+    except InstantiationException as exc:
+        raise (user_error(exc) or exc) from None
 
 
 def _run_backend(indices) -> int:
@@ -102,35 +131,33 @@ def timed(fn, n: int, workers: int, repeats: int) -> float:
     return best
 
 
-def loader_rate(dataset, collate_fn, workers: int, batch_size: int = 64, epochs: int = 2):
-    """Steady images/s of a DataLoader: the last epoch, from its first batch to its end."""
+def min_train_images(workers: int, batch_size: int) -> int:
+    """The smallest training set whose epoch the DataLoader rows can time: an epoch of at
+    least EPOCH_PER_IN_FLIGHT x the batches in flight (workers x prefetch_factor)."""
+    return EPOCH_PER_IN_FLIGHT * max(1, workers) * PREFETCH_FACTOR * batch_size
+
+
+def warm_epochs(run_epoch, repeats: int) -> float:
+    """Best images/s of whole epochs, after one untimed epoch (worker start, page cache):
+    `run_epoch(e)` iterates epoch e and returns its image count; every DataLoader row is
+    measured by this one function, each epoch timed from its start to its last batch."""
+    run_epoch(0)
+    best = 0.0
+    for e in range(1, 1 + max(1, repeats)):
+        t0 = time.perf_counter()
+        n = run_epoch(e)
+        best = max(best, n / (time.perf_counter() - t0))
+    return best
+
+
+def textbook_rate(root: Path, size: int, workers: int, batch_size: int, repeats: int) -> float:
+    """torchvision ImageFolder + RandomResizedCrop + flip + ToTensor + Normalize through a
+    DataLoader with persistent workers (as the fastload row), whole warm epochs."""
     import torch
-
-    loader = torch.utils.data.DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=workers,
-        collate_fn=collate_fn,
-        persistent_workers=workers > 0,
-        drop_last=True,
-    )
-    rate = 0.0
-    for _ in range(epochs):
-        n, t0 = 0, None
-        for batch in loader:
-            if t0 is None:
-                t0 = time.perf_counter()
-                continue
-            image = batch["image"] if isinstance(batch, dict) else batch[0]
-            n += len(image)
-        rate = n / (time.perf_counter() - t0) if t0 and n else 0.0
-    return rate
-
-
-def textbook_rate(root: Path, size: int, workers: int) -> float:
     import torchvision
     from torchvision import transforms as T
+
+    from fastload.torch_internals import stop_persistent_workers
 
     tf = T.Compose(
         [
@@ -141,24 +168,39 @@ def textbook_rate(root: Path, size: int, workers: int) -> float:
         ]
     )
     ds = torchvision.datasets.ImageFolder(str(root / "train"), transform=tf)
-    return loader_rate(ds, None, workers)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=PREFETCH_FACTOR if workers > 0 else None,
+        drop_last=True,
+    )
+    try:
+        return warm_epochs(lambda e: sum(len(images) for images, _ in loader), repeats)
+    finally:
+        stop_persistent_workers(loader)
 
 
-def fastload_loader_rate(root: Path, backend, size: int, workers: int) -> float:
-    """Steady images/s of loader=baseline's host stage (reused batch slots, persistent
-    workers), measured as loader_rate measures the textbook pipeline: the second of two
-    epochs, from its first batch to its end."""
-    from fastload.bench.common import compose, data_overrides, host_epoch, product_loader
+def fastload_loader_rate(root: Path, backend, size: int, workers: int, batch_size: int, repeats):
+    """loader=baseline's host stage (reused batch slots, persistent workers, a new iteration
+    per epoch as the textbook row's DataLoader), whole warm epochs."""
+    from fastload.bench.common import compose, data_overrides, product_loader
 
     cfg = compose(
-        data_overrides(root, crop=size)
+        data_overrides(root, crop=size, batch_size=batch_size)
         + [f"loader.num_workers={workers}", f"loader.persistent_workers={workers > 0}"]
-        + ["loader.cross_epoch=false"]  # per-epoch iteration, as loader_rate's textbook row
+        + [f"loader.prefetch_factor={PREFETCH_FACTOR}", "loader.cross_epoch=false"]
     )
     loader = product_loader(cfg, backend=backend)
+
+    def run_epoch(epoch: int) -> int:
+        loader.set_epoch(epoch)
+        return sum(len(batch["target"]) for batch in loader.host_batches())
+
     try:
-        host_epoch(loader, 0)
-        return host_epoch(loader, 1)["steady_img_s"] or 0.0
+        return warm_epochs(run_epoch, repeats)
     finally:
         loader.close()
 
@@ -182,16 +224,63 @@ def nvjpeg_rate(datas: list[bytes], batch_size: int = 64) -> float | None:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m fastload.bench backends", description=__doc__)
-    p.add_argument("--root", help="dataset root (default: the synthetic default set)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
+    p = argparse.ArgumentParser(
+        prog="python -m fastload.bench backends",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--root", help="dataset root holding train/ (default: the synthetic set)")
+    p.add_argument(
+        "--backends",
+        default=DEFAULT_BACKENDS,
+        help=f"comma-separated, of: {', '.join(backend_names())}",
+    )
     p.add_argument("--size", type=int, default=224, help="RandomResizedCrop output size")
     p.add_argument("--workers", type=int, default=usable_cores(), help="'all cores' count")
+    p.add_argument("--batch-size", type=int, default=64, help="the DataLoader rows' batch")
     p.add_argument("--repeats", type=int, default=2, help="passes per figure; best is kept")
     p.add_argument("--no-loaders", action="store_true", help="skip the DataLoader rows")
     p.add_argument("--ffcv-python", help="python of an env with ffcv (scripts/bench_ffcv.py)")
-    p.add_argument("--json", default="bench-results/backends.json", help="where to write JSON")
-    return p.parse_args(argv)
+    p.add_argument("--json", default="outputs/bench/backends.json", help="where to write JSON")
+    args = p.parse_args(argv)
+    args.backends = ",".join(pick_names(p, "--backends", args.backends, list(backend_names())))
+    if args.workers < 0 or args.batch_size < 1 or args.repeats < 1:
+        p.error("--workers must be >= 0, --batch-size and --repeats >= 1")
+    check_root(p, args.root)
+    if args.root and not args.no_loaders:
+        check_loader_set(p, Path(args.root), args.workers, args.batch_size)
+    return args
+
+
+def check_loader_set(p, root: Path, workers: int, batch_size: int) -> None:
+    """Refuse (argparse's error) a training set too small for the DataLoader rows."""
+    from fastload.data.folder import index_image_folder
+    from fastload.errors import DatasetError
+
+    try:
+        have = len(index_image_folder(root / "train"))
+    except DatasetError as exc:
+        p.error(f"--root {root}: {exc.user_message}")
+    need = min_train_images(workers, batch_size)
+    if have < need:
+        p.error(
+            f"--root {root}: {have} training images are {have // batch_size} batches of "
+            f"{batch_size}; the DataLoader rows time whole warm epochs and need at least {need} "
+            f"images ({need // batch_size} batches: {EPOCH_PER_IN_FLIGHT} x the "
+            f"{max(1, workers)} workers x prefetch_factor {PREFETCH_FACTOR} batches in flight) "
+            f"to measure more than an epoch's start. Give --root a set "
+            f"of >= {need} training images, or fewer --workers, a smaller --batch-size, or "
+            f"--no-loaders."
+        )
+
+
+def default_root(args) -> Path:
+    """The synthetic set, with enough training images per class (10 classes) for the
+    DataLoader rows at these --workers and --batch-size (100 per class at least)."""
+    per_class = 100
+    if not args.no_loaders:
+        per_class = max(per_class, -(-min_train_images(args.workers, args.batch_size) // 10))
+    return default_dataset(train_per_class=per_class)
 
 
 def measure_backends(names: list[str], n: int, w: int, repeats: int, row):
@@ -205,6 +294,11 @@ def measure_backends(names: list[str], n: int, w: int, repeats: int, row):
         except FastloadError as exc:
             print(f"  {name}: not available ({exc.user_message.split('. ')[0]})", file=sys.stderr)
             row(f"backend={name}", "unavailable", None, None)
+            continue
+        if backend.device_decoder is not None:  # nothing to time on the CPU
+            print(
+                f"  {name}: decodes on the GPU: see the nvjpeg batched decode row", file=sys.stderr
+            )
             continue
         _JOB["backend"] = backend
         one = timed(_run_backend, n, 1, repeats)
@@ -226,9 +320,12 @@ def measure_backends(names: list[str], n: int, w: int, repeats: int, row):
 def main(argv: list[str]) -> int:
     args = parse(argv)
     from fastload.data.transforms import RandomResizedCropFlip
+    from fastload.errors import DatasetError
 
-    root = Path(args.root) if args.root else default_dataset()
+    root = Path(args.root) if args.root else default_root(args)
     paths = sorted(str(f) for f in root.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg"))
+    if not paths:
+        raise DatasetError(f"--root {root}: no JPEG file in it; the decode rows time JPEGs.")
     datas = [Path(f).read_bytes() for f in paths]
     n, w = len(datas), args.workers
     _JOB.update(paths=paths, datas=datas, transform=RandomResizedCropFlip(args.size))
@@ -260,14 +357,11 @@ def main(argv: list[str]) -> int:
     if gpu is not None:
         row("nvjpeg batched decode (GPU, full size)", "gpu", None, gpu)
     if not args.no_loaders:
-        row(
-            "textbook: ImageFolder+ToTensor+Normalize",
-            "loader",
-            None,
-            textbook_rate(root, args.size, w),
-        )
+        timing = (args.size, w, args.batch_size, args.repeats)
+        rate = textbook_rate(root, *timing)
+        row("textbook: ImageFolder+ToTensor+Normalize", "loader", None, rate)
         if best_backend is not None:
-            rate = fastload_loader_rate(root, best_backend, args.size, w)
+            rate = fastload_loader_rate(root, best_backend, *timing)
             row(f"fastload DataLoader, backend={best_name}", "loader", None, rate)
     if args.ffcv_python:
         res = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)

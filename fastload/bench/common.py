@@ -99,6 +99,39 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=list(overrides))
 
 
+def config_names(group: str) -> list[str]:
+    """The options of a config group, as train.py takes them: conf/<group>/*.yaml names."""
+    from fastload.config import conf_dir
+
+    return sorted(f.stem for f in (conf_dir() / group).glob("*.yaml"))
+
+
+def pick_names(p, option: str, value: str, valid) -> list[str]:
+    """The comma-separated names given to `option`, each one of `valid`; otherwise
+    argparse's error (usage, the message, exit 2) listing the valid names."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        what = f"unknown {', '.join(repr(n) for n in unknown)}" if unknown else "no name given"
+        p.error(f"{option} {value!r}: {what}; valid names: {', '.join(valid)}")
+    return names
+
+
+def check_root(p, root: str | None, split: str = "train") -> None:
+    """--root, when given, must be a dataset folder holding `split`/ (ImageFolder layout:
+    split/<class>/<image>); otherwise argparse's error saying what was expected."""
+    if root is None:
+        return
+    layout = f"an ImageFolder root ({split}/<class>/<image>.jpg)"
+    if not Path(root).is_dir():
+        p.error(
+            f"--root {root}: no such folder; give {layout}, or leave --root out for the "
+            f"synthetic set"
+        )
+    if not (Path(root) / split).is_dir():
+        p.error(f"--root {root} has no {split}/ folder; give {layout}")
+
+
 def data_overrides(root, *, split: str = "train", crop: int = 224, batch_size: int = 64):
     """Point the config at an ImageFolder root with torchvision's RandomResizedCrop(crop)
     defaults (scale 0.08-1), so every benchmark's transform matches the reference rows."""

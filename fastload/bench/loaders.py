@@ -25,12 +25,16 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import (
+    check_root,
     compose,
+    config_names,
     data_overrides,
     default_dataset,
     format_table,
+    pick_names,
     write_json,
 )
+from fastload.errors import ConfigError, DatasetError
 from fastload.pipeline import build_storage
 
 
@@ -123,7 +127,11 @@ def resident_batches(args, device):
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m fastload.bench loaders", description=__doc__)
-    p.add_argument("--strategies", default="baseline,bg,prefetch,prefetch+bg")
+    p.add_argument(
+        "--strategies",
+        default="baseline,bg,prefetch,prefetch+bg",
+        help=f"comma-separated conf/loader/ names, of: {', '.join(config_names('loader'))}",
+    )
     p.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--size", type=int, default=64, help="crop size (224 for ResNet-50)")
@@ -138,7 +146,14 @@ def parse(argv):
     p.add_argument(
         "override", nargs="*", help="config overrides, e.g. backend=turbo storage=shards"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.strategies = ",".join(
+        pick_names(p, "--strategies", args.strategies, config_names("loader"))
+    )
+    if not all(w.strip().isdigit() for w in args.workers.split(",")):
+        p.error(f"--workers {args.workers!r}: give comma-separated whole numbers, e.g. 0,2,4")
+    check_root(p, args.root)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     )
     if args.model and device.type != "cuda":
-        print("--model needs CUDA; on CPU use --step-ms (a GIL-releasing consumer step)")
-        return 2
+        raise ConfigError(
+            f"--model {args.model} needs CUDA; on CPU use --step-ms (a GIL-releasing step)."
+        )
     root = Path(args.root) if args.root else default_dataset(train_per_class=args.train_per_class)
     step = ModelStep(args.model, device) if args.model else SleepStep(args.step_ms)
     ceiling = None
@@ -160,8 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         for strategy in args.strategies.split(","):
             loader = build_loader(strategy, workers, args, root, device)
             if args.warmup + args.steps > len(loader):
-                print(f"note: {len(loader)} batches per epoch < warmup + steps; use a bigger set")
-                return 2
+                loader.close()
+                raise DatasetError(
+                    f"{root}: {len(loader)} batches of {args.batch_size} per epoch, fewer than "
+                    f"--warmup + --steps ({args.warmup + args.steps}): give --root a bigger "
+                    f"set (or --train-per-class for the synthetic one), or fewer --steps."
+                )
             loader.set_epoch(0)
             row = {"strategy": strategy, "num_workers": workers}
             row.update(measure(loader, step, args.warmup, args.steps))

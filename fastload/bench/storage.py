@@ -33,11 +33,14 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import (
+    check_root,
     compose,
+    config_names,
     data_overrides,
     default_dataset,
     format_table,
     host_epoch,
+    pick_names,
     product_loader,
     run_ffcv,
     write_json,
@@ -169,7 +172,9 @@ def parse(argv):
     )
     p.add_argument("--root", default=None, help="ImageFolder root (default: the synthetic set)")
     p.add_argument("--split", default="train")
-    p.add_argument("--stores", default=",".join(STORES))
+    p.add_argument(
+        "--stores", default=",".join(STORES), help=f"comma-separated, of: {', '.join(STORES)}"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=usable_cores())
@@ -192,7 +197,11 @@ def parse(argv):
     )
     p.add_argument("--ffcv-python", help="python of an env with ffcv: FFCV rows in the same run")
     p.add_argument("--json", default="outputs/bench/storage.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.stores = ",".join(pick_names(p, "--stores", args.stores, STORES))
+    pick_names(p, "--backend", args.backend, config_names("backend"))
+    check_root(p, args.root, args.split)
+    return args
 
 
 def measure_store(name: str, root: Path, args) -> list[dict]:

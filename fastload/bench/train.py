@@ -208,6 +208,7 @@ def build(args):
     """(config, rank context, data path, autocast dtype, channels_last) as fit builds them."""
     from fastload.dist import DistContext, check_gpus_for_ranks
     from fastload.engine import amp_dtype
+    from fastload.errors import ConfigError
     from fastload.pipeline import build_data, prepare_data
 
     overrides = [*args.override, "logger=none", "trainer.progress=false"]
@@ -219,7 +220,7 @@ def build(args):
     if cfg.trainer.device != "auto":
         device = torch.device(cfg.trainer.device)
     if args.model and device.type != "cuda":
-        raise SystemExit("--model needs a GPU; on a CPU machine use --step-ms MS")
+        raise ConfigError(f"--model {args.model} needs a GPU; on a CPU machine use --step-ms MS.")
     if device.type == "cuda":
         check_gpus_for_ranks(1)
         torch.cuda.set_device(0)

@@ -11,7 +11,8 @@ Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
     b"__targets__" -> the int64 targets, raw little-endian (so opening needs no full scan)
     b"__paths__"   -> the source path of each record, newline-separated (errors only)
 
-No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
+`python -m fastload.pack verify DST` checks every record's crc32 and the overall checksum
+(`verify_split`). No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
 so nobody guesses a map size up front. Readers open the environment lazily in their own
 process (readonly, lock=False, readahead=False) and drop it when pickled: an LMDB handle
 must never cross a fork (vision#689, pytorch#11929).
@@ -332,3 +333,95 @@ class LmdbStorage(PackedStorage):
             if self.max_side
             else []
         )
+
+
+def _check_record(txn, i: int, targets) -> tuple[bytes | None, list[str]]:
+    """Record i's image bytes (None when missing) and what is wrong with it, its boxes or its
+    paired record (each with its own crc32)."""
+    value = txn.get(key(i))
+    if value is None:
+        return None, ["missing"]
+    bad = []
+    target, crc = HEADER.unpack_from(value)
+    data = value[HEADER.size :]
+    if zlib.crc32(data) != crc:
+        bad.append("crc32")
+    if targets is not None and i < len(targets) and targets[i] != target:
+        bad.append(f"target {target} vs {int(targets[i])} in {TARGETS_KEY.decode()}")
+    boxes = txn.get(key(i) + b".boxes")
+    if boxes is not None:
+        try:
+            ok = decode_boxes(boxes)[2]
+        except (struct.error, ValueError):
+            ok = False
+        if not ok:
+            bad.append("boxes crc32/length")
+    return data, bad
+
+
+def _check_pair(txn, i: int) -> list[str]:
+    value = txn.get(key(i) + b".pair")
+    if value is None:
+        return ["paired record missing"]
+    (crc,) = CRC.unpack_from(value)
+    return [] if zlib.crc32(value[CRC.size :]) == crc else ["paired record crc32"]
+
+
+def _read_meta(txn, split_dir: Path) -> tuple[dict | None, list[str]]:
+    raw = txn.get(META_KEY)
+    if raw is None:
+        return None, [
+            f"{split_dir} has no {META_KEY.decode()} record: the pack is incomplete "
+            f"(interrupted?); delete {split_dir} and re-pack."
+        ]
+    try:
+        meta = json.loads(raw)
+    except ValueError as exc:
+        return None, [f"{split_dir}: its {META_KEY.decode()} record is damaged ({exc}); re-pack."]
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        says = f"{meta.get('format')} v{meta.get('version')}"
+        return None, [f"{split_dir} is not a {FORMAT} v{VERSION} pack (it says {says})."]
+    return meta, []
+
+
+def verify_split(split_dir) -> tuple[int, list[str]]:
+    """`python -m fastload.pack verify` for one split of an LMDB pack: every record's crc32
+    (its header), its boxes' and paired record's own crc32, the targets, and the meta's
+    overall checksum (crc32 of all image bytes in index order). Returns (records checked,
+    problems)."""
+    split_dir = Path(split_dir)
+    lmdb = _lmdb()
+    try:
+        env = reader_env(str(split_dir))
+    except lmdb.Error as exc:
+        return 0, [f"{split_dir / 'data.mdb'} cannot be opened ({exc}); re-pack."]
+    with env.begin(buffers=False) as txn:
+        meta, problems = _read_meta(txn, split_dir)
+        if meta is None:
+            return 0, problems
+        count = int(meta["count"])
+        raw_targets = txn.get(TARGETS_KEY)
+        targets = None if raw_targets is None else np.frombuffer(raw_targets, "<i8")
+        if targets is None or len(targets) != count:
+            have = "none" if targets is None else len(targets)
+            problems.append(f"{split_dir}: {have} targets for {count} records; re-pack.")
+        paths = (txn.get(PATHS_KEY) or b"").decode().split("\n")
+        crc, bad = 0, []
+        for i in range(count):
+            data, wrong = _check_record(txn, i, targets)
+            if data is not None:
+                crc = zlib.crc32(data, crc)
+            if meta.get("pairs"):
+                wrong += _check_pair(txn, i)
+            if wrong:
+                src = f", {paths[i]}" if i < len(paths) and paths[i] else ""
+                bad.append(f"key {key(i).decode()} ({'; '.join(wrong)}{src})")
+    if bad:
+        more = f", ... ({len(bad)} in all)" if len(bad) > 5 else ""
+        problems.append(f"{split_dir / 'data.mdb'}: damaged records: {', '.join(bad[:5])}{more}")
+    if f"crc32:{crc:08x}" != meta.get("checksum"):
+        problems.append(
+            f"{split_dir / 'data.mdb'}: the image bytes' crc32 is {crc:08x}, the pack's "
+            f"checksum {str(meta.get('checksum')).removeprefix('crc32:')}; re-pack."
+        )
+    return count, problems

@@ -26,8 +26,8 @@ named with the first record it cuts); at each read the record's checksum is chec
 flipped byte is reported with its file and record instead of being decoded as garbage.
 Version 2 packs use xxh3_64 per record: ~6 us for a 196 KB raw record on one core where
 zlib's crc32 takes ~35 us, a quarter of the whole raw-sample cost; version 1 packs (crc32)
-are still read. `python -m fastload.pack verify DST` checks whole-file crc32s too (reading
-everything: too slow to do at every start on 100 GB).
+are still read. `python -m fastload.pack verify DST` checks whole-file crc32s and every
+record's checksum too (`verify_split`: reading everything, too slow for every start on 100 GB).
 """
 
 from __future__ import annotations
@@ -439,20 +439,105 @@ class ShardStorage(PackedStorage):
         return opts
 
 
-def verify_pack(split_dir) -> list[str]:
-    """Whole-file crc32 of every shard against meta.json; returns the problems found."""
+def file_crc32(path) -> tuple[int, int]:
+    """(crc32, size) of a whole file, read in 16 MB chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def shard_problem(split_dir: Path, s: dict) -> str | None:
+    """A shard of meta.json["shards"] that is missing, or whose size or whole-file crc32
+    differs from the packed one; None when it matches."""
+    f = split_dir / s["file"]
+    if not f.is_file():
+        return f"{f} is missing ({s['bytes']} bytes packed)"
+    crc, size = file_crc32(f)
+    if size != s["bytes"] or crc != s["crc32"]:
+        return (
+            f"{f}: {size} bytes crc32 {crc:08x}, packed {s['bytes']} bytes crc32 {s['crc32']:08x}"
+        )
+    return None
+
+
+def failing_records(path: Path, table, k: int, check) -> list[int]:
+    """Rows of `table` (the index, or pairs.npy) stored in shard k whose bytes are cut off or
+    fail their checksum; `check` = (index column, function) of the pack's version."""
+    col, fn = check
+    rows = np.nonzero(table["shard"] == k)[0]
+    if not len(rows) or not path.is_file():
+        return [int(i) for i in rows]
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    bad = []
+    try:
+        for i in rows:
+            off, n = int(table["offset"][i]), int(table["length"][i])
+            if off + n > size or fn(mm[off : off + n]) != int(table[col][i]):
+                bad.append(int(i))
+    finally:
+        if size:
+            mm.close()
+    return bad
+
+
+def read_split_meta(split_dir: Path) -> tuple[dict | None, list[str]]:
+    """(meta.json of a shard pack, []) or (None, [why it is not one this fastload reads])."""
+    path = split_dir / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return None, [f"{path} cannot be read ({exc}); delete {split_dir} and re-pack."]
+    if (
+        not isinstance(meta, dict)
+        or meta.get("format") != FORMAT
+        or meta.get("version") not in READABLE_VERSIONS
+    ):
+        says = f"{meta.get('format')} v{meta.get('version')}" if isinstance(meta, dict) else meta
+        return None, [f"{path} is not a {FORMAT} pack this fastload reads (it says {says})."]
+    return meta, []
+
+
+def verify_split(split_dir) -> tuple[int, list[str]]:
+    """`python -m fastload.pack verify` for one split of a shard pack: meta.json and the
+    index agree, every shard's size and whole-file crc32 match meta.json, and every record
+    (and paired record) passes its checksum; a failing shard is reported with the records it
+    damages. Returns (records checked, problems)."""
     split_dir = Path(split_dir)
-    meta = json.loads((split_dir / "meta.json").read_text(encoding="utf-8"))
-    problems = []
-    for s in meta["shards"]:
+    meta, problems = read_split_meta(split_dir)
+    if meta is None:
+        return 0, problems
+    try:
+        index = np.load(split_dir / "index.npy", mmap_mode="r")
+        pairs_path = split_dir / "pairs.npy"
+        pairs = np.load(pairs_path, mmap_mode="r") if pairs_path.is_file() else None
+    except (OSError, ValueError) as exc:
+        return 0, [f"{split_dir} has an unreadable index ({exc}); delete it and re-pack."]
+    if len(index) != meta["count"]:
+        problems.append(
+            f"{split_dir / 'index.npy'} has {len(index)} records, meta.json says "
+            f"{meta['count']}: the pack is incomplete; delete {split_dir} and re-pack."
+        )
+    check, name = CHECKS[meta["version"]][:2], CHECKS[meta["version"]][2]
+    try:
+        paths = (split_dir / "paths.txt").read_text(encoding="utf-8").split("\n")
+    except OSError:
+        paths = []
+    for k, s in enumerate(meta["shards"]):
         f = split_dir / s["file"]
-        crc, size = 0, 0
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 24):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
-        if size != s["bytes"] or crc != s["crc32"]:
-            problems.append(
-                f"{f}: {size} bytes crc32 {crc:08x}, packed {s['bytes']} bytes crc32 {s['crc32']:08x}"
-            )
-    return problems
+        bad = [
+            f"record {i}" + (f" ({paths[i]})" if i < len(paths) and paths[i] else "")
+            for i in failing_records(f, index, k, check)
+        ]
+        if pairs is not None:
+            bad += [f"pair of record {i}" for i in failing_records(f, pairs, k, check)]
+        whole = shard_problem(split_dir, s)
+        if bad or whole:
+            more = f", ... ({len(bad)} in all)" if len(bad) > 5 else ""
+            fails = f"; failing their {name} check: {', '.join(bad[:5])}{more}" if bad else ""
+            problems.append(f"{whole or f'{f}: whole-file crc32 ok'}{fails}")
+    return len(index), problems

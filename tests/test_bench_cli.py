@@ -1,0 +1,128 @@
+"""python -m fastload.bench: bad options are refused with the valid names, a missing dataset is
+one clear line, the DataLoader rows time whole warm epochs, every result lands in one place."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+
+import pytest
+from conftest import CONF, make_image_folder
+
+from fastload.bench.__main__ import main
+
+
+def refused(argv, capsys) -> str:
+    """The one error line of a bench command that argparse refuses (exit 2, no traceback)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "argv, bad, valid",
+    [
+        (["storage", "--stores", "disk,lmbd"], "'lmbd'", ["disk", "lmdb", "shards-raw"]),
+        (["storage", "--backend", "turbbo"], "'turbbo'", ["pil", "turbo", "nvjpeg"]),
+        (["backends", "--backends", "pil,turbo2"], "'turbo2'", ["pil+draft", "turbo+cv2+fast"]),
+        (["loaders", "--strategies", "prefetchbg"], "'prefetchbg'", ["bg", "prefetch+bg"]),
+    ],
+)
+def test_unknown_names_are_refused_with_the_valid_ones(argv, bad, valid, capsys):
+    line = refused(argv, capsys)
+    assert line.startswith(f"python -m fastload.bench {argv[0]}: error: {argv[1]} ")
+    assert f"unknown {bad}" in line and all(name in line for name in valid), line
+
+
+def test_the_config_names_users_know_are_accepted():
+    from fastload.bench import backends, loaders, storage
+    from fastload.decode.pil import PILBackend
+    from fastload.decode.turbo import TurboBackend
+
+    names = sorted(f.stem for f in (CONF / "backend").glob("*.yaml"))
+    assert {"pil", "pillow-simd", "accimage", "turbo", "nvjpeg"} <= set(names)
+    args = backends.parse(["--backends", ",".join([*names, *backends.VARIANTS])])
+    assert args.backends.split(",") == [*names, *backends.VARIANTS]
+    strategies = ",".join(sorted(f.stem for f in (CONF / "loader").glob("*.yaml")))
+    assert loaders.parse(["--strategies", strategies]).strategies == strategies
+    assert storage.parse(["--stores", "lmdb,disk"]).stores == "lmdb,disk"
+    # the variants are config names plus overrides, built through the Hydra config
+    draft = backends.build("pil+draft")
+    assert isinstance(draft, PILBackend) and draft.draft
+    fast = backends.build("turbo+cv2+fast")
+    assert isinstance(fast, TurboBackend) and fast.resize == "cv2"
+    assert fast.fastdct and fast.fastupsample and fast.dct_scale
+
+
+@pytest.mark.parametrize("suite", ["backends", "loaders", "storage"])
+def test_a_missing_root_or_one_without_train_is_one_clear_error(suite, tmp_path, capsys):
+    line = refused([suite, "--root", str(tmp_path / "nope")], capsys)
+    assert f"error: --root {tmp_path / 'nope'}: no such folder" in line
+    (tmp_path / "flat").mkdir()
+    line = refused([suite, "--root", str(tmp_path / "flat")], capsys)
+    assert f"error: --root {tmp_path / 'flat'} has no train/ folder" in line
+
+
+def test_bench_train_names_a_missing_dataset_root(tmp_path, capsys):
+    root = tmp_path / "nope"
+    assert main(["train", f"dataset.root={root}", "dataset.prepare=null"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: dataset folder {root}/train does not exist")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_backends_refuses_a_set_too_small_for_the_dataloader_rows(tmp_path, capsys):
+    root = make_image_folder(tmp_path / "d", per_split=(5, 1), size=(32, 24))  # 15 images
+    argv = ["backends", "--root", str(root), "--workers", "1", "--batch-size", "4"]
+    line = refused(argv, capsys)
+    # 4 x (1 worker x prefetch_factor 2) batches of 4 = 32 images
+    assert f"--root {root}: 15 training images" in line
+    assert "at least 32 images" in line and "--no-loaders" in line
+
+
+def test_backends_rows_of_an_adequate_set(tmp_path, capsys):
+    import torch
+
+    root = make_image_folder(tmp_path / "d", per_split=(11, 1), size=(32, 24))  # 33 >= 32
+    out = tmp_path / "backends.json"
+    argv = ["backends", "--root", str(root), "--workers", "1", "--batch-size", "4"]
+    argv += ["--backends", "pil,nvjpeg", "--repeats", "1", "--size", "16", "--json", str(out)]
+    assert main(argv) == 0
+    assert "x textbook" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows = {r["pipeline"]: r for r in doc["results"]}
+    loader_rows = [r for r in doc["results"] if r["kind"] == "loader"]
+    assert [r["pipeline"] for r in loader_rows] == [
+        "textbook: ImageFolder+ToTensor+Normalize",
+        "fastload DataLoader, backend=pil",
+    ]
+    assert all(r["1 cores img/s"] > 0 for r in loader_rows)
+    assert rows["backend=pil"]["1 core img/s"] > 0
+    if not torch.cuda.is_available():  # GPU decode: refused here, reported as such
+        assert rows["backend=nvjpeg"]["kind"] == "unavailable"
+    assert doc["params"]["images"] == 36 and doc["params"]["batch_size"] == 4
+
+
+def test_dataloader_rows_time_whole_epochs_after_an_untimed_one():
+    from fastload.bench.backends import warm_epochs
+
+    calls = []
+
+    def run_epoch(epoch):
+        calls.append(epoch)
+        time.sleep(0.02)  # as a first batch would: inside the timed epoch
+        return 10
+
+    rate = warm_epochs(run_epoch, repeats=2)
+    assert calls == [0, 1, 2]
+    assert 0 < rate <= 10 / 0.02
+
+
+@pytest.mark.parametrize("suite", ["backends", "loaders", "storage", "train"])
+def test_every_bench_writes_under_outputs_bench(suite):
+    module = importlib.import_module(f"fastload.bench.{suite}")
+    assert module.parse([]).json == f"outputs/bench/{suite}.json"
