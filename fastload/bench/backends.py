@@ -44,9 +44,9 @@ from fastload.bench.common import (
     machine,
     pick_names,
     run_ffcv,
-    user_error,
     write_json,
 )
+from fastload.errors import user_error
 from fastload.host import usable_cores
 
 # --backends takes every conf/backend/<name>.yaml as is (backend=<name>) and these variants
