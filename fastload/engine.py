@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from fastload import checkpoint as ckpt
 from fastload import dist
 from fastload.errors import CheckpointError, ConfigError, FastloadError
-from fastload.pipeline import DataPath, build_backend, build_data, prepare_data
+from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
@@ -280,9 +280,23 @@ def resume(state: TrainState, cfg) -> None:
     log.info("resumed from %s at epoch %d step %d", path, state.epoch, state.step)
 
 
+def missing_keys(node, prefix: str = "") -> list[str]:
+    """The `???` keys of a config (not the interpolations that point at them, which
+    OmegaConf.missing_keys would trip over)."""
+    out = []
+    for key in node.keys():
+        if OmegaConf.is_missing(node, key):
+            out.append(f"{prefix}{key}")
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_interpolation():
+            out += missing_keys(child, f"{prefix}{key}.")
+    return out
+
+
 def check_required(cfg: DictConfig) -> None:
     """`???` values (e.g. dataset=imagenet's root) fail with the option's name, not a trace."""
-    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    missing = sorted(k for k in missing_keys(cfg) if not k.startswith("hydra"))
     if missing:
         example = " ".join(f"{k}=..." for k in missing)
         raise ConfigError(
@@ -525,7 +539,7 @@ def fit(cfg: DictConfig) -> dict:
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
-            storage.finish(cfg.dataset.root, [cfg.dataset.train_split, cfg.dataset.val_split])
+            storage.finish(build_layout(cfg), [cfg.dataset.train_split, cfg.dataset.val_split])
     summary = record.finish(state)
     dist.barrier(ctx)
     return summary

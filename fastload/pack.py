@@ -175,6 +175,9 @@ def parse(argv):
     p.add_argument("--size", type=int, default=256, help="raw: longer side of the stored pixels")
     p.add_argument("--shard-mb", type=int, default=1024)
     p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
+    p.add_argument(
+        "--split-name", help="coco/div2k: the pack's split folder (default: the source's name)"
+    )
     p.add_argument("--workers", type=int, default=None)
     p.add_argument(
         "--skip-corrupt", action="store_true", help="leave out files that cannot be decoded"
@@ -194,7 +197,7 @@ def pack_source(p, args) -> None:
         if args.hr is None:
             p.error("--source div2k needs --hr DIR (and optionally --lr DIR --scale S)")
         source = Div2kSource(args.hr, args.lr, args.scale)
-    pack_one(args, None, args.src / source.name, source=source)
+    pack_one(args, None, args.src / (args.split_name or source.name), source=source)
 
 
 def main(argv: list[str] | None = None) -> int:

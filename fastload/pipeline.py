@@ -69,6 +69,11 @@ def build_backend(cfg: DictConfig):
     return instantiate(cfg.backend)
 
 
+def build_layout(cfg: DictConfig):
+    """How the dataset lies under dataset.root (fastload/data/layouts.py)."""
+    return instantiate(cfg.dataset.layout)
+
+
 def prepare_data(cfg: DictConfig, ctx):
     """Once per node (local rank 0) before training: the dataset's `prepare` (generate the
     synthetic set) and the storage's (stage to tmpfs, pack); the other ranks wait. Returns
@@ -78,7 +83,7 @@ def prepare_data(cfg: DictConfig, ctx):
         if cfg.dataset.prepare is not None:
             instantiate(cfg.dataset.prepare)
         splits = [cfg.dataset[k] for k in SPLIT_KEYS.values()]
-        storage.prepare(cfg.dataset.root, splits, skip_corrupt=cfg.dataset.skip_corrupt)
+        storage.prepare(build_layout(cfg), splits, skip_corrupt=cfg.dataset.skip_corrupt)
     dist.barrier(ctx)
     return storage
 
@@ -157,7 +162,7 @@ def build_loader(
     if dataset is None:
         backend = backend if backend is not None else build_backend(cfg)
         storage = storage if storage is not None else build_storage(cfg)
-        reader = storage.open(cfg.dataset.root, cfg.dataset[SPLIT_KEYS[split]])
+        reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS[split]])
     where = normalize_on(cfg, backend)
     normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
     if dataset is None:

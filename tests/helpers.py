@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 import signal
 
-from fastload.storage.disk import DiskReader, DiskStorage
+from fastload.data.layouts import as_layout
+from fastload.storage.disk import DiskStorage, SourceReader
 from fastload.storage.tmpfs import TmpfsStorage
 
 
-class SigtermReader(DiskReader):
+class SigtermReader(SourceReader):
     """Sends SIGTERM to its own process after `reads` reads: a preemption at a known step."""
 
-    def __init__(self, split_dir, reads: int):
-        super().__init__(split_dir)
+    def __init__(self, source, reads: int):
+        super().__init__(source)
         self.left = reads
 
     def read(self, i):
@@ -33,7 +34,7 @@ class SigtermAfterReads(DiskStorage):
         reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
         if split != "train" or not reads:
             return super().open(root, split)
-        return SigtermReader(os.path.join(root, split), reads)
+        return SigtermReader(as_layout(root).source(split), reads)
 
 
 class RecordingTmpfs(TmpfsStorage):

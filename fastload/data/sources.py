@@ -1,16 +1,21 @@
-"""What `python -m fastload.pack` reads: one small class per source layout.
+"""One split of a dataset as it lies on disk: what storage=disk reads, tmpfs stages and
+`python -m fastload.pack` packs. One small class per layout (fastload/data/layouts.py builds
+them from the dataset config).
 
-Every source has the same face: `name` (the split folder the pack gets), `classes`, `root`
-(recorded in the pack's metadata), `len()`, and `record(i)` -> `SourceRecord` (the image path,
-an int64 target, optional detection boxes + labels, optional paired image path), in a fixed
+Every source has the same face, backed by numpy arrays (no per-worker copy-on-access growth):
+`name` (the split folder a pack gets), `classes`, `root`, `targets` (int64), `len()`,
+`path(i)`, `pair(i)` (the paired image, or None), `boxes(i)` -> (boxes (n, 4) float32
+x, y, w, h in pixels, labels (n,) int64), and `record(i)` -> `SourceRecord`, all in a fixed
 order. Packing never decodes here; the pack workers read and (re-)encode the files.
 
 * `ImageFolderSource(split_dir)`: torchvision ImageFolder rules (fastload/data/folder.py);
   target = class index.
-* `CocoSource(annotations, images)`: COCO instances json; one record per image, sorted by
-  image id; target = the COCO image id; boxes = every annotation's [x, y, w, h] (float32,
-  pixels of the stored image), labels = its category_id (int64); zero boxes is allowed.
-  classes = category names in category-id order (`category_ids` holds the ids).
+* `CocoSource(annotations, images, subset=None)`: COCO instances json (read with
+  pycocotools); one record per image, sorted by image id (the first `subset` of them when
+  set); target = the COCO image id; boxes = its annotations' [x, y, w, h] (float32, pixels,
+  clipped to the image), labels = their category_id (int64). Crowd annotations and
+  degenerate boxes (no area inside the image) are dropped and counted (`dropped`); an image
+  may have zero boxes. classes = category names in category-id order (`category_ids`).
 * `Div2kSource(hr, lr=None, scale=None)`: super-resolution pairs; records = the HR images
   (sorted by name), target = the record's position; with `lr` each record's pair is the LR
   image of the same stem (`0001x2.png`, DIV2K's naming, or `0001.png`) in the LR folder.
@@ -18,7 +23,6 @@ order. Packing never decodes here; the pack workers read and (re-)encode the fil
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,19 +51,64 @@ class ImageFolderSource:
         self.root = str(Path(split_dir).absolute())
         self.name = Path(split_dir).absolute().name
         self.classes = self.index.classes
+        self.targets = self.index.targets
 
     def __len__(self) -> int:
         return len(self.index)
 
+    def path(self, i: int) -> str:
+        return str(self.index.path(i))
+
+    def pair(self, i: int) -> str | None:
+        return None
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
+
     def record(self, i: int) -> SourceRecord:
-        return SourceRecord(str(self.index.path(i)), int(self.index.targets[i]))
+        return SourceRecord(self.path(i), int(self.targets[i]))
+
+
+def _load_coco(ann_path: Path):
+    """pycocotools' COCO index of an instances file, quietly; DatasetError naming the file
+    when it is not one."""
+    import contextlib
+    import io
+
+    from pycocotools.coco import COCO
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints timings
+            coco = COCO(str(ann_path))
+        for im in coco.dataset["images"]:
+            int(im["id"]), str(im["file_name"])
+        for a in coco.dataset.get("annotations", []):
+            int(a["image_id"]), list(a["bbox"])[:4], int(a["category_id"])
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise DatasetError(
+            f"{ann_path} is not a COCO instances file ({type(exc).__name__}: {exc}); it needs "
+            f"'images' (id, file_name), 'annotations' (image_id, bbox, category_id) and "
+            f"'categories' (id, name)."
+        ) from None
+    return coco
+
+
+def _clip_xywh(bbox, width, height) -> tuple[float, float, float, float] | None:
+    """The part of an [x, y, w, h] box inside the image; None when it has no area there."""
+    x, y, w, h = (float(v) for v in bbox[:4])
+    x0, y0 = max(0.0, x), max(0.0, y)
+    x1 = min(float(width), x + w) if width else x + w
+    y1 = min(float(height), y + h) if height else y + h
+    if not (x1 > x0 and y1 > y0):
+        return None
+    return x0, y0, x1 - x0, y1 - y0
 
 
 class CocoSource:
     kind = "coco"
     has_boxes, has_pairs = True, False
 
-    def __init__(self, annotations, images):
+    def __init__(self, annotations, images, subset: int | None = None):
         ann_path, self.images = Path(annotations).absolute(), Path(images).absolute()
         if not ann_path.is_file():
             raise DatasetError(
@@ -71,32 +120,44 @@ class CocoSource:
                 f"COCO image folder {self.images} does not exist. Pass --images <coco>/<split> "
                 f"(the folder holding the .jpg files listed in {ann_path.name})."
             )
-        try:
-            doc = json.loads(ann_path.read_text(encoding="utf-8"))
-            images = sorted(doc["images"], key=lambda im: int(im["id"]))
-            cats = sorted(doc.get("categories", []), key=lambda c: int(c["id"]))
-            anns = doc.get("annotations", [])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise DatasetError(
-                f"{ann_path} is not a COCO instances file ({type(exc).__name__}: {exc}); "
-                f"it needs 'images' (id, file_name) and 'annotations' (image_id, bbox, "
-                f"category_id)."
-            ) from None
+        self.annotations = ann_path
+        coco = _load_coco(ann_path)
         self.root = str(self.images)
         stem = ann_path.stem
         self.name = stem[len("instances_") :] if stem.startswith("instances_") else stem
+        cats = sorted(coco.dataset.get("categories", []), key=lambda c: int(c["id"]))
         self.classes = tuple(str(c.get("name", c["id"])) for c in cats)
         self.category_ids = np.array([int(c["id"]) for c in cats], np.int64)
-        self.ids = np.array([int(im["id"]) for im in images], np.int64)
-        self.files = np.array([str(im["file_name"]) for im in images])
-        by_image: dict[int, list] = {}
-        for a in anns:
-            by_image.setdefault(int(a["image_id"]), []).append(a)
-        self._boxes, self._labels = [], []
-        for image_id in self.ids:
-            group = by_image.get(int(image_id), [])
-            self._boxes.append(np.array([a["bbox"] for a in group], np.float32).reshape(-1, 4))
-            self._labels.append(np.array([a["category_id"] for a in group], np.int64))
+        ids = sorted(int(i) for i in coco.imgs)
+        ids = ids[:subset] if subset else ids
+        self.ids = self.targets = np.array(ids, np.int64)
+        self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
+        self._index_boxes(coco, ids)
+        self._check_files(ann_path)
+
+    def _index_boxes(self, coco, ids) -> None:
+        """Flat box / label arrays with per-image offsets; crowd and degenerate dropped."""
+        boxes, labels, offsets = [], [], [0]
+        self.dropped = {"crowd": 0, "degenerate": 0}
+        for image_id in ids:
+            im = coco.imgs[image_id]
+            for a in coco.imgToAnns.get(image_id, []):
+                if a.get("iscrowd", 0):
+                    self.dropped["crowd"] += 1
+                    continue
+                box = _clip_xywh(a["bbox"], im.get("width"), im.get("height"))
+                if box is None:
+                    self.dropped["degenerate"] += 1
+                    continue
+                boxes.append(box)
+                labels.append(int(a["category_id"]))
+            offsets.append(len(boxes))
+        self._boxes = np.array(boxes, np.float32).reshape(-1, 4)
+        self._labels = np.array(labels, np.int64)
+        self._offsets = np.array(offsets, np.int64)
+        self.dropped["images_without_boxes"] = int(np.sum(np.diff(self._offsets) == 0))
+
+    def _check_files(self, ann_path: Path) -> None:
         missing = [f for f in self.files if not (self.images / f).is_file()]
         if missing:
             raise DatasetError(
@@ -108,10 +169,18 @@ class CocoSource:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def path(self, i: int) -> str:
+        return str(self.images / self.files[i])
+
+    def pair(self, i: int) -> str | None:
+        return None
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        s, e = self._offsets[i], self._offsets[i + 1]
+        return self._boxes[s:e].copy(), self._labels[s:e].copy()
+
     def record(self, i: int) -> SourceRecord:
-        return SourceRecord(
-            str(self.images / self.files[i]), int(self.ids[i]), self._boxes[i], self._labels[i]
-        )
+        return SourceRecord(self.path(i), int(self.ids[i]), *self.boxes(i))
 
 
 class Div2kSource:
@@ -130,34 +199,46 @@ class Div2kSource:
         if not len(self.files):
             raise DatasetError(f"{self.hr} holds no images ({', '.join(IMG_EXTENSIONS)}).")
         self.root, self.name, self.classes = str(self.hr), self.hr.name, ()
+        self.targets = np.arange(len(self.files), dtype=np.int64)
         self.lr, self.scale = (Path(lr).absolute() if lr else None), scale
         self.has_pairs = self.lr is not None
         self.pairs = None
         if self.lr is not None:
-            if scale not in (2, 3, 4, 8):
-                raise DatasetError(f"--lr {self.lr} needs --scale 2|3|4|8 (got {scale}).")
-            if not self.lr.is_dir():
+            self.pairs = self._find_pairs(scale)
+
+    def _find_pairs(self, scale) -> np.ndarray:
+        if scale not in (2, 3, 4, 8):
+            raise DatasetError(f"--lr {self.lr} needs --scale 2|3|4|8 (got {scale}).")
+        if not self.lr.is_dir():
+            raise DatasetError(
+                f"DIV2K LR folder {self.lr} does not exist. Pass --lr "
+                f"<div2k>/DIV2K_train_LR_bicubic/X{scale}."
+            )
+        pairs = []
+        for name in self.files:
+            stem, ext = os.path.splitext(name)
+            for cand in (f"{stem}x{scale}{ext}", name):
+                if (self.lr / cand).is_file():
+                    pairs.append(cand)
+                    break
+            else:
                 raise DatasetError(
-                    f"DIV2K LR folder {self.lr} does not exist. Pass --lr "
-                    f"<div2k>/DIV2K_train_LR_bicubic/X{scale}."
+                    f"no LR image for {self.hr / name} in {self.lr} (looked for "
+                    f"{stem}x{scale}{ext} and {name}); check --lr and --scale."
                 )
-            pairs = []
-            for name in self.files:
-                stem, ext = os.path.splitext(name)
-                for cand in (f"{stem}x{scale}{ext}", name):
-                    if (self.lr / cand).is_file():
-                        pairs.append(cand)
-                        break
-                else:
-                    raise DatasetError(
-                        f"no LR image for {self.hr / name} in {self.lr} (looked for "
-                        f"{stem}x{scale}{ext} and {name}); check --lr and --scale."
-                    )
-            self.pairs = np.array(pairs)
+        return np.array(pairs)
 
     def __len__(self) -> int:
         return len(self.files)
 
+    def path(self, i: int) -> str:
+        return str(self.hr / self.files[i])
+
+    def pair(self, i: int) -> str | None:
+        return None if self.pairs is None else str(self.lr / self.pairs[i])
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
+
     def record(self, i: int) -> SourceRecord:
-        pair = None if self.pairs is None else str(self.lr / self.pairs[i])
-        return SourceRecord(str(self.hr / self.files[i]), i, pair=pair)
+        return SourceRecord(self.path(i), i, pair=self.pair(i))

@@ -13,6 +13,7 @@ Record kinds:
 from __future__ import annotations
 
 import abc
+import functools
 import io
 import json
 import logging
@@ -30,9 +31,10 @@ from PIL import Image
 
 from fastload.atomic import AlreadyBuilt, building, is_disk_full, no_space_message
 from fastload.data import rawimage
+from fastload.data.layouts import as_layout
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
-from fastload.errors import StorageError
+from fastload.errors import DatasetError, StorageError
 from fastload.host import ignore_sigint, usable_cores
 from fastload.storage.base import Reader, Storage
 
@@ -282,9 +284,10 @@ def pack_split(
 OPTION_KEYS = ("kind", "max_side", "quality", "size")
 
 
-def stale_reason(src_dir: Path, pack_dir: Path, options: dict) -> str | None:
-    """Why the pack at `pack_dir` no longer matches the ImageFolder split `src_dir` and the
-    asked-for pack options; None when it does, or when the source is not here to compare."""
+def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
+    """Why the pack at `pack_dir` no longer matches the source `make_source()` builds (an
+    ImageFolder split folder when given a path) or the asked-for pack options; None when it
+    matches, or when the source is not here to compare with."""
     try:
         record = json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -293,13 +296,23 @@ def stale_reason(src_dir: Path, pack_dir: Path, options: dict) -> str | None:
     want = record_options(**options)
     if have != want:
         return f"it was packed with {have}, this run asks for {want}"
-    if not Path(src_dir).is_dir():
-        log.info("%s: the source %s is not here to compare with; using the pack", pack_dir, src_dir)
+    if not callable(make_source):
+        src_dir = Path(make_source)
+        if not src_dir.is_dir():
+            log.info("%s: its source %s is not here to compare with; using it", pack_dir, src_dir)
+            return None
+        make_source = functools.partial(ImageFolderSource, src_dir)
+    try:
+        source = make_source()
+    except DatasetError as exc:
+        log.info("%s: its source is not here to compare with (%s); using it", pack_dir, exc)
         return None
-    source = ImageFolderSource(src_dir)
     digest, _ = source_digest([source.record(i) for i in range(len(source))], source)
     if digest != record.get("source_digest"):
-        return f"{src_dir} changed since it was packed (files added, removed, rewritten or moved)"
+        return (
+            f"{source.root} changed since it was packed (files added, removed, rewritten or "
+            f"relabelled)"
+        )
     return None
 
 
@@ -338,28 +351,33 @@ class PackedStorage(Storage):
         """The same options as `python -m fastload.pack` flags."""
 
     def pack_root(self, root) -> Path:
-        return Path(self.path or self.default_path(root))
+        return Path(self.path or self.default_path(as_layout(root).root))
 
-    def pack_command(self, root) -> str:
-        return " ".join(
-            ["python -m fastload.pack", self.format, str(root), str(self.pack_root(root))]
-            + self.cli_options()
-        )
+    def pack_command(self, root, split: str | None = None) -> str:
+        layout = as_layout(root)
+        if split is None:  # every split of an ImageFolder root
+            args = [str(layout.root), str(self.pack_root(layout))]
+        else:
+            args = layout.pack_args(split, self.pack_root(layout))
+        return " ".join(["python -m fastload.pack", self.format, *args, *self.cli_options()])
 
     def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
         """Pack each split that is missing or out of date (auto_pack), or refuse an outdated
-        one with the command; a missing one is refused by `open`."""
+        one with the command; a missing one is refused by `open`. `root`: a layout
+        (fastload/data/layouts.py) or an ImageFolder dataset root."""
+        layout = as_layout(root)
         for split in dict.fromkeys(splits):
-            dst = self.pack_root(root) / split
+            dst = self.pack_root(layout) / split
             exists = (dst / self.marker).is_file()
             if exists:
-                reason = stale_reason(Path(root) / split, dst, self.pack_options())
+                reason = stale_reason(lambda s=split: layout.source(s), dst, self.pack_options())
                 if reason is None:
                     continue
                 if not self.auto_pack:
                     raise StorageError(
                         f"the {self.format} pack {dst} is out of date: {reason}. Re-pack it "
-                        f"(the new pack replaces the old one):\n  {self.pack_command(root)}\n"
+                        f"(the new pack replaces the old one):\n  "
+                        f"{self.pack_command(layout, split)}\n"
                         f"or set storage.auto_pack=true to re-pack on first use."
                     )
                 log.warning("re-packing %s: %s", dst, reason)
@@ -367,8 +385,9 @@ class PackedStorage(Storage):
                 continue
             t0 = time.perf_counter()
             options = {**self.pack_options(), "label": self.format, "skip_corrupt": skip_corrupt}
-            pack_split(self.writer, Path(root) / split, dst, replace=exists, **options)
-            log.info("packed %s/%s into %s in %.1f s", root, split, dst, time.perf_counter() - t0)
+            source = layout.source(split)
+            pack_split(self.writer, None, dst, source=source, replace=exists, **options)
+            log.info("packed %s into %s in %.1f s", source.root, dst, time.perf_counter() - t0)
 
     def open(self, root, split: str) -> Reader:
         split_dir = self.pack_root(root) / split
@@ -376,6 +395,7 @@ class PackedStorage(Storage):
             raise StorageError(
                 f"no {self.format} pack at {split_dir} (storage={self.name}, storage.path="
                 f"{self.path or 'null, derived from dataset.root'}). Pack it with:\n  "
-                f"{self.pack_command(root)}\nor set storage.auto_pack=true to pack on first use."
+                f"{self.pack_command(root, split)}\nor set storage.auto_pack=true to pack on "
+                f"first use."
             )
         return self.reader(split_dir)

@@ -29,10 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastload.atomic import building, is_disk_full, no_space_message
+from fastload.data.layouts import as_layout
 from fastload.errors import StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
 from fastload.storage.base import Storage
-from fastload.storage.disk import DiskReader
+from fastload.storage.disk import SourceReader
 
 log = logging.getLogger("fastload")
 
@@ -50,21 +51,28 @@ def staged_root(root, target_dir) -> Path:
     return Path(target_dir) / staged_name(root)
 
 
-def build_manifest(root, splits) -> dict:
-    root = Path(root).absolute()
+def build_manifest(layout, splits) -> dict:
+    """Every file the splits need (the layout's folders and files, relative to its root),
+    with size and modification time: a changed source never matches an old staging."""
+    root = Path(layout.root).absolute()
     files = []
-    for split in dict.fromkeys(splits):
-        base = root / split
+    for rel in layout.stage_paths(splits):
+        base = root / rel
+        if base.is_file():
+            st = os.stat(base)
+            files.append([rel, st.st_size, st.st_mtime_ns])
+            continue
         if not base.is_dir():
             raise StorageError(
-                f"cannot stage {base}: no such folder. Point dataset.root at a folder holding "
-                f"'{split}/<class>/<image>'."
+                f"cannot stage {base}: no such folder or file. Point dataset.root at the "
+                f"dataset (for dataset=imagenet: a folder holding '<split>/<class>/<image>')."
             )
         for dirpath, dirnames, names in os.walk(base, followlinks=True):
             dirnames.sort()
             for n in sorted(names):
                 p = os.path.join(dirpath, n)
-                files.append([os.path.relpath(p, root), os.stat(p).st_size])
+                st = os.stat(p)
+                files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
     return {"source": str(root), "splits": list(dict.fromkeys(splits)), "files": files}
 
 
@@ -76,7 +84,7 @@ def _matches(folder: Path, manifest: dict) -> bool:
     if have != manifest:
         return False
     try:
-        return all(os.stat(folder / rel).st_size == size for rel, size in manifest["files"])
+        return all(os.stat(folder / rel).st_size == size for rel, size, _ in manifest["files"])
     except OSError:
         return False
 
@@ -110,12 +118,12 @@ def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
 def copy_files(src_root: Path, dst_root: Path, files, threads: int, progress: bool) -> None:
     from tqdm import tqdm
 
-    total = sum(size for _, size in files)
-    for d in sorted({os.path.dirname(rel) for rel, _ in files}):
+    total = sum(f[1] for f in files)
+    for d in sorted({os.path.dirname(f[0]) for f in files}):
         (dst_root / d).mkdir(parents=True, exist_ok=True)
 
     def one(item):
-        rel, size = item
+        rel, size = item[0], item[1]
         shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
         return size
 
@@ -135,8 +143,10 @@ def copy_files(src_root: Path, dst_root: Path, files, threads: int, progress: bo
 def stage(
     root, splits, target_dir="/dev/shm/fastload", threads=8, reserve_gb=1.0, progress=True
 ) -> Path:
-    """Stage root's splits into target_dir (atomically) unless a complete copy is there."""
-    root = Path(root).absolute()
+    """Stage the splits of `root` (a layout, or an ImageFolder root) into target_dir
+    (atomically) unless a complete copy is there; returns the copy's root."""
+    layout = as_layout(root)
+    root = Path(layout.root).absolute()
     target_dir = Path(target_dir)
     try:
         target_dir.mkdir(parents=True, exist_ok=True)
@@ -147,11 +157,11 @@ def stage(
         ) from None
     name = staged_name(root)
     final = target_dir / name
-    manifest = build_manifest(root, splits)
+    manifest = build_manifest(layout, splits)
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
-    need = sum(-(-size // PAGE) * PAGE for _, size in manifest["files"])
+    need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
     old = final if final.exists() else None  # an outdated or damaged copy: replaced below
     freed = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old else 0
     check_room(target_dir, max(0, need - freed), int(reserve_gb * 2**30), root)
@@ -164,7 +174,7 @@ def stage(
     try:
         with building(final) as tmp:
             copy_files(root, tmp, manifest["files"], threads, progress)
-            bad = [rel for rel, size in manifest["files"] if os.stat(tmp / rel).st_size != size]
+            bad = [f[0] for f in manifest["files"] if os.stat(tmp / f[0]).st_size != f[1]]
             if bad:
                 raise StorageError(
                     f"staging {root} into {tmp}: {len(bad)} file(s) differ from the source "
@@ -216,18 +226,20 @@ class TmpfsStorage(Storage):
             progress=self.progress,
         )
 
-    def open(self, root, split: str) -> DiskReader:
-        final = staged_root(root, self.target_dir)
+    def open(self, root, split: str) -> SourceReader:
+        layout = as_layout(root)
+        final = staged_root(layout.root, self.target_dir)
         if not (final / MANIFEST).is_file():
             raise StorageError(
-                f"storage=tmpfs: {final} holds no complete staged copy of {root}. The engine "
-                f"stages it before training (TmpfsStorage.prepare); from Python call "
-                f"fastload.storage.tmpfs.stage({str(root)!r}, splits, {str(self.target_dir)!r})."
+                f"storage=tmpfs: {final} holds no complete staged copy of {layout.root}. The "
+                f"engine stages it before training (TmpfsStorage.prepare); from Python call "
+                f"fastload.storage.tmpfs.stage({str(layout.root)!r}, splits, "
+                f"{str(self.target_dir)!r})."
             )
-        return DiskReader(final / split, cold_cache=self.cold_cache)
+        return SourceReader(layout.at(final).source(split), cold_cache=self.cold_cache)
 
     def finish(self, root, splits) -> None:
-        final = staged_root(root, self.target_dir)
+        final = staged_root(as_layout(root).root, self.target_dir)
         if self.cleanup:
             shutil.rmtree(final, ignore_errors=True)
             log.info("storage.cleanup=true: removed the staged copy %s", final)

@@ -1,0 +1,122 @@
+"""How a dataset lies under `dataset.root`: which folders and files make each split.
+
+A layout (the dataset yaml's `layout:`) builds one `Source` per split
+(fastload/data/sources.py) and says which paths a copy of the dataset needs. Storage works
+from layouts: storage=disk reads a split's source where it is, storage=tmpfs copies the
+layout's paths and reads the copy through the same layout at the new root, storage=lmdb and
+storage=shards pack the source. A plain path stands for an ImageFolder layout there.
+
+    ImageFolderLayout(root)          root/<split>/<class>/<image>
+    CocoLayout(root, images="{split}", annotations="annotations/instances_{split}.json")
+    Div2kLayout(root, hr="DIV2K_{split}_HR", lr="DIV2K_{split}_LR_bicubic/X{scale}", scale=2)
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from pathlib import Path
+
+from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
+
+
+class Layout(abc.ABC):
+    root: str
+
+    @abc.abstractmethod
+    def source(self, split: str):
+        """The split's Source."""
+
+    @abc.abstractmethod
+    def stage_paths(self, splits) -> list[str]:
+        """The folders and files (relative to root) a copy of these splits needs."""
+
+    @abc.abstractmethod
+    def pack_args(self, split: str, pack_root) -> list[str]:
+        """`python -m fastload.pack FORMAT <these>` packs the split into pack_root/split."""
+
+    def at(self, root) -> Layout:
+        """The same layout under another root (a staged copy)."""
+        return dataclasses.replace(self, root=str(root))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageFolderLayout(Layout):
+    root: str
+
+    def source(self, split: str) -> ImageFolderSource:
+        return ImageFolderSource(Path(self.root) / split)
+
+    def stage_paths(self, splits) -> list[str]:
+        return list(dict.fromkeys(splits))
+
+    def pack_args(self, split: str, pack_root) -> list[str]:
+        return [str(self.root), str(pack_root), "--splits", split]
+
+
+@dataclasses.dataclass(frozen=True)
+class CocoLayout(Layout):
+    root: str
+    images: str = "{split}"
+    annotations: str = "annotations/instances_{split}.json"
+    subset: int | None = None  # the first N images by id (the recipes' 5,000-image subset)
+
+    def annotation_file(self, split: str) -> Path:
+        return Path(self.root) / self.annotations.format(split=split)
+
+    def source(self, split: str) -> CocoSource:
+        images = Path(self.root) / self.images.format(split=split)
+        return CocoSource(self.annotation_file(split), images, subset=self.subset)
+
+    def stage_paths(self, splits) -> list[str]:
+        paths = []
+        for s in dict.fromkeys(splits):
+            paths += [self.images.format(split=s), self.annotations.format(split=s)]
+        return paths
+
+    def pack_args(self, split: str, pack_root) -> list[str]:
+        images = Path(self.root) / self.images.format(split=split)
+        return [str(pack_root), "--source", "coco", "--annotations", str(self.annotation_file(split)),
+                "--images", str(images), "--split-name", split]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Div2kLayout(Layout):
+    root: str
+    hr: str = "DIV2K_{split}_HR"
+    lr: str | None = "DIV2K_{split}_LR_bicubic/X{scale}"  # null: LR made by bicubic downscale
+    scale: int = 2
+
+    def _lr(self, split: str) -> str | None:
+        return None if not self.lr else self.lr.format(split=split, scale=self.scale)
+
+    def source(self, split: str) -> Div2kSource:
+        hr = Path(self.root) / self.hr.format(split=split)
+        lr = self._lr(split)
+        return Div2kSource(hr, None if lr is None else Path(self.root) / lr, self.scale)
+
+    def stage_paths(self, splits) -> list[str]:
+        paths = []
+        for s in dict.fromkeys(splits):
+            paths += [self.hr.format(split=s)] + ([self._lr(s)] if self._lr(s) else [])
+        return paths
+
+    def pack_args(self, split: str, pack_root) -> list[str]:
+        args = [
+            str(pack_root),
+            "--source",
+            "div2k",
+            "--hr",
+            str(Path(self.root) / self.hr.format(split=split)),
+        ]
+        if self._lr(split):
+            args += ["--lr", str(Path(self.root) / self._lr(split)), "--scale", str(self.scale)]
+        return args + ["--split-name", split]
+
+
+def as_layout(root_or_layout) -> Layout:
+    """A layout as it is, or a plain dataset root as an ImageFolder layout."""
+    if isinstance(root_or_layout, Layout):
+        return root_or_layout
+    return ImageFolderLayout(os.fspath(root_or_layout) if root_or_layout is not None else "")
