@@ -41,7 +41,12 @@ ENV PYTHONUNBUFFERED=1 \
 # 1. Extra CA certificates first, so that every later download (apt over https, pip, W&B)
 #    trusts the proxy. Then Python, the venv module and ca-certificates from apt, but only
 #    where the base image lacks them (python:*-slim has all three; a bare Debian has none).
+#    The apt packages are not pinned (DL3008): which versions exist depends on the base's
+#    Debian release and point release (a python:*-slim tag or a local bookworm rootfs), so a
+#    pin would break the build at the next Debian point release; these are the distribution's
+#    own python3/ca-certificates, and the Python dependencies are pinned by pip below.
 COPY docker/certs/ /tmp/extra-certs/
+# hadolint ignore=DL3008
 RUN set -eu; \
     mkdir -p /usr/local/share/ca-certificates/extra; \
     for crt in /tmp/extra-certs/*.crt; do \
@@ -53,43 +58,53 @@ RUN set -eu; \
         mkdir -p /etc/ssl/certs; \
         cat /usr/local/share/ca-certificates/extra/*.crt > /etc/ssl/certs/ca-certificates.crt; \
     fi; \
-    pkgs=""; \
-    command -v update-ca-certificates >/dev/null 2>&1 || pkgs="$pkgs ca-certificates"; \
+    set --; \
+    command -v update-ca-certificates >/dev/null 2>&1 || set -- "$@" ca-certificates; \
     if ! command -v python3 >/dev/null 2>&1; then \
-        pkgs="$pkgs python3 python3-venv"; \
+        set -- "$@" python3 python3-venv; \
     elif ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then \
-        pkgs="$pkgs python3-venv"; \
+        set -- "$@" python3-venv; \
     fi; \
-    if [ -n "$pkgs" ]; then \
+    if [ "$#" -gt 0 ]; then \
         apt-get update; \
-        apt-get install -y --no-install-recommends $pkgs; \
+        apt-get install -y --no-install-recommends "$@"; \
         rm -rf /var/lib/apt/lists/*; \
     fi; \
     update-ca-certificates
 
-# 2. The venv, on PATH for every later step and at run time (`python` is the venv's).
+# 2. The venv, on PATH for every later step and at run time (`python` is the venv's). pip is
+#    pinned (DL3013) so that a rebuild gets the same resolver and wheel-tag rules.
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 RUN python3 -m venv /opt/venv \
-    && python -m pip install --upgrade pip
+    && python -m pip install --upgrade pip==26.3
 
 # 3. Dependencies: their own layer, rebuilt only when pyproject.toml changes. Installing the
-#    project with empty stub packages pulls every dependency; step 4 puts the real code in.
+#    project with an empty stub package pulls every dependency; the stub is uninstalled again
+#    so that this layer holds the dependencies only (the code itself comes in step 4).
 WORKDIR /app
 COPY pyproject.toml ./
 RUN mkdir -p fastload \
     && touch fastload/__init__.py \
     && pip install . \
+    && pip uninstall -y fastload \
     && rm -rf fastload build ./*.egg-info
 
-# 4. The source (what .dockerignore lets through): train.py, conf/, fastload/,
-#    scripts/, ...; installed without touching the dependencies.
+# 4. The source (what .dockerignore lets through: train.py, conf/, fastload/, scripts/,
+#    README.md, ...; not tests/). One copy of the code, in /app: the editable install puts
+#    only a path hook into site-packages (no second copy of fastload there), so `import
+#    fastload` is /app/fastload from any folder, and fastload.config.conf_dir() finds /app/conf
+#    beside it. No dependency is touched (--no-deps). The check runs isolated (-I: the current
+#    folder is not on sys.path), so it sees what an import from elsewhere sees.
 COPY . .
-RUN pip install --no-deps --force-reinstall . \
+RUN pip install --no-deps -e . \
     && rm -rf build ./*.egg-info docker \
     && mkdir -p /cache /app/outputs \
     && chmod 1777 /cache /app/outputs \
-    && python -c "import fastload.models, torch, torchvision, hydra"
+    && python -I -c "import fastload, fastload.models, torch, torchvision, hydra; \
+from fastload.config import conf_dir; \
+assert fastload.__file__ == '/app/fastload/__init__.py', fastload.__file__; \
+assert str(conf_dir()) == '/app/conf', conf_dir()"
 
 ENV FASTLOAD_CACHE=/cache
 
