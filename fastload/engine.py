@@ -3,8 +3,8 @@
     fit = set-up -> data (fastload/pipeline.py) -> state (fastload/train_state.py) -> resume
           -> epochs (train, evaluate, record, checkpoint)
 
-The loop never knows which loader, backend or storage it runs on, nor which model: it calls
-a step object (`ModelStep` here; the benchmarks pass their own) on each batch.
+The loop never knows which loader, backend or storage it runs on, nor which workload: it
+calls the task's step object (fastload/tasks/; the benchmarks pass their own) on each batch.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fastload import checkpoint as ckpt
 from fastload import dist
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
+from fastload.tasks.base import build_task
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
@@ -103,55 +104,6 @@ def wrap_ddp(model, cfg, ctx):
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-class ModelStep:
-    """What the loop does with a batch: one optimisation step (`train`) or one forward pass
-    (`evaluate`) of the configured model, under autocast, DDP and torch.compile as set. Each
-    returns its sums as a device tensor, so no step syncs with the host."""
-
-    def __init__(self, state: TrainState, cfg: DictConfig, ctx, amp):
-        self.state, self.amp, self.device = state, amp, ctx.device
-        self.model = wrap_ddp(state.model, cfg, ctx)
-        if cfg.trainer.compile:
-            self.model = torch.compile(self.model)
-        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
-
-    def train_mode(self) -> None:
-        self.model.train()
-
-    def eval_mode(self) -> None:
-        self.model.eval()
-
-    def train(self, x, y) -> torch.Tensor:
-        """[loss sum, correct, count] of one SGD step."""
-        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            out = self.model(x)
-            loss = self.criterion(out, y)
-        s = self.state
-        s.optimizer.zero_grad(set_to_none=True)
-        s.scaler.scale(loss).backward()
-        s.scaler.step(s.optimizer)
-        s.scaler.update()
-        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
-        correct = (out.argmax(1) == y).sum().double()
-        return torch.stack([loss.detach().double() * len(y), correct, n])
-
-    def after_step(self) -> None:
-        self.state.scheduler.step()  # per iteration, skipped batches included
-
-    @torch.no_grad()
-    def evaluate(self, x, y) -> torch.Tensor:
-        """[loss sum, top-1 correct, top-5 correct, count] of one forward pass."""
-        with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-            out = self.model(x)
-        loss = self.criterion(out.float(), y)
-        top5 = out.topk(min(5, out.shape[1]), dim=1).indices
-        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
-        top1 = (top5[:, 0] == y).sum().double()
-        return torch.stack(
-            [loss.double() * len(y), top1, (top5 == y[:, None]).any(1).sum().double(), n]
-        )
-
-
 @dataclass(frozen=True)
 class EpochSpan:
     epoch: int
@@ -163,7 +115,7 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
     step k (the evaluation loader's warm start). Returns (steps done, timing, metrics, the
     files skipped as undecodable on every rank)."""
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, correct, n
+    totals = None  # the step's sums (loss sum, ..., count), on the device: no host sync
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
     skipped_files: list[str] = []
     bar = ProgressBar(span.max_steps, enabled=progress and ctx.is_main, desc=f"epoch {span.epoch}")
@@ -180,7 +132,8 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
         for k, v in batch.get("counts", {}).items():  # the backend's counters, e.g. fallbacks
             counts[k] = counts.get(k, 0) + v
         if batch["image"] is not None:
-            totals += step.train(batch["image"], batch["target"])
+            sums = step.train(batch)
+            totals = sums if totals is None else totals + sums
             timer.add_samples(len(batch["target"]))
         step.after_step()
         steps += 1
@@ -190,16 +143,16 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     bar.close()
     timing = timer.stop()
     keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
-    reduced = dist.all_reduce(totals.tolist() + [skipped] + [counts[k] for k in keys], ctx)
-    loss_sum, correct, count, skipped = reduced[:4]
+    n = step.train_sums
+    sums = totals.tolist() if totals is not None else [0.0] * n
+    reduced = dist.all_reduce(sums + [skipped] + [counts[k] for k in keys], ctx)
     return (
         steps,
         timing,
         {
-            "train_loss": loss_sum / max(count, 1),
-            "train_acc1": 100.0 * correct / max(count, 1),
-            "skipped_corrupt": int(skipped),
-            **{k: int(v) for k, v in zip(keys, reduced[4:], strict=True)},
+            **step.train_metrics(reduced[:n]),
+            "skipped_corrupt": int(reduced[n]),
+            **{k: int(v) for k, v in zip(keys, reduced[n + 1 :], strict=True)},
         },
         dist.gather_lists(skipped_files, ctx),
     )
@@ -217,14 +170,13 @@ def stop_agreed(stopper, ctx, steps: int, max_steps: int) -> bool:
 
 
 def evaluate(step, loader, ctx) -> dict:
-    totals = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top1, top5, n
+    evaluator = step.evaluator()
     step.eval_mode()
-    for batch in loader:
-        if batch["image"] is not None:
-            totals += step.evaluate(batch["image"], batch["target"])
-    loss, top1, top5, n = dist.all_reduce(totals.tolist(), ctx)
-    n = max(n, 1)
-    return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
+    with torch.no_grad():
+        for batch in loader:
+            if batch["image"] is not None:
+                evaluator.add(batch)
+    return evaluator.result(ctx)
 
 
 def reduce_timing(timing, resources, ctx) -> dict:
@@ -344,8 +296,8 @@ def check_writable(run_dir: Path) -> None:
 class RunRecord:
     """What rank 0 writes: metrics.jsonl, summary.json, checkpoints and the logger sink."""
 
-    def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list):
-        self.ctx, self.run_dir = ctx, run_dir
+    def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list, task):
+        self.ctx, self.run_dir, self.task = ctx, run_dir, task
         self.checkpoints = cfg.trainer.checkpoint_every > 0  # 0: never (debug=fast)
         self.files = self.sink = None
         if ctx.is_main:
@@ -388,7 +340,7 @@ class RunRecord:
             log.info("epoch %d: %s", row["epoch"], floats)
 
     def finish(self, state: TrainState) -> dict:
-        summary = summarize(state.history, self.run_dir, state.best_acc1)
+        summary = summarize(state.history, self.run_dir, state.best_metric, self.task)
         if self.ctx.is_main:
             summary["wandb_sync"] = self.sink.finish()
             summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
@@ -397,7 +349,11 @@ class RunRecord:
         return summary
 
 
-def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
+def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> dict:
+    """The run in one dict (summary.json, the table): steady-state speed, memory, and the
+    task's metric: `best_metric` with its name (`metric`, e.g. val_acc1) and the same value
+    under best_<name> (best_acc1, best_map, best_psnr)."""
+
     def mean(key, rows):
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
@@ -411,8 +367,12 @@ def summarize(history: list[dict], run_dir: Path, best_acc1: float) -> dict:
         "gpu_util_mean": mean("gpu_util_mean", steady),
         "peak_pss_mib": max((r["peak_pss_mib"] or 0 for r in history), default=None) or None,
         "peak_rss_sum_mib": max((r["peak_rss_sum_mib"] or 0 for r in history), default=0) or None,
-        "best_acc1": best_acc1,
-        "final_val_acc1": history[-1].get("val_acc1") if history else None,
+        "metric": task.metric,
+        "metric_label": task.metric_label,
+        "metric_unit": task.metric_unit,
+        "best_metric": best,
+        "best_" + task.metric.removeprefix("val_"): best,
+        "final_" + task.metric: history[-1].get(task.metric) if history else None,
         "final_train_loss": history[-1].get("train_loss") if history else None,
         "decoder": history[-1].get("decoder") if history else None,
         "run_dir": str(run_dir),
@@ -446,8 +406,8 @@ class Epochs:
     stops it with a checkpoint (mid-epoch or after the epoch) and TrainingInterrupted.
     `record` is a RunRecord (bench train passes one that only keeps the rows)."""
 
-    def __init__(self, cfg, ctx, state: TrainState, step, data: DataPath, record):
-        self.cfg, self.ctx, self.state, self.step = cfg, ctx, state, step
+    def __init__(self, cfg, ctx, state: TrainState, step, data: DataPath, record, task):
+        self.cfg, self.ctx, self.state, self.step, self.task = cfg, ctx, state, step, task
         self.data, self.record = data, record
         self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
         self.warm = EvalWarmStart()
@@ -485,7 +445,7 @@ class Epochs:
             t0 = time.perf_counter()
             row.update(evaluate(self.step, data.val, ctx))
             row["eval_time_s"] = time.perf_counter() - t0
-            state.best_acc1 = max(state.best_acc1, row["val_acc1"])
+            state.best_metric = self.task.best(state.best_metric, row[self.task.metric])
             self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
@@ -524,18 +484,21 @@ def fit(cfg: DictConfig) -> dict:
         check_writable(run_dir)
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
+    task = build_task(cfg)
+    model = task.build_model(cfg)  # so is a model made for another task
     storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
     data = build_data(cfg, ctx, storage, channels_last=channels_last, backend=backend)
     state = TrainState.create(
-        cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last
-    )
+        cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,
+        model=model,
+    )  # fmt: skip
     resume(state, cfg)
-    record = RunRecord(cfg, ctx, run_dir, state.history)
+    record = RunRecord(cfg, ctx, run_dir, state.history, task)
     try:
-        Epochs(cfg, ctx, state, ModelStep(state, cfg, ctx, amp), data, record).run()
+        Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging

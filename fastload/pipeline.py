@@ -21,10 +21,11 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
-from fastload.data.dataset import ImageDataset, Normalize
+from fastload.data.dataset import Normalize
 from fastload.data.sampling import EpochSampler, ShardSampler
 from fastload.errors import ConfigError
 from fastload.loaders.device_prep import DTYPES, DevicePrep
+from fastload.tasks.base import build_task
 
 SPLIT_KEYS = {"train": "train_split", "val": "val_split"}
 NORMALIZE_ON = ("device", "cpu")
@@ -121,27 +122,6 @@ def loader_factory(cfg: DictConfig):
     return instantiate(opts)
 
 
-def sample_bytes(dataset, where: str) -> int | None:
-    """Bytes of one collated image (3 x size x size, uint8 or float32), for the reused batch
-    slots; None when unknown (a custom dataset) or when decode is deferred to device prep."""
-    size = getattr(getattr(dataset, "transform", None), "size", None)
-    backend = getattr(dataset, "backend", None)
-    if not isinstance(size, int) or getattr(backend, "device_decoder", None) is not None:
-        return None
-    return 3 * size * size * (4 if where == "cpu" else 1)
-
-
-def build_dataset(cfg: DictConfig, split: str, reader, backend, normalize=None) -> ImageDataset:
-    return ImageDataset(
-        reader,
-        backend,
-        instantiate(cfg.dataset[f"{split}_transform"]),
-        seed=cfg.seed,
-        skip_corrupt=cfg.dataset.skip_corrupt,
-        normalize=normalize,
-    )
-
-
 def build_loader(
     cfg: DictConfig,
     split: str,
@@ -159,6 +139,7 @@ def build_loader(
     """One split's loader (split: train | val). `storage` / `backend` reuse objects built
     already; `dataset` (with `collate_fn`) replaces the image dataset, e.g. in tests."""
     train = split == "train"
+    task = build_task(cfg)
     if dataset is None:
         backend = backend if backend is not None else build_backend(cfg)
         storage = storage if storage is not None else build_storage(cfg)
@@ -166,7 +147,8 @@ def build_loader(
     where = normalize_on(cfg, backend)
     normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
     if dataset is None:
-        dataset = build_dataset(cfg, split, reader, backend, normalize if where == "cpu" else None)
+        dataset = task.dataset(cfg, split, reader, backend, normalize if where == "cpu" else None)
+        collate_fn = collate_fn or task.collate
     if train:
         sampler = EpochSampler(
             len(dataset), rank=rank, world_size=world_size, shuffle=True, seed=cfg.seed
@@ -189,7 +171,7 @@ def build_loader(
         seed=cfg.seed,
         rank=rank,
         local_world_size=local_world_size,
-        sample_bytes=sample_bytes(dataset, where),
+        sample_bytes=task.sample_bytes(dataset, where) if collate_fn is None else None,
         epochs=cfg.trainer.epochs if train else None,
         max_batches=cfg.trainer.max_steps_per_epoch if train else None,
         collate_fn=collate_fn,
@@ -217,28 +199,5 @@ def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool, backend=No
             f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
-    check_classes(cfg, train.dataset.reader, val.dataset.reader)
+    build_task(cfg).check(cfg, train.dataset.reader, val.dataset.reader)
     return DataPath(train, val, backend, storage, train.dataset.reader)
-
-
-def check_classes(cfg: DictConfig, train_reader, val_reader) -> None:
-    """dataset.num_classes against the class folders, and the splits against each other,
-    before training: a model with too few outputs fails part-way through an epoch
-    (IndexError: Target 2 is out of bounds), too many trains silently, and val class
-    folders that differ from train's misalign every target."""
-    classes, where = train_reader.classes, train_reader.store_root()
-    if not classes:  # a source without class folders (COCO ids, DIV2K positions)
-        return
-    if cfg.dataset.num_classes != len(classes):
-        shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
-        raise ConfigError(
-            f"dataset.num_classes={cfg.dataset.num_classes}, but {where} has {len(classes)} "
-            f"class folders ({shown}): set dataset.num_classes={len(classes)}."
-        )
-    if tuple(val_reader.classes) != tuple(classes):
-        extra = sorted(set(val_reader.classes) ^ set(classes))[:6]
-        raise ConfigError(
-            f"the class folders of {val_reader.store_root()} differ from those of {where} "
-            f"({', '.join(extra) or 'same names, other order'}): targets would not match. "
-            f"Give both splits the same class folders."
-        )

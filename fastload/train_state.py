@@ -1,5 +1,5 @@
 """Everything a checkpoint holds, in one object: model, optimizer, LR schedule, loss scaler,
-where training stands (epoch, step within it), the best accuracy and the epoch history.
+where training stands (epoch, step within it), the best validation metric and the epoch history.
 
 `state_dict()` is the checkpoint layout, written in this one place; `load_state_dict()` reads
 it back. Resuming from it continues bit for bit (tests/test_train.py).
@@ -34,16 +34,28 @@ class TrainState:
     run_config: dict  # the config keys that shape the result (checkpoint.run_config)
     epoch: int = 0  # the epoch to run next
     step: int = 0  # steps of `epoch` already done (a mid-epoch checkpoint)
-    best_acc1: float = 0.0
+    best_metric: float | None = None  # the task's validation metric at its best
     history: list = field(default_factory=list)
 
     @classmethod
     def create(
-        cls, cfg: DictConfig, device, world_size: int, steps_per_epoch: int, *, amp, channels_last
+        cls,
+        cfg: DictConfig,
+        device,
+        world_size: int,
+        steps_per_epoch: int,
+        *,
+        amp,
+        channels_last,
+        model: torch.nn.Module | None = None,
     ):
         """The model, an SGD-style optimizer at the linearly scaled LR (base_lr x global
         batch / 256) and a per-step warm-up + cosine schedule."""
-        model = instantiate(cfg.model).to(device)
+        if model is None:  # the task's model (refused when it is for another task)
+            from fastload.tasks.base import build_task
+
+            model = build_task(cfg).build_model(cfg)
+        model = model.to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
         lr = cfg.optim.base_lr * cfg.trainer.batch_size * world_size / 256
@@ -68,7 +80,7 @@ class TrainState:
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step_in_epoch": self.step,
-            "best_acc1": self.best_acc1,
+            "best_metric": self.best_metric,
             "history": self.history,
             "rng": ckpt.rng_state(),
             "model_config": self.model_config,
@@ -96,7 +108,9 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
-        self.best_acc1, self.history = state["best_acc1"], state["history"]
+        # checkpoints of the classification-only sessions call it best_acc1
+        self.best_metric = state.get("best_metric", state.get("best_acc1"))
+        self.history = state["history"]
         ckpt.set_rng_state(state["rng"])
 
     def check_same_run(self, state: dict, path) -> None:

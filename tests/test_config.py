@@ -7,6 +7,8 @@ from conftest import CONF, REPO, compose_config, run_train
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from fastload.tasks.base import build_task
+
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
 
@@ -50,7 +52,7 @@ def test_groups_named_in_design_exist():
 
 def test_model_and_optimizer_instantiate(tmp_path):
     cfg = compose_config([f"hydra.run.dir={tmp_path}", "dataset.num_classes=7"], tmp_path)
-    model = instantiate(cfg.model)
+    model = build_task(cfg).build_model(cfg)
     assert model.fc.out_features == 7
     partial = instantiate(cfg.optim).optimizer
     opt = partial(model.parameters(), lr=0.1)

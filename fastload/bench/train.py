@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import compose, format_table, write_json
+from fastload.tasks.base import SumsEvaluator
+from fastload.tasks.classification import ClassificationStep
 
 EVAL_STEP_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
 
@@ -42,13 +44,21 @@ class SleepStep:
     eval_mode = train_mode
     after_step = train_mode
 
-    def train(self, x, y) -> torch.Tensor:
-        time.sleep(self.seconds)
-        return torch.tensor([0.0, 0.0, len(y)], dtype=torch.float64, device=self.device)
+    train_sums = ClassificationStep.train_sums
+    train_metrics = staticmethod(ClassificationStep.train_metrics)
 
-    def evaluate(self, x, y) -> torch.Tensor:
+    def train(self, batch) -> torch.Tensor:
+        time.sleep(self.seconds)
+        n = len(batch["target"])
+        return torch.tensor([0.0, 0.0, n], dtype=torch.float64, device=self.device)
+
+    def evaluator(self) -> SumsEvaluator:
+        return SumsEvaluator(self.device, 4, self.eval_sums, ClassificationStep.val_metrics)
+
+    def eval_sums(self, batch) -> torch.Tensor:
         time.sleep(self.seconds * EVAL_STEP_SHARE)
-        return torch.tensor([0.0, 0.0, 0.0, len(y)], dtype=torch.float64, device=self.device)
+        n = len(batch["target"])
+        return torch.tensor([0.0, 0.0, 0.0, n], dtype=torch.float64, device=self.device)
 
 
 class Timeline:
@@ -124,20 +134,22 @@ def first_batch(loader) -> dict:
 
 def run_loop(cfg, ctx, data, args, amp, channels_last) -> tuple[list[dict], float]:
     """The engine's epoch loop over `data`; (per-epoch rows, total seconds)."""
-    from fastload.engine import Epochs, ModelStep
+    from fastload.engine import Epochs
+    from fastload.tasks.base import build_task
     from fastload.train_state import TrainState
 
     torch.manual_seed(cfg.seed)
     state = TrainState.create(
         cfg, ctx.device, 1, len(data.train), amp=amp, channels_last=channels_last
     )
+    task = build_task(cfg)
     if args.model:
-        step = ModelStep(state, cfg, ctx, amp)
+        step = task.step(state, cfg, ctx, amp)
     else:
         step = SleepStep(args.step_ms, ctx.device)
     timeline = Timeline()
     t0 = timeline.t
-    Epochs(cfg, ctx, state, step, data, timeline).run()
+    Epochs(cfg, ctx, state, step, data, timeline, task).run()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
     return timeline.rows, time.perf_counter() - t0

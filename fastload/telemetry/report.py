@@ -92,6 +92,14 @@ def _num(value: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def best_metric_row(summary: Mapping[str, Any], fmt) -> tuple[str, str]:
+    if summary.get("metric_label"):
+        return summary["metric_label"], fmt(
+            "best_metric", ".4g", unit=summary.get("metric_unit", "")
+        )
+    return "best top-1", fmt("best_acc1", ".2f", unit=" %")
+
+
 def format_summary_table(summary: Mapping[str, Any]) -> str:
     """A short aligned plain-text table of a run's summary; missing/None values show "n/a".
 
@@ -99,7 +107,8 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
       ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (steady-state mean),
       ``data_wait_share`` (fraction 0..1), ``gpu_util_mean`` (percent 0..100),
       ``peak_pss_mib`` / ``peak_rss_sum_mib`` (MiB, process tree: PSS summed, RSS
-      summed), ``best_acc1`` (top-1, percent 0..100),
+      summed), ``best_metric`` (the task's validation metric at its best) with
+      ``metric_label`` / ``metric_unit`` (default: top-1, percent; ``best_acc1`` also read),
       ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
       shown instead of ``wandb_dir`` when present).
     """
@@ -133,7 +142,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
         ("data wait", fmt("data_wait_share", ".1f", 100.0, " %")),
         ("GPU util", fmt("gpu_util_mean", ".0f", unit=" %")),
         ("peak memory", memory()),
-        ("best top-1", fmt("best_acc1", ".2f", unit=" %")),
+        best_metric_row(summary, fmt),
         ("run directory", text("run_dir")),
         ("W&B", text("wandb_sync", "wandb_dir")),
     ]

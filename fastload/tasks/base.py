@@ -1,0 +1,179 @@
+"""The task seam: what a workload (classification, detection, super-resolution) adds to the
+data path and the loop, so that neither the builder (fastload/pipeline.py) nor the engine
+(fastload/engine.py) knows which workload runs.
+
+A dataset yaml names its task (`task: {_target_: fastload.tasks.<module>.<Class>}`); a model
+yaml says which task it is for (`task: classification`), and the two are checked against each
+other before anything is built. A `Task`:
+
+    kind                       "classification" | "detection" | "super_resolution"
+    metric                     the validation metric that decides "best" (e.g. "val_acc1"),
+                               `higher_is_better`, and how the summary table shows it
+    dataset(cfg, split, reader, backend, normalize)
+                               -> the torch Dataset of a split, indexed by (epoch, index) keys
+    collate                    the batch function (None: fastload/data/batch.collate, which
+                               can reuse shared-memory batch slots)
+    sample_bytes(dataset, where)
+                               bytes of one collated image for the reused slots, or None
+    check(cfg, train_reader, val_reader)
+                               what must agree before training (class counts, ...)
+    build_model(cfg)           the model of conf/model/<name>.yaml, checked against the task
+    step(state, cfg, ctx, amp) -> a `Step`
+
+A `Step` is what the loop calls on each batch (the benchmarks pass their own):
+
+    train_mode(), eval_mode(), after_step()
+    train(batch)               one optimisation step -> a 1-D float64 device tensor of sums
+                               (no host sync); `train_metrics(sums)` turns their all-reduced
+                               values into the epoch row's train_* entries
+    evaluator()                -> an `Evaluator`: `add(batch)` per validation batch,
+                               `result(ctx)` -> the val_* entries, the same on every rank
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fastload.errors import ConfigError
+
+
+class Evaluator(abc.ABC):
+    @abc.abstractmethod
+    def add(self, batch: dict) -> None:
+        """One validation batch (device-ready, as the loader yields it)."""
+
+    @abc.abstractmethod
+    def result(self, ctx) -> dict:
+        """The val_* metrics over every rank's batches (a collective under DDP)."""
+
+
+class Task(abc.ABC):
+    kind: str
+    metric: str
+    metric_label: str  # the summary table's label for the best value, e.g. "best top-1"
+    metric_unit: str = ""
+    higher_is_better = True
+    collate = None  # None: fastload.data.batch.collate
+
+    @abc.abstractmethod
+    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
+        """The split's Dataset: (epoch, index) keys -> samples `collate` batches."""
+
+    def sample_bytes(self, dataset, where: str) -> int | None:
+        """Bytes of one collated image, for the reused batch slots; None: no slots."""
+        return None
+
+    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
+        """What must agree between the config and the data before training."""
+        return None
+
+    def build_model(self, cfg: DictConfig) -> torch.nn.Module:
+        """conf/model/<name>.yaml's model, refused with the fix when it is for another task."""
+        opts = OmegaConf.to_container(cfg.model, resolve=True)
+        made_for = opts.pop("task", "classification")
+        if made_for != self.kind:
+            raise ConfigError(
+                f"model={model_choice(cfg)} is a {made_for} model, but dataset="
+                f"{dataset_choice(cfg)} trains {self.kind}: pick one of its models "
+                f"({', '.join(self.models)})."
+            )
+        return instantiate(opts)
+
+    models: tuple[str, ...] = ()  # conf/model names for this task, for the message above
+
+    @abc.abstractmethod
+    def step(self, state, cfg: DictConfig, ctx, amp):
+        """The Step that trains and evaluates this task's model."""
+
+    def best(self, old: float | None, new: float) -> float:
+        if old is None:
+            return new
+        return max(old, new) if self.higher_is_better else min(old, new)
+
+
+def model_choice(cfg) -> str:
+    return _choice(cfg, "model")
+
+
+def dataset_choice(cfg) -> str:
+    return _choice(cfg, "dataset")
+
+
+def _choice(cfg, group: str) -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices[group]
+    except Exception:  # no Hydra run (a test composing the config)
+        return str(cfg[group].get("arch") or cfg[group].get("_target_", "?"))
+
+
+def build_task(cfg: DictConfig) -> Task:
+    """The dataset yaml's `task:` (classification when it names none)."""
+    spec = cfg.dataset.get("task")
+    if spec is None:
+        from fastload.tasks.classification import ClassificationTask
+
+        return ClassificationTask()
+    return instantiate(spec)
+
+
+class TrainStep(abc.ABC):
+    """The part of a Step every task shares: the model under DDP / torch.compile as set, one
+    optimisation step under autocast with the loss scaler, the per-iteration LR step.
+    A task's step implements `forward_loss(batch) -> (loss, sums)`."""
+
+    def __init__(self, state, cfg: DictConfig, ctx, amp):
+        from fastload.engine import wrap_ddp
+
+        self.state, self.amp, self.device = state, amp, ctx.device
+        self.model = wrap_ddp(state.model, cfg, ctx)
+        if cfg.trainer.compile:
+            self.model = torch.compile(self.model)
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    @abc.abstractmethod
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to back-propagate, the batch's sums for train_metrics)."""
+
+    def train(self, batch: dict) -> torch.Tensor:
+        with self.autocast():
+            loss, sums = self.forward_loss(batch)
+        s = self.state
+        s.optimizer.zero_grad(set_to_none=True)
+        s.scaler.scale(loss).backward()
+        s.scaler.step(s.optimizer)
+        s.scaler.update()
+        return sums
+
+    def after_step(self) -> None:
+        self.state.scheduler.step()  # per iteration, skipped batches included
+
+
+class SumsEvaluator(Evaluator):
+    """Validation metrics that are sums over samples: `sums_of(batch)` -> a device tensor,
+    all-reduced at the end and turned into metrics by `finish(totals)`."""
+
+    def __init__(self, device, size: int, sums_of, finish):
+        self.totals = torch.zeros(size, dtype=torch.float64, device=device)
+        self.sums_of, self.finish = sums_of, finish
+
+    def add(self, batch: dict) -> None:
+        self.totals += self.sums_of(batch)
+
+    def result(self, ctx) -> dict:
+        from fastload import dist
+
+        return self.finish(dist.all_reduce(self.totals.tolist(), ctx))

@@ -1,0 +1,114 @@
+"""Image classification: an image folder's classes, cross-entropy, top-1 / top-5."""
+
+from __future__ import annotations
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from fastload.data.batch import IMAGE, TARGET
+from fastload.data.dataset import ImageDataset
+from fastload.errors import ConfigError
+from fastload.tasks.base import SumsEvaluator, Task, TrainStep
+
+
+class ClassificationTask(Task):
+    kind = "classification"
+    metric, metric_label, metric_unit = "val_acc1", "best top-1", " %"
+    models = ("resnet18", "resnet50")
+
+    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
+        return ImageDataset(
+            reader,
+            backend,
+            instantiate(cfg.dataset[f"{split}_transform"]),
+            seed=cfg.seed,
+            skip_corrupt=cfg.dataset.skip_corrupt,
+            normalize=normalize,
+        )
+
+    def sample_bytes(self, dataset, where: str) -> int | None:
+        """3 x size x size (uint8, or float32 when normalised in the workers); None when
+        unknown (a custom dataset) or when decode is deferred to device prep."""
+        size = getattr(getattr(dataset, "transform", None), "size", None)
+        backend = getattr(dataset, "backend", None)
+        if not isinstance(size, int) or getattr(backend, "device_decoder", None) is not None:
+            return None
+        return 3 * size * size * (4 if where == "cpu" else 1)
+
+    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
+        """dataset.num_classes against the class folders, and the splits against each other,
+        before training: a model with too few outputs fails part-way through an epoch
+        (IndexError: Target 2 is out of bounds), too many trains silently, and val class
+        folders that differ from train's misalign every target."""
+        classes, where = train_reader.classes, train_reader.store_root()
+        if not classes:
+            raise ConfigError(
+                f"{where} has no class folders: classification needs <split>/<class>/<image> "
+                f"(an ImageFolder); for COCO use dataset=coco, for DIV2K dataset=div2k."
+            )
+        if cfg.dataset.num_classes != len(classes):
+            shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
+            raise ConfigError(
+                f"dataset.num_classes={cfg.dataset.num_classes}, but {where} has "
+                f"{len(classes)} class folders ({shown}): set dataset.num_classes={len(classes)}."
+            )
+        if tuple(val_reader.classes) != tuple(classes):
+            extra = sorted(set(val_reader.classes) ^ set(classes))[:6]
+            raise ConfigError(
+                f"the class folders of {val_reader.store_root()} differ from those of {where} "
+                f"({', '.join(extra) or 'same names, other order'}): targets would not match. "
+                f"Give both splits the same class folders."
+            )
+
+    def step(self, state, cfg: DictConfig, ctx, amp):
+        return ClassificationStep(state, cfg, ctx, amp)
+
+
+class ClassificationStep(TrainStep):
+    """Cross-entropy (with optim.label_smoothing); train sums [loss sum, correct, count],
+    validation sums [loss sum, top-1 correct, top-5 correct, count]."""
+
+    train_sums = 3
+
+    def __init__(self, state, cfg: DictConfig, ctx, amp):
+        super().__init__(state, cfg, ctx, amp)
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+
+    def forward_loss(self, batch: dict):
+        x, y = batch[IMAGE], batch[TARGET]
+        out = self.model(x)
+        loss = self.criterion(out, y)
+        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
+        correct = (out.argmax(1) == y).sum().double()
+        return loss, torch.stack([loss.detach().double() * len(y), correct, n])
+
+    @staticmethod
+    def train_metrics(sums: list[float]) -> dict:
+        loss_sum, correct, count = sums
+        return {
+            "train_loss": loss_sum / max(count, 1),
+            "train_acc1": 100.0 * correct / max(count, 1),
+        }
+
+    def evaluator(self) -> SumsEvaluator:
+        return SumsEvaluator(self.device, 4, self.eval_sums, self.val_metrics)
+
+    @torch.no_grad()
+    def eval_sums(self, batch: dict) -> torch.Tensor:
+        x, y = batch[IMAGE], batch[TARGET]
+        with self.autocast():
+            out = self.model(x)
+        loss = self.criterion(out.float(), y)
+        top5 = out.topk(min(5, out.shape[1]), dim=1).indices
+        n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
+        top1 = (top5[:, 0] == y).sum().double()
+        return torch.stack(
+            [loss.double() * len(y), top1, (top5 == y[:, None]).any(1).sum().double(), n]
+        )
+
+    @staticmethod
+    def val_metrics(sums: list[float]) -> dict:
+        loss, top1, top5, n = sums
+        n = max(n, 1)
+        return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
