@@ -85,25 +85,6 @@ def amp_dtype(precision: str, device: torch.device):
     return dtypes[precision]
 
 
-def wrap_ddp(model, cfg, ctx):
-    if not ctx.distributed:
-        return model
-    if cfg.trainer.ddp == "apex":
-        try:
-            from apex.parallel import DistributedDataParallel as ApexDDP
-        except ImportError:
-            raise ConfigError(
-                "trainer.ddp=apex needs NVIDIA apex, which is not importable here. It is not on "
-                "PyPI: use an NVIDIA PyTorch container (it ships apex) or build apex from source "
-                "(github.com/NVIDIA/apex); or use trainer.ddp=native."
-            ) from None
-        return ApexDDP(model)
-    if cfg.trainer.ddp != "native":
-        raise ConfigError(f"trainer.ddp={cfg.trainer.ddp!r}: use native or apex.")
-    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-
-
 @dataclass(frozen=True)
 class EpochSpan:
     epoch: int

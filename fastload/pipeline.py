@@ -40,6 +40,7 @@ class DataPath:
     backend: object  # fastload.decode.base.DecodeBackend
     storage: object  # fastload.storage.base.Storage
     train_reader: object  # fastload.storage.base.Reader
+    task: object = None  # fastload.tasks.base.Task
 
     def close(self) -> None:
         self.train.close()
@@ -59,6 +60,7 @@ class DataPath:
             "read_mb": nbytes,
             "read_mb_per_s": nbytes / seconds if seconds > 0 else None,
             "cold_cache": s["cold_cache"],
+            **(self.task.epoch_info(self.train_reader) if self.task is not None else {}),
         }
 
 
@@ -199,5 +201,6 @@ def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool, backend=No
             f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
-    build_task(cfg).check(cfg, train.dataset.reader, val.dataset.reader)
-    return DataPath(train, val, backend, storage, train.dataset.reader)
+    task = build_task(cfg)
+    task.check(cfg, train.dataset.reader, val.dataset.reader)
+    return DataPath(train, val, backend, storage, train.dataset.reader, task)

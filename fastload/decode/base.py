@@ -11,6 +11,9 @@ A backend (one module + one conf/backend/<name>.yaml) is a `DecodeBackend`:
                                   ({"decoder": "simplejpeg-1.8", "decoder_fallback": ...});
     pop_counts()                  optional: per-sample counters since the last call
                                   ({"decode_fallback_cmyk": 1, ...}), summed per batch;
+    decode_rgb(data)              optional: encoded bytes -> the whole image, uint8 HWC RGB,
+                                  for tasks that transform whole images themselves
+                                  (detection, super-resolution); default: `open_rgb`;
     load_pixels(pixels, transform, rng)
                                   optional: already-decoded HWC pixels (raw-pixel shards)
                                   -> the same crop, resized this backend's way (default: PIL);
@@ -66,6 +69,10 @@ class DecodeBackend(abc.ABC):
     def pop_counts(self) -> dict:
         return {}
 
+    def decode_rgb(self, data) -> np.ndarray:
+        """The whole image as uint8 HWC RGB (EXIF orientation applied): the reference decode."""
+        return np.asarray(open_rgb(bytes(data)), dtype=np.uint8)
+
     def load_pixels(self, pixels: np.ndarray, transform, rng: np.random.Generator) -> np.ndarray:
         """Decoded HWC uint8 pixels -> the transform's crop, the way backend=pil crops."""
         h, w = pixels.shape[:2]
@@ -109,6 +116,23 @@ class JpegOnlyBackend(DecodeBackend):
             return reference_load(data, transform, rng)
         box, flip = transform.sample(info.width, info.height, rng)
         return self.load_jpeg(data, info, box, flip, transform)
+
+    def decode_rgb(self, data) -> np.ndarray:
+        """Whole-image decode: the subclass's `decode_jpeg_rgb` for the JPEGs it handles,
+        the reference decode (counted) for the rest."""
+        info = jpeg_info(data)
+        reason = fallback_reason(info)
+        if reason is None:
+            try:
+                return self.decode_jpeg_rgb(data)
+            except (ValueError, RuntimeError):
+                reason = "decode_error"
+        self.counts.add(f"decode_fallback_{reason}")
+        return super().decode_rgb(data)
+
+    def decode_jpeg_rgb(self, data) -> np.ndarray:
+        """A JPEG this decoder handles -> uint8 HWC RGB (default: the reference decode)."""
+        return DecodeBackend.decode_rgb(self, data)
 
     @abc.abstractmethod
     def load_jpeg(self, data: bytes, info, box, flip: bool, transform):

@@ -181,6 +181,11 @@ class TurboBackend(JpegOnlyBackend):
             self.counts.add("decode_dct_scaled", int(s > 1))
         return self._resized_crop(pixels, box, transform.size, flip)
 
+    def decode_jpeg_rgb(self, data) -> np.ndarray:
+        return self.simplejpeg.decode_jpeg(
+            bytes(data), colorspace="RGB", fastdct=self.fastdct, fastupsample=self.fastupsample
+        )
+
     def load_pixels(self, pixels: np.ndarray, transform, rng: np.random.Generator) -> np.ndarray:
         """Already-decoded HWC pixels (raw-pixel shards): the same crop, resized this
         backend's way, so storage=shards kind=raw gets the fast resize too."""

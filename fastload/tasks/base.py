@@ -17,6 +17,7 @@ other before anything is built. A `Task`:
                                bytes of one collated image for the reused slots, or None
     check(cfg, train_reader, val_reader)
                                what must agree before training (class counts, ...)
+    epoch_info(reader)         extra entries for every epoch row (e.g. annotations dropped)
     build_model(cfg)           the model of conf/model/<name>.yaml, checked against the task
     step(state, cfg, ctx, amp) -> a `Step`
 
@@ -38,6 +39,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fastload import dist
 from fastload.errors import ConfigError
 
 
@@ -70,6 +72,10 @@ class Task(abc.ABC):
     def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
         """What must agree between the config and the data before training."""
         return None
+
+    def epoch_info(self, reader) -> dict:
+        """Extra entries for the epoch row, from the training split's reader."""
+        return {}
 
     def build_model(self, cfg: DictConfig) -> torch.nn.Module:
         """conf/model/<name>.yaml's model, refused with the fix when it is for another task."""
@@ -113,12 +119,14 @@ def _choice(cfg, group: str) -> str:
 
 
 def build_task(cfg: DictConfig) -> Task:
-    """The dataset yaml's `task:` (classification when it names none)."""
+    """The dataset yaml's `task:`."""
     spec = cfg.dataset.get("task")
     if spec is None:
-        from fastload.tasks.classification import ClassificationTask
-
-        return ClassificationTask()
+        raise ConfigError(
+            f"dataset={dataset_choice(cfg)} names no task: add `task: {{_target_: "
+            f"fastload.tasks.classification.ClassificationTask}}` (or the detection / "
+            f"super_resolution task) to its yaml, as conf/dataset/synthetic.yaml does."
+        )
     return instantiate(spec)
 
 
@@ -128,10 +136,8 @@ class TrainStep(abc.ABC):
     A task's step implements `forward_loss(batch) -> (loss, sums)`."""
 
     def __init__(self, state, cfg: DictConfig, ctx, amp):
-        from fastload.engine import wrap_ddp
-
         self.state, self.amp, self.device = state, amp, ctx.device
-        self.model = wrap_ddp(state.model, cfg, ctx)
+        self.model = dist.wrap_ddp(state.model, cfg, ctx)
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
 
@@ -174,6 +180,4 @@ class SumsEvaluator(Evaluator):
         self.totals += self.sums_of(batch)
 
     def result(self, ctx) -> dict:
-        from fastload import dist
-
         return self.finish(dist.all_reduce(self.totals.tolist(), ctx))
