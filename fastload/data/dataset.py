@@ -5,6 +5,8 @@ What a sample is when it leaves here, and how samples become a batch: fastload/d
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -23,7 +25,15 @@ class ImageDataset(torch.utils.data.Dataset):
     with every sample even when workers persist across epochs (pytorch#62066)."""
 
     def __init__(
-        self, reader, backend, transform, *, seed: int, skip_corrupt=False, normalize=None
+        self,
+        reader,
+        backend,
+        transform,
+        *,
+        seed: int,
+        skip_corrupt=False,
+        normalize=None,
+        item_cost_ms: float = 0.0,
     ):
         self.reader = reader  # a fastload.storage.base.Reader
         self.backend = backend  # a fastload.decode.base.DecodeBackend
@@ -33,6 +43,9 @@ class ImageDataset(torch.utils.data.Dataset):
         # A Normalize when the builder put normalisation in the workers (normalize_on=cpu),
         # else None: the batch stays uint8 and device prep normalises it.
         self.normalize = normalize
+        # Extra CPU work per sample (a busy loop, not a sleep: it holds a core the way a
+        # heavier augmentation would), for worker-scaling experiments (FIELD-NOTES D).
+        self.item_cost_ms = float(item_cost_ms)
 
     def __len__(self) -> int:
         return len(self.reader)
@@ -57,6 +70,8 @@ class ImageDataset(torch.utils.data.Dataset):
                 f"and count such files."
             ) from None
         counts = self.backend.pop_counts()
+        if self.item_cost_ms > 0:
+            busy_wait(self.item_cost_ms / 1000)
         if isinstance(pixels, np.ndarray):
             image = torch.from_numpy(pixels).permute(2, 0, 1)  # CHW view of HWC uint8
             if self.normalize is not None:
@@ -66,6 +81,12 @@ class ImageDataset(torch.utils.data.Dataset):
             # under "encoded" and the backend's device decoder finishes it in device prep.
             image = pixels
         return (image, target, counts) if counts else (image, target)
+
+
+def busy_wait(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class Normalize:

@@ -1,14 +1,17 @@
-"""storage=disk: read each file where it is, through the dataset's layout."""
+"""storage=disk: read each file where it is, through the dataset's layout; storage=slow_disk:
+the same with an emulated slow disk's latency and bandwidth (`ReadThrottle`)."""
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from fastload.data.layouts import as_layout
 from fastload.data.sources import ImageFolderSource
+from fastload.errors import ConfigError
 from fastload.storage.base import Reader, Storage
 
 
@@ -16,9 +19,10 @@ class SourceReader(Reader):
     """`(bytes, target)` for each record of a Source (fastload/data/sources.py), plus its
     boxes and paired image where the source has them; never decodes."""
 
-    def __init__(self, source, cold_cache: bool = False):
+    def __init__(self, source, cold_cache: bool = False, throttle=None):
         self.source = source
         self.cold_cache = bool(cold_cache)
+        self.throttle = throttle  # a ReadThrottle (storage=slow_disk), or None
         self.has_pairs = bool(source.has_pairs)
         self._init_stats()
 
@@ -52,6 +56,8 @@ class SourceReader(Reader):
         t0 = time.perf_counter()
         with open(path, "rb") as f:
             data = f.read()
+        if self.throttle is not None:
+            self.throttle.wait(len(data), t0)
         self._account(len(data), t0)
         return data
 
@@ -67,6 +73,23 @@ class SourceReader(Reader):
         return self._read_file(self.source.pair(i))
 
 
+@dataclass(frozen=True)
+class ReadThrottle:
+    """An emulated slow disk: each file read takes at least `latency_ms` + its size at
+    `mb_per_s` (a seek plus the transfer of a spinning disk), by sleeping out the rest
+    after the real read. Per reading process, like one disk queue per worker: it models
+    the latency and bandwidth one reader sees, not a disk shared by all of them."""
+
+    latency_ms: float
+    mb_per_s: float
+
+    def wait(self, nbytes: int, t0: float) -> None:
+        due = t0 + self.latency_ms / 1000 + nbytes / (self.mb_per_s * 1e6)
+        left = due - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+
 class DiskReader(SourceReader):
     """An ImageFolder split folder read in place."""
 
@@ -77,10 +100,24 @@ class DiskReader(SourceReader):
 class DiskStorage(Storage):
     """The files in place, laid out as the dataset's layout says."""
 
-    def __init__(self, cold_cache: bool = False):
+    def __init__(self, cold_cache: bool = False, latency_ms=None, mb_per_s=None):
         # Evict the split's pages from the page cache before each epoch (measure the disk).
         self.cold_cache = bool(cold_cache)
+        self.throttle = None
+        if latency_ms is not None or mb_per_s is not None:
+            for key, value in (("latency_ms", latency_ms), ("mb_per_s", mb_per_s)):
+                if (
+                    not isinstance(value, (int, float))
+                    or value < 0
+                    or (key == "mb_per_s" and value == 0)
+                ):
+                    raise ConfigError(
+                        f"storage.{key}={value!r}: an emulated slow disk needs both "
+                        f"storage.latency_ms >= 0 and storage.mb_per_s > 0 (or neither)."
+                    )
+            self.throttle = ReadThrottle(float(latency_ms), float(mb_per_s))
 
     def open(self, root, split: str) -> SourceReader:
         """`root`: a layout (fastload/data/layouts.py) or an ImageFolder dataset root."""
-        return SourceReader(as_layout(root).source(split), cold_cache=self.cold_cache)
+        source = as_layout(root).source(split)
+        return SourceReader(source, cold_cache=self.cold_cache, throttle=self.throttle)

@@ -17,6 +17,13 @@ class ClassificationTask(Task):
     metric, metric_label, metric_unit = "val_acc1", "best top-1", " %"
     models = ("resnet18", "resnet50")
 
+    def __init__(self, item_cost_ms: float = 0.0):
+        if not isinstance(item_cost_ms, (int, float)) or item_cost_ms < 0:
+            raise ConfigError(
+                f"dataset.task.item_cost_ms={item_cost_ms!r}: use a number of milliseconds >= 0."
+            )
+        self.item_cost_ms = float(item_cost_ms)
+
     def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
         return ImageDataset(
             reader,
@@ -25,6 +32,7 @@ class ClassificationTask(Task):
             seed=cfg.seed,
             skip_corrupt=cfg.dataset.skip_corrupt,
             normalize=normalize,
+            item_cost_ms=self.item_cost_ms,
         )
 
     def sample_bytes(self, dataset, where: str) -> int | None:

@@ -1,0 +1,185 @@
+"""Compare runs: `python -m fastload.report RUN_DIR... [--out DIR] [--baseline loader=baseline]`.
+
+Each run directory (what train.py writes: metrics.jsonl, summary.json, .hydra/overrides.yaml)
+becomes one run; runs whose overrides differ only in `+repeat=` are repeats of one variant.
+The variant's name is the overrides that differ between the variants (so `loader=bg`, not the
+30 overrides every run shares). Per variant: the median of the runs' training time (every
+epoch's `epoch_time_s`, summed) with its spread (min..max over repeats), that time normalised
+to the baseline variant's median, and the steady-state epoch time, images/s, data-wait share
+and GPU utilisation. Written as report.md (the table), report.json and PNG charts
+(fastload/report/charts.py); the table is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from fastload.errors import FastloadError
+
+REPEAT_KEYS = ("+repeat", "repeat")
+
+
+class ReportError(FastloadError):
+    pass
+
+
+@dataclass
+class Run:
+    path: Path
+    overrides: dict[str, str]
+    epochs: list[dict]
+    summary: dict
+
+    @property
+    def train_s(self) -> float:
+        return sum(float(r["epoch_time_s"]) for r in self.epochs)
+
+    def steady(self, key: str) -> float | None:
+        """The mean over the epochs after the first (start-up), or the only epoch."""
+        rows = self.epochs[1:] or self.epochs
+        vals = [float(r[key]) for r in rows if r.get(key) is not None]
+        return statistics.fmean(vals) if vals else None
+
+
+@dataclass
+class Variant:
+    name: str
+    runs: list[Run] = field(default_factory=list)
+
+    def stat(self, value) -> tuple[float | None, float | None, float | None]:
+        vals = [v for v in (value(r) for r in self.runs) if v is not None]
+        if not vals:
+            return None, None, None
+        return statistics.median(vals), min(vals), max(vals)
+
+
+def read_run(path: Path) -> Run:
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(
+            f"{path} is not a finished run directory (no metrics.jsonl): pass the folders "
+            f"train.py wrote, e.g. outputs/reproduce/<name>/<size>-<time>/<job number>."
+        )
+    epochs = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not epochs:
+        raise ReportError(f"{metrics} holds no epoch: the run stopped before its first epoch.")
+    summary_file = path / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    overrides_file = path / ".hydra" / "overrides.yaml"
+    overrides = {}
+    if overrides_file.is_file():
+        for item in OmegaConf.load(overrides_file) or []:
+            key, _, value = str(item).partition("=")
+            overrides[key] = value
+    return Run(path, overrides, epochs, summary)
+
+
+def group_variants(runs: list[Run]) -> list[Variant]:
+    """Runs -> variants named by the overrides that differ between runs (repeats merged),
+    in the order their first run appears (a sweep's job order)."""
+    keys = sorted({k for r in runs for k in r.overrides if k not in REPEAT_KEYS})
+    varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
+    variants: dict[str, Variant] = {}
+    for run in runs:
+        parts = [f"{k.lstrip('+')}={run.overrides.get(k, '-')}" for k in varying]
+        name = " ".join(parts) or run.path.name
+        variants.setdefault(name, Variant(name)).runs.append(run)
+    return list(variants.values())
+
+
+def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
+    if baseline is None:
+        return variants[0]
+    wanted = set(baseline.split())
+    for v in variants:
+        if wanted <= set(v.name.split()):
+            return v
+    names = ", ".join(v.name for v in variants)
+    raise ReportError(f"--baseline {baseline!r} matches no variant; the variants are: {names}.")
+
+
+def summarize(variants: list[Variant], base: Variant) -> list[dict]:
+    """One row per variant: medians, spreads and the normalised time."""
+    base_s = base.stat(lambda r: r.train_s)[0]
+    rows = []
+    for v in variants:
+        med, lo, hi = v.stat(lambda r: r.train_s)
+        rows.append(
+            {
+                "variant": v.name,
+                "baseline": v is base,
+                "runs": len(v.runs),
+                "train_s": med,
+                "train_s_min": lo,
+                "train_s_max": hi,
+                "normalized": med / base_s if base_s else None,
+                "normalized_min": lo / base_s if base_s else None,
+                "normalized_max": hi / base_s if base_s else None,
+                "epoch_time_s": v.stat(lambda r: r.steady("epoch_time_s"))[0],
+                "images_per_s": v.stat(lambda r: r.steady("images_per_s"))[0],
+                "data_wait_share": v.stat(lambda r: r.steady("data_wait_share"))[0],
+                "gpu_util_mean": v.stat(lambda r: r.steady("gpu_util_mean"))[0],
+                "metric": _metric(v),
+            }
+        )
+    return rows
+
+
+def _metric(v: Variant) -> dict | None:
+    """The task's final validation metric (median over repeats), e.g. val_acc1."""
+    name = next((r.summary.get("metric") for r in v.runs if r.summary.get("metric")), None)
+    if name is None:
+        return None
+    value = v.stat(lambda r: r.epochs[-1].get(name))[0]
+    return {"name": name, "value": value}
+
+
+def _fmt(x, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x * scale:{spec}}{unit}"
+
+
+def markdown_table(rows: list[dict], title: str = "") -> str:
+    head = (
+        "| variant | runs | train time (median, min–max) | vs baseline | epoch time | "
+        "images/s | data wait | GPU util | metric |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    )
+    lines = [f"### {title}\n" if title else "", head]
+    for r in rows:
+        name = f"**{r['variant']}** (baseline)" if r["baseline"] else r["variant"]
+        spread = f"{_fmt(r['train_s'], '.1f')} s ({_fmt(r['train_s_min'], '.1f')}–" \
+                 f"{_fmt(r['train_s_max'], '.1f')})"  # fmt: skip
+        m = r["metric"]
+        metric = "n/a" if not m or m["value"] is None else f"{m['name']} {m['value']:.3g}"
+        lines.append(
+            f"| {name} | {r['runs']} | {spread} | {_fmt(r['normalized'], '.2f')}× | "
+            f"{_fmt(r['epoch_time_s'], '.2f', unit=' s')} | {_fmt(r['images_per_s'], ',.0f')} | "
+            f"{_fmt(r['data_wait_share'], '.1f', 100, ' %')} | "
+            f"{_fmt(r['gpu_util_mean'], '.0f', unit=' %')} | {metric} |"
+        )
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def build_report(run_dirs, out: Path, baseline: str | None = None, title: str = "") -> dict:
+    """Read the runs, write report.md / report.json / the charts into `out`; the table."""
+    from fastload.report.charts import write_charts
+
+    runs = [read_run(Path(p)) for p in run_dirs]
+    if not runs:
+        raise ReportError("no run directories given.")
+    variants = group_variants(runs)
+    rows = summarize(variants, pick_baseline(variants, baseline))
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, title)
+    charts = write_charts(rows, out, title or "experiment")
+    md = table + "\n" + "".join(f"![{c.stem}]({c.name})\n" for c in charts)
+    (out / "report.md").write_text(md)
+    report = {"title": title, "rows": rows, "charts": [c.name for c in charts],
+              "runs": [str(r.path) for r in runs]}  # fmt: skip
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return {"table": table, **report}

@@ -1,0 +1,142 @@
+"""scripts/reproduce/<name>.sh and `python -m fastload.report`: every experiment's variants
+compose, the report's numbers come from the run directories, and the scripts run end to end
+at SIZE=tiny (one of them in the default suite, every one with -m slow)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import CONF, REPO, compose_config
+from omegaconf import OmegaConf
+
+from fastload.report import build_report
+from fastload.report.__main__ import main as report_main
+
+SCRIPTS = REPO / "scripts" / "reproduce"
+EXPERIMENTS = sorted(p.stem for p in SCRIPTS.glob("*.sh") if not p.stem.startswith("_"))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_run(root: Path, job: int, overrides: list[str], epoch_times, metric=50.0) -> Path:
+    d = root / str(job)
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    rows = [
+        {
+            "epoch": i,
+            "epoch_time_s": t,
+            "images_per_s": 100 / t,
+            "data_wait_share": 0.1 * t,
+            "gpu_util_mean": None,
+            "val_acc1": metric,
+        }  # fmt: skip
+        for i, t in enumerate(epoch_times)
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "summary.json").write_text(json.dumps({"metric": "val_acc1"}))
+    return d
+
+
+def test_report_normalises_medians_to_the_baseline_and_keeps_the_spread(tmp_path):
+    runs = []
+    # baseline: 3 repeats of 2 epochs -> training time 10, 12, 20 s; median 12
+    for job, (a, b) in enumerate([(5, 5), (6, 6), (10, 10)]):
+        runs.append(fake_run(tmp_path, job, ["loader=baseline", f"+repeat={job}", "x=1"], [a, b]))
+    for job, (a, b) in enumerate([(3, 3), (4, 5), (2, 4)], start=3):
+        runs.append(fake_run(tmp_path, job, ["loader=bg", f"+repeat={job - 3}", "x=1"], [a, b]))
+    report = build_report(runs, tmp_path / "report", baseline="loader=baseline", title="t")
+    base, bg = report["rows"]
+    assert base["variant"] == "loader=baseline" and base["baseline"] and base["runs"] == 3
+    assert base["train_s"] == 12 and base["normalized"] == 1.0
+    assert (bg["train_s"], bg["train_s_min"], bg["train_s_max"]) == (6, 6, 9)
+    assert bg["normalized"] == pytest.approx(0.5) and bg["normalized_max"] == pytest.approx(0.75)
+    assert bg["epoch_time_s"] == 4  # steady epochs only (the second): median of 3, 5, 4
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "**loader=baseline** (baseline)" in table and "0.50×" in table
+    for png in ("normalized_time.png", "per_variant.png"):
+        data = (tmp_path / "report" / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000, png
+        assert f"({png})" in table
+
+
+def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    assert report_main([str(empty)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    run = fake_run(tmp_path, 0, ["loader=bg"], [1.0])
+    assert report_main([str(run), "--baseline", "loader=prefetch"]) == 2
+    err = capsys.readouterr().err
+    assert "matches no variant" in err and "loader=bg" in err or str(run.name) in err
+
+
+def sweep_points(name: str) -> list[list[str]]:
+    """Every job's overrides of experiment NAME's sweep (its hydra.sweeper.params)."""
+    exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")
+    params = exp.hydra.sweeper.params
+    axes = [[f"{k}={v.strip()}" for v in str(params[k]).split(",")] for k in params]
+    return [list(p) for p in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_variant_of_every_experiment_composes(name, tmp_path):
+    assert (CONF / "experiment" / f"{name}.yaml").is_file(), f"{name}.sh has no experiment yaml"
+    points = sweep_points(name)
+    assert len(points) >= 2, "an experiment compares at least two variants"
+    for point in points:
+        cfg = compose_config([f"experiment={name}", *point], tmp_path)
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+
+
+def test_scripts_refuse_a_missing_or_unknown_size():
+    for args in ([], ["huge"]):
+        out = subprocess.run(["bash", str(SCRIPTS / "storage.sh"), *args], capture_output=True,
+                             text=True)  # fmt: skip
+        assert out.returncode == 2 and "usage:" in out.stderr and "tiny|small|full" in out.stderr
+    out = subprocess.run(["bash", str(SCRIPTS / "storage.sh"), "full"], capture_output=True,
+                         text=True, env={k: v for k, v in os.environ.items() if k != "DATA"})  # fmt: skip
+    assert out.returncode != 0 and "DATA=" in out.stderr
+
+
+def run_script(name: str, tmp_path: Path) -> Path:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "FASTLOAD_CACHE": str(tmp_path / "cache"),
+        "FASTLOAD_REPRODUCE_DIR": str(tmp_path / "out"),
+        "WANDB_SILENT": "true",
+    }
+    out = subprocess.run(["bash", str(SCRIPTS / f"{name}.sh"), "tiny"], capture_output=True,
+                         text=True, env=env, timeout=900, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (sweep,) = (tmp_path / "out" / name).iterdir()
+    report = json.loads((sweep / "report" / "report.json").read_text())
+    jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
+    assert len(report["rows"]) == len(sweep_points(name)) and len(jobs) >= len(report["rows"])
+    assert sum(r["baseline"] for r in report["rows"]) == 1
+    for row in report["rows"]:
+        assert row["train_s"] > 0 and row["normalized"] > 0, row
+    for png in report["charts"]:
+        assert (sweep / "report" / png).read_bytes().startswith(PNG_MAGIC)
+    # the W&B runs of one experiment share a group and tags
+    cfg = OmegaConf.load(jobs[0] / ".hydra" / "config.yaml")
+    assert cfg.logger.group.startswith(f"{name}-tiny-") and name in cfg.logger.tags
+    assert "| variant |" in out.stdout  # the table is printed
+    return sweep
+
+
+def test_combined_tiny_runs_end_to_end(tmp_path):
+    run_script("combined", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n != "combined"])
+def test_every_experiment_runs_at_tiny_size(name, tmp_path):
+    run_script(name, tmp_path)
