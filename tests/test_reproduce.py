@@ -140,3 +140,52 @@ def test_combined_tiny_runs_end_to_end(tmp_path):
 @pytest.mark.parametrize("name", [n for n in EXPERIMENTS if n != "combined"])
 def test_every_experiment_runs_at_tiny_size(name, tmp_path):
     run_script(name, tmp_path)
+
+
+def test_slow_disk_emulation_really_slows_each_read(tiny_folder, tmp_path):
+    """storage=slow_disk: every read takes at least the latency + size / bandwidth (a lower
+    bound that sleeping guarantees, not a speed target), and it is accounted as read time."""
+    from fastload.pipeline import build_layout, build_storage
+
+    cfg = compose_config(["storage=slow_disk", f"dataset.root={tiny_folder}",
+                          "storage.latency_ms=30", "storage.mb_per_s=1"], tmp_path)  # fmt: skip
+    reader = build_storage(cfg).open(build_layout(cfg), "train")
+    nbytes = len(reader.read(0)[0]) + len(reader.read(1)[0])
+    stats = reader.epoch_stats()
+    floor = 2 * 0.030 + nbytes / 1e6  # two reads: latency each, then the bytes at 1 MB/s
+    assert stats["read_s"] >= floor * 0.99, stats
+    fast = build_storage(compose_config([f"dataset.root={tiny_folder}"], tmp_path))
+    fast_reader = fast.open(build_layout(cfg), "train")
+    fast_reader.read(0)
+    assert fast_reader.epoch_stats()["read_s"] < 0.030  # the plain disk is not throttled
+
+
+@pytest.mark.parametrize("bad", [["storage.latency_ms=5"], ["storage.latency_ms=5",
+                                 "storage.mb_per_s=0"]])  # fmt: skip
+def test_slow_disk_needs_both_numbers(bad, tiny_folder, tmp_path):
+    from fastload.errors import ConfigError
+    from fastload.pipeline import build_storage
+
+    cfg = compose_config(["storage=disk", "storage.mb_per_s=null", *bad], tmp_path)
+    with pytest.raises(Exception) as info:
+        build_storage(cfg)
+    from fastload.errors import user_error
+
+    err = user_error(info.value)
+    assert isinstance(err, ConfigError) and "storage.mb_per_s" in err.user_message
+
+
+def test_item_cost_adds_cpu_work_per_sample(tiny_folder, tmp_path):
+    import time
+
+    from fastload.pipeline import build_backend, build_layout, build_storage
+    from fastload.tasks.base import build_task
+
+    cfg = compose_config([f"dataset.root={tiny_folder}", "dataset.num_classes=3",
+                          "dataset.task.item_cost_ms=40"], tmp_path)  # fmt: skip
+    reader = build_storage(cfg).open(build_layout(cfg), "train")
+    ds = build_task(cfg).dataset(cfg, "train", reader, build_backend(cfg))
+    assert ds.item_cost_ms == 40
+    cpu0 = time.process_time()
+    ds[(0, 0)]
+    assert time.process_time() - cpu0 >= 0.035  # CPU time, not a sleep

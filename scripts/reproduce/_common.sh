@@ -36,19 +36,25 @@ synthetic_size() {  # SIZE -> overrides
     esac
 }
 
-# run_experiment NAME BASELINE [OVERRIDE...]: the multirun, then the report; prints where.
+# sweep NAME SWEEP_DIR [OVERRIDE...]: the multirun of conf/experiment/NAME.yaml with the
+# repeats, every run in one W&B group ($GROUP) with the experiment's tags.
+sweep() {
+    local name=$1 dir=$2
+    shift 2
+    "${SWEEP_PYTHON:-$PYTHON}" "$REPO/train.py" -m "experiment=$name" \
+        "+repeat=$(seq -s, 0 $((REPEATS - 1)))" "hydra.sweep.dir=$dir" "logger.group=$GROUP" \
+        "logger.tags=[reproduce,$name,$SIZE]" trainer.progress=false trainer.checkpoint_every=0 "$@"
+}
+
+# run_experiment NAME BASELINE [OVERRIDE...]: the multirun into $OUT, then the report.
 run_experiment() {
     local name=$1 baseline=$2
     shift 2
-    local stamp repeats out
-    stamp=$(date +%Y-%m-%d_%H-%M-%S)
-    repeats=$(seq -s, 0 $((REPEATS - 1)))
-    out=${FASTLOAD_REPRODUCE_DIR:-$REPO/outputs/reproduce}/$name/$SIZE-$stamp
-    echo "== $name ($SIZE): $REPEATS repeat(s) per variant -> $out"
-    "$PYTHON" "$REPO/train.py" -m "experiment=$name" "+repeat=$repeats" \
-        "hydra.sweep.dir=$out" "logger.group=$name-$SIZE-$stamp" \
-        "logger.tags=[reproduce,$name,$SIZE]" trainer.progress=false trainer.checkpoint_every=0 "$@"
-    report "$name" "$baseline" "$out"
+    GROUP=$name-$SIZE-$(date +%Y-%m-%d_%H-%M-%S)
+    OUT=${FASTLOAD_REPRODUCE_DIR:-$REPO/outputs/reproduce}/$name/${GROUP#"$name"-}
+    echo "== $name ($SIZE): $REPEATS repeat(s) per variant -> $OUT"
+    sweep "$name" "$OUT" "$@"
+    report "$name" "$baseline" "$OUT"
 }
 
 report() {  # NAME BASELINE OUT [EXTRA RUN DIRS...]
