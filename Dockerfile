@@ -16,9 +16,11 @@
 #     torchrun --nproc_per_node=8 train.py model=resnet50
 #
 # Paths: runs are written to /app/outputs (output_root), the synthetic dataset is generated
-# under /cache (FASTLOAD_CACHE); mount both to keep them. The image runs as root so that any
-# mounted folder is writable; to run as yourself add `--user "$(id -u):$(id -g)" -e HOME=/tmp`
-# (/cache and /app/outputs are world-writable). W&B is offline by default (files in the run
+# under /cache (FASTLOAD_CACHE); mount both to keep them. The entrypoint (docker/entrypoint.sh)
+# never trains as root: it runs the command as the owner of the mounted /app/outputs (you, so
+# the files are yours), else as the image's `fastload` user (uid 1000); `--user` is kept. With
+# more than one GPU visible, `python train.py ...` starts one process per GPU through torchrun
+# (FASTLOAD_NPROC=1 for a single one). W&B is offline by default (files in the run
 # directory); pass -e WANDB_API_KEY=... and logger.mode=online to stream.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
@@ -98,7 +100,9 @@ RUN mkdir -p fastload \
 #    folder is not on sys.path), so it sees what an import from elsewhere sees.
 COPY . .
 RUN pip install --no-deps -e . \
+    && install -m 0755 docker/entrypoint.sh /usr/local/bin/fastload-entrypoint \
     && rm -rf build ./*.egg-info docker \
+    && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin fastload \
     && mkdir -p /cache /app/outputs \
     && chmod 1777 /cache /app/outputs \
     && python -I -c "import fastload, fastload.models, torch, torchvision, hydra; \
@@ -108,4 +112,5 @@ assert str(conf_dir()) == '/app/conf', conf_dir()"
 
 ENV FASTLOAD_CACHE=/cache
 
+ENTRYPOINT ["/usr/local/bin/fastload-entrypoint"]
 CMD ["python", "train.py"]

@@ -28,6 +28,7 @@ test-all: setup              ## everything this machine can run, slow tests incl
 lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint Dockerfile
 
 format: setup
 	$(VENV)/bin/ruff format .

