@@ -429,3 +429,20 @@ def test_entrypoint_starts_one_process_per_visible_gpu(tmp_path):
         assert "torchrun" not in out.stdout, extra
     out = run_entrypoint(tmp_path, "python", "train.py", env={**env, "FASTLOAD_NPROC": "two"})
     assert out.returncode == 2 and "FASTLOAD_NPROC=two" in out.stderr
+
+
+@pytest.mark.docker
+def test_image_trains_as_the_owner_of_the_mounted_outputs(image, tmp_path):
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    os.chown(outputs, 1234, 1234)  # the host user's folder, mounted as the run outputs
+    out = docker(
+        "run", "--rm", "--shm-size=1g", "-v", f"{outputs}:/app/outputs", image,
+        "sh", "-c", "id -u && python train.py debug=fast trainer.epochs=1 trainer.max_steps_per_epoch=2",
+        timeout=1200,
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert out.stdout.split()[0] == "1234"  # not root
+    written = [p for p in outputs.rglob("*") if p.is_file()]
+    assert any(p.name == "summary.json" for p in written), written[:10]
+    assert {p.stat().st_uid for p in written} == {1234}  # every file is the user's
