@@ -12,8 +12,7 @@ from omegaconf import OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload.config import run_id
-from fastload.dist import DistContext
-from fastload.dist import wrap_ddp
+from fastload.dist import DistContext, wrap_ddp
 from fastload.engine import GracefulStop, amp_dtype
 from fastload.errors import CheckpointError, ConfigError
 from fastload.optim import apex_fused_sgd, param_groups, warmup_cosine
