@@ -99,12 +99,7 @@ class PairDataset(torch.utils.data.Dataset):
         return len(self.reader) * self.repeat
 
     def where(self, i: int, lr: bool = False) -> str:
-        if not lr:
-            return self.reader.describe(i)
-        describe_pair = getattr(self.reader, "describe_pair", None)
-        if describe_pair is not None:
-            return describe_pair(i)
-        return f"the LR record paired with {self.reader.describe(i)}"
+        return self.reader.describe_pair(i) if lr else self.reader.describe(i)
 
     def decode(self, data, i: int, lr: bool = False) -> np.ndarray:
         if rawimage.is_raw(data):

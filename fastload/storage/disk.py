@@ -66,6 +66,9 @@ class SourceReader(Reader):
             return super().read_pair(i)
         return self._read_file(self.source.pair(i))
 
+    def describe_pair(self, i: int) -> str:
+        return self.source.pair(i) or super().describe_pair(i)
+
 
 class DiskReader(SourceReader):
     """An ImageFolder split folder read in place."""
