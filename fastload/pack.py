@@ -1,7 +1,8 @@
 """Pack an ImageFolder, COCO or DIV2K dataset into LMDB or memory-mapped shards.
 
-    python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q]
-    python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S]
+    python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q | --kind raw --size S|full]
+                                           [--compression lz4]
+    python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S|full]
     python -m fastload.pack {lmdb,shards} DST --source coco \
         --annotations instances_train2017.json --images DIR      # -> DST/train2017/
     python -m fastload.pack {lmdb,shards} DST --source div2k \
@@ -53,19 +54,12 @@ def split_dirs(src: Path) -> list[Path]:
 
 def make_storage(args):
     """The store whose writer packs: the same object storage=lmdb|shards builds."""
+    common = dict(kind=args.kind, max_side=args.max_side, quality=args.quality, size=args.size)
     if args.format == "lmdb":
-        if args.kind != "jpeg":
-            raise StorageError(
-                "LMDB packs hold encoded images; raw pixels: use `fastload.pack shards --kind raw`."
-            )
-        return LmdbStorage(max_side=args.max_side, quality=args.quality)
-    return ShardStorage(
-        kind=args.kind,
-        max_side=args.max_side,
-        quality=args.quality,
-        size=args.size,
-        shard_mb=args.shard_mb,
-    )
+        return LmdbStorage(**common, compression=args.compression)
+    if args.compression:
+        raise StorageError("--compression is an LMDB option (shards stay uncompressed).")
+    return ShardStorage(**common, shard_mb=args.shard_mb)
 
 
 def pack_one(args, src_dir, out, source=None) -> None:
@@ -149,6 +143,13 @@ def verify(root: Path) -> int:
     return 1 if damaged else 0
 
 
+def pixel_size(text: str) -> int | None:
+    """--size N, or `full` (also null, none, 0): keep the full resolution."""
+    if text.lower() in ("full", "null", "none", "0"):
+        return None
+    return int(text)
+
+
 def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m fastload.pack",
@@ -172,7 +173,13 @@ def parse(argv):
     p.add_argument("--kind", choices=["jpeg", "raw"], default="jpeg")
     p.add_argument("--max-side", type=int, default=None, help="re-encode JPEGs to this longer side")
     p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--size", type=int, default=256, help="raw: longer side of the stored pixels")
+    p.add_argument(
+        "--size",
+        type=pixel_size,
+        default=256,
+        help="raw: longer side of the stored pixels; full: as they are (super-resolution)",
+    )
+    p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
     p.add_argument("--shard-mb", type=int, default=1024)
     p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
     p.add_argument(

@@ -10,7 +10,8 @@ Two objects per storage option (one module + one yaml each):
 * a `Reader`, one per split, handed to the dataset and pickled into every DataLoader worker:
     `len()`, `read(i)` -> (bytes, int target), `describe(i)` (where sample i lives, for
     errors), `classes`, `targets`, and for cold-cache runs `store_files()` / `store_root()`.
-    Optional: `boxes(i)` (detection targets) and `read_pair(i)` (super-resolution pairs).
+    Optional: `boxes(i)` (detection targets) and `read_pair(i)` / `describe_pair(i)`
+    (super-resolution pairs).
 
 Read accounting (`Reader`): each process (main = slot 0, worker k = slot k + 1) adds its own
 bytes and seconds to its own row of a small shared-memory tensor, so no lock is needed and
@@ -105,6 +106,10 @@ class Reader(abc.ABC):
     def read_pair(self, i: int) -> bytes:
         """The paired record of sample i (DIV2K: the LR image)."""
         raise StorageError(f"{type(self).__name__} holds no pairs ({self.store_root()}).")
+
+    def describe_pair(self, i: int) -> str:
+        """Where sample i's paired record lives, for error messages."""
+        return f"the paired record of {self.describe(i)}"
 
     # -- accounting ----------------------------------------------------------------------
 

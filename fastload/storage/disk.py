@@ -72,6 +72,9 @@ class SourceReader(Reader):
             return super().read_pair(i)
         return self._read_file(self.source.pair(i))
 
+    def describe_pair(self, i: int) -> str:
+        return self.source.pair(i) or super().describe_pair(i)
+
 
 @dataclass(frozen=True)
 class ReadThrottle:

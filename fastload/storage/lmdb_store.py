@@ -2,12 +2,15 @@
 
 Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
 
-    b"%010d" % i   -> header (<q target, <I crc32 of the image bytes) + encoded image bytes
+    b"%010d" % i   -> header (<q target, <I crc32 of the image bytes) + the image bytes
+                      (encoded, or a raw pixel record: kind=raw, fastload/data/rawimage.py)
     b"%010d.boxes" -> (sources with boxes: COCO) <I crc32 of the rest | <I n | n x 4 float32
                       boxes x, y, w, h (pixels of the stored image) | n int64 category ids
     b"%010d.pair"  -> (paired sources: DIV2K LR) <I crc32 | the paired image's bytes
     b"__meta__"    -> JSON: format, version, count, classes, params, checksum (crc32 of all
                       image bytes in index order), source
+    (compression lz4, storage.compression: the image and pair bytes are an lz4 block each,
+    the crc32s are those of the decompressed bytes; meta says "compression")
     b"__targets__" -> the int64 targets, raw little-endian (so opening needs no full scan)
     b"__paths__"   -> the source path of each record, newline-separated (errors only)
 
@@ -32,7 +35,7 @@ import numpy as np
 
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
-from fastload.storage.packing import PackedStorage
+from fastload.storage.packing import KINDS, PackedStorage
 
 log = logging.getLogger("fastload")
 
@@ -85,6 +88,28 @@ def key(i: int) -> bytes:
     return b"%010d" % i
 
 
+COMPRESSIONS = (None, "lz4")
+
+
+def compress(data: bytes, compression: str | None) -> bytes:
+    """A value's stored bytes: lz4 block (its size in front) or the bytes as they are."""
+    if compression is None:
+        return data
+    import lz4.block
+
+    return lz4.block.compress(data, store_size=True)
+
+
+def decompress(value, compression: str | None):
+    """The record bytes of a stored value (a pack's meta["compression"]); a damaged lz4
+    block raises StorageError from the caller's describe()."""
+    if compression is None:
+        return value
+    import lz4.block
+
+    return lz4.block.decompress(value)
+
+
 CRC, COUNT = struct.Struct("<I"), struct.Struct("<I")
 
 
@@ -112,8 +137,14 @@ class LmdbWriter:
     """Writes records in transactions of `batch` records; on MapFullError the transaction is
     aborted, the map doubled, and the same records written again."""
 
-    def __init__(self, out_dir, initial_map_size: int = 64 << 20, batch: int = 256):
+    def __init__(
+        self, out_dir, initial_map_size: int = 64 << 20, batch: int = 256, compression=None
+    ):
         lmdb = _lmdb()
+        # lz4: each value compressed (the crc32s stay those of the record bytes, so reads
+        # and `verify` check what the decoder gets); the SR recipe's LMDB of pixel arrays.
+        self.compression = compression
+        self.record_bytes = self.stored_bytes = 0
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.map_size = int(initial_map_size)
@@ -149,13 +180,18 @@ class LmdbWriter:
     ) -> None:
         """One record (sizes are not stored: LMDB values are decoded like files)."""
         i = len(self.targets)
-        self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + data))
+        stored = compress(data, self.compression)
+        self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + stored))
+        self.record_bytes += len(data) + (len(pair) if pair is not None else 0)
+        self.stored_bytes += len(stored)
         if boxes is not None:
             self.has_boxes = True
             self.pending.append((key(i) + b".boxes", encode_boxes(boxes, labels)))
         if pair is not None:
             self.has_pairs = True
-            self.pending.append((key(i) + b".pair", CRC.pack(zlib.crc32(pair)) + pair))
+            stored_pair = compress(pair, self.compression)
+            self.stored_bytes += len(stored_pair)
+            self.pending.append((key(i) + b".pair", CRC.pack(zlib.crc32(pair)) + stored_pair))
         self.targets.append(int(target))
         self.paths.append(path)
         self.crc = zlib.crc32(data, self.crc)
@@ -195,6 +231,9 @@ class LmdbWriter:
             "map_growths": self.growths,
             "boxes": self.has_boxes,
             "pairs": self.has_pairs,
+            "compression": self.compression,
+            "record_bytes": self.record_bytes,  # before compression (images and pairs)
+            "stored_bytes": self.stored_bytes,  # as stored
         }
         # Metadata last: an environment without it is not a complete pack.
         self._put_all(
@@ -231,6 +270,7 @@ class LmdbReader(PackedReader):
         if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
             raise StorageError(f"{self.dir} is not a {FORMAT} v{VERSION} pack; re-pack it.")
         self._targets = np.frombuffer(txn.get(TARGETS_KEY), "<i8").astype(np.int64)
+        self.compression = self.meta.get("compression")
         self._init_stats()
 
     def _begin(self):
@@ -252,12 +292,21 @@ class LmdbReader(PackedReader):
             raise StorageError(f"{self.describe(i)} is missing from the LMDB pack; re-pack it.")
         self._account(len(value), t0)
         target, crc = HEADER.unpack_from(value)
-        data = value[HEADER.size :]
+        data = self._unpack(value[HEADER.size :], i)
         if self.verify and zlib.crc32(data) != crc:
             raise StorageError(
                 f"corrupt record: {self.describe(i)} fails its crc32 check; re-pack."
             )
         return data, target
+
+    def _unpack(self, stored, i: int, what: str = "record"):
+        try:
+            return decompress(stored, self.compression)
+        except Exception as exc:  # lz4's error on a damaged block
+            raise StorageError(
+                f"corrupt {what}: {self.describe(i)} is not a valid {self.compression} block "
+                f"({exc}); re-pack."
+            ) from None
 
     def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Record i's boxes (n, 4) float32 x, y, w, h and category ids (n,) int64; n = 0
@@ -283,7 +332,7 @@ class LmdbReader(PackedReader):
                 f"(python -m fastload.pack lmdb DST --source div2k --hr .. --lr .. --scale S)."
             )
         (crc,) = CRC.unpack_from(value)
-        data = value[CRC.size :]
+        data = self._unpack(value[CRC.size :], i, "paired record")
         if self.verify and zlib.crc32(data) != crc:
             raise StorageError(f"corrupt paired record of {self.describe(i)}; re-pack.")
         return data
@@ -309,42 +358,71 @@ class LmdbStorage(PackedStorage):
         auto_pack=True,
         cold_cache=False,
         initial_map_size: int = 64 << 20,
+        kind: str = "jpeg",
+        size: int | None = None,
+        compression: str | None = None,
     ):
         super().__init__(path=path, verify=verify, auto_pack=auto_pack, cold_cache=cold_cache)
+        if kind not in KINDS or compression not in COMPRESSIONS:
+            raise StorageError(
+                f"storage.kind={kind!r}, storage.compression={compression!r}: use kind "
+                f"{' or '.join(KINDS)} and compression null or lz4."
+            )
         self.max_side, self.quality = max_side, int(quality)
+        self.kind, self.size, self.compression = kind, size, compression
         self.initial_map_size = int(initial_map_size)
 
     def default_path(self, root) -> str:
-        tag = f"{self.max_side}px-q{self.quality}" if self.max_side else "orig"
-        return f"{str(root).rstrip('/')}.packs/lmdb-{tag}"
+        if self.kind == "raw":
+            tag = f"raw-{self.size}px" if self.size else "raw-full"
+        else:
+            tag = f"{self.max_side}px-q{self.quality}" if self.max_side else "orig"
+        lz = f"-{self.compression}" if self.compression else ""
+        return f"{str(root).rstrip('/')}.packs/lmdb-{tag}{lz}"
 
     def writer(self, folder: Path) -> LmdbWriter:
-        return LmdbWriter(folder, initial_map_size=self.initial_map_size)
+        return LmdbWriter(
+            folder, initial_map_size=self.initial_map_size, compression=self.compression
+        )
 
     def reader(self, split_dir: Path) -> LmdbReader:
         return LmdbReader(split_dir, verify=self.verify, cold_cache=self.cold_cache)
 
     def pack_options(self) -> dict:
-        return {"kind": "jpeg", "max_side": self.max_side, "quality": self.quality}
+        opts = {"kind": self.kind, "quality": self.quality, "compression": self.compression}
+        if self.kind == "raw":
+            return {**opts, "size": self.size}
+        return {**opts, "max_side": self.max_side}
 
     def cli_options(self) -> list[str]:
-        return (
-            ["--max-side", str(self.max_side), "--quality", str(self.quality)]
-            if self.max_side
-            else []
-        )
+        opts = ["--compression", self.compression] if self.compression else []
+        if self.kind == "raw":
+            return ["--kind", "raw", "--size", str(self.size or "full"), *opts]
+        if self.max_side:
+            opts += ["--max-side", str(self.max_side), "--quality", str(self.quality)]
+        return opts
 
 
-def _check_record(txn, i: int, targets) -> tuple[bytes | None, list[str]]:
+def _unpacked(stored, compression) -> bytes | None:
+    """`decompress`, None for a block that does not decompress (verify reports it)."""
+    try:
+        return decompress(stored, compression)
+    except Exception:  # lz4's error on a damaged block
+        return None
+
+
+def _check_record(txn, i: int, targets, compression=None) -> tuple[bytes | None, list[str]]:
     """Record i's image bytes (None when missing) and what is wrong with it, its boxes or its
-    paired record (each with its own crc32)."""
+    paired record (each with its own crc32, over the decompressed bytes)."""
     value = txn.get(key(i))
     if value is None:
         return None, ["missing"]
     bad = []
     target, crc = HEADER.unpack_from(value)
-    data = value[HEADER.size :]
-    if zlib.crc32(data) != crc:
+    data = _unpacked(value[HEADER.size :], compression)
+    if data is None:
+        bad.append(f"not a valid {compression} block")
+    elif zlib.crc32(data) != crc:
         bad.append("crc32")
     if targets is not None and i < len(targets) and targets[i] != target:
         bad.append(f"target {target} vs {int(targets[i])} in {TARGETS_KEY.decode()}")
@@ -359,12 +437,13 @@ def _check_record(txn, i: int, targets) -> tuple[bytes | None, list[str]]:
     return data, bad
 
 
-def _check_pair(txn, i: int) -> list[str]:
+def _check_pair(txn, i: int, compression=None) -> list[str]:
     value = txn.get(key(i) + b".pair")
     if value is None:
         return ["paired record missing"]
     (crc,) = CRC.unpack_from(value)
-    return [] if zlib.crc32(value[CRC.size :]) == crc else ["paired record crc32"]
+    data = _unpacked(value[CRC.size :], compression)
+    return [] if data is not None and zlib.crc32(data) == crc else ["paired record crc32"]
 
 
 def _read_meta(txn, split_dir: Path) -> tuple[dict | None, list[str]]:
@@ -408,11 +487,11 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
         paths = (txn.get(PATHS_KEY) or b"").decode().split("\n")
         crc, bad = 0, []
         for i in range(count):
-            data, wrong = _check_record(txn, i, targets)
+            data, wrong = _check_record(txn, i, targets, meta.get("compression"))
             if data is not None:
                 crc = zlib.crc32(data, crc)
             if meta.get("pairs"):
-                wrong += _check_pair(txn, i)
+                wrong += _check_pair(txn, i, meta.get("compression"))
             if wrong:
                 src = f", {paths[i]}" if i < len(paths) and paths[i] else ""
                 bad.append(f"key {key(i).decode()} ({'; '.join(wrong)}{src})")

@@ -7,7 +7,11 @@ Record kinds:
   jpeg, no max_side: the source files' bytes unchanged (bit-identical to storage=disk);
   jpeg, max_side N:  re-encoded JPEG with the longer side at most N (smaller JPEGs are kept
                      as they are), quality Q, 4:2:0: "store less data";
-  raw, size S:       decoded RGB pixels, longer side S (aspect kept), no decode at training.
+  raw, size S:       decoded RGB pixels, longer side S (aspect kept), no decode at training;
+  raw, size null:    decoded RGB pixels at full resolution (super-resolution pairs).
+Paired sources (DIV2K LR): the LR image is resized to max_side / scale or size / scale, so
+the pair keeps its scale (to the rounding of a side); raw size null keeps both exact. LMDB can lz4-compress its values (`compression`,
+a store option recorded with the others, so a pack made without it is not reused).
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ class PackWriter(Protocol):
     def close(self, *, classes, params: dict, source: str = "") -> dict: ...
 
 
-def _resized(img: Image.Image, max_side: int) -> Image.Image:
+def _resized(img: Image.Image, max_side: int | None) -> Image.Image:
     w, h = img.size
-    if max(w, h) <= max_side:
+    if not max_side or max(w, h) <= max_side:
         return img
     s = max_side / max(w, h)
     size = (max(1, round(w * s)), max(1, round(h * s)))
@@ -151,16 +155,21 @@ def _records(tasks, workers: int):
         yield from pool.imap(make_item, tasks, chunksize=16)
 
 
-def record_options(kind: str, max_side=None, quality: int = 90, size: int = 256) -> dict:
-    """The options that decide a pack's records (only those that apply to its kind)."""
+def record_options(
+    kind: str, max_side=None, quality: int = 90, size: int | None = 256, compression=None
+) -> dict:
+    """The options that decide a pack's records (only those that apply to its kind);
+    `compression` only when set, so packs made before it existed still match."""
     if kind == "raw":
-        return {"kind": "raw", "size": size}
-    return {"kind": kind, "max_side": max_side, "quality": quality if max_side else None}
+        opts = {"kind": "raw", "size": size}
+    else:
+        opts = {"kind": kind, "max_side": max_side, "quality": quality if max_side else None}
+    return {**opts, "compression": compression} if compression else opts
 
 
-def pack_params(source, kind: str, max_side, quality: int, size: int) -> dict:
+def pack_params(source, kind: str, max_side, quality: int, size, compression=None) -> dict:
     """What a pack records of how it was made (meta["params"])."""
-    params = record_options(kind, max_side, quality, size)
+    params = record_options(kind, max_side, quality, size, compression)
     params["source"] = source.kind
     if hasattr(source, "category_ids"):
         params["category_ids"] = source.category_ids.tolist()  # labels are these ids
@@ -171,11 +180,14 @@ def pack_params(source, kind: str, max_side, quality: int, size: int) -> dict:
 
 def _tasks(records, source, kind, max_side, quality, size) -> list:
     scale = getattr(source, "scale", None) or 1
-    pair_side = max_side and max(1, max_side // scale)  # pairs keep the HR/LR ratio
+    # Resized pairs keep the HR/LR ratio to within the rounding of each side (the pair
+    # dataset accepts LR = HR / scale rounded down or up); size null keeps both as they are.
+    pair_side = max_side and max(1, max_side // scale)
+    pair_size = size and max(1, size // scale)
     return [
         (
             (r.path, kind, max_side, quality, size),
-            None if r.pair is None else (r.pair, kind, pair_side, quality, max(1, size // scale)),
+            r.pair and (r.pair, kind, pair_side, quality, pair_size),
         )
         for r in records
     ]
@@ -224,7 +236,8 @@ def pack_split(
     kind: str = "jpeg",
     max_side: int | None = None,
     quality: int = 90,
-    size: int = 256,
+    size: int | None = 256,
+    compression: str | None = None,
     workers: int | None = None,
     progress: bool | None = None,
     source=None,
@@ -235,7 +248,8 @@ def pack_split(
     """Pack one split into `dst` (atomically; `replace`: over an outdated pack) with
     `writer(folder)`; returns the metadata. The records come from `source`
     (fastload/data/sources.py: COCO, DIV2K, ...), by default the ImageFolder split `src`.
-    progress=None: a progress bar when stderr is a terminal."""
+    progress=None: a progress bar when stderr is a terminal. `compression` is recorded in
+    the params; the writer (LmdbStorage.writer) compresses."""
     from tqdm import tqdm
 
     if kind not in KINDS:
@@ -253,7 +267,7 @@ def pack_split(
         disable=not (sys.stderr.isatty() if progress is None else progress),
     )
     tally = [0, 0]  # records, bytes written
-    params = pack_params(source, kind, max_side, quality, size)
+    params = pack_params(source, kind, max_side, quality, size, compression)
     try:
         with building(dst, replace=replace) as tmp, bar:
             out = writer(tmp)
@@ -281,7 +295,7 @@ def pack_split(
     return {**meta, "skipped": skipped}
 
 
-OPTION_KEYS = ("kind", "max_side", "quality", "size")
+OPTION_KEYS = ("kind", "max_side", "quality", "size", "compression")
 
 
 def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:

@@ -395,7 +395,7 @@ class ShardStorage(PackedStorage):
         kind: str = "jpeg",
         max_side: int | None = None,
         quality: int = 90,
-        size: int = 256,
+        size: int | None = 256,
         shard_mb: int = 1024,
         verify: bool = True,
         auto_pack: bool = True,
@@ -405,11 +405,12 @@ class ShardStorage(PackedStorage):
             raise StorageError(f"storage.kind={kind!r}: use one of {', '.join(KINDS)}.")
         super().__init__(path=path, verify=verify, auto_pack=auto_pack, cold_cache=cold_cache)
         self.kind, self.max_side, self.quality = kind, max_side, int(quality)
-        self.size, self.shard_mb = int(size), int(shard_mb)
+        # size null: raw records at full resolution (super-resolution pairs)
+        self.size, self.shard_mb = (None if size is None else int(size)), int(shard_mb)
 
     def default_path(self, root) -> str:
         if self.kind == "raw":
-            tag = f"raw-{self.size}px"
+            tag = f"raw-{self.size}px" if self.size else "raw-full"
         elif self.max_side:
             tag = f"jpeg-{self.max_side}px-q{self.quality}"
         else:
@@ -433,7 +434,7 @@ class ShardStorage(PackedStorage):
     def cli_options(self) -> list[str]:
         opts = ["--kind", self.kind]
         if self.kind == "raw":
-            return opts + ["--size", str(self.size)]
+            return opts + ["--size", str(self.size or "full")]
         if self.max_side:
             opts += ["--max-side", str(self.max_side), "--quality", str(self.quality)]
         return opts
