@@ -85,11 +85,12 @@ class Task(abc.ABC):
             raise ConfigError(
                 f"model={model_choice(cfg)} is a {made_for} model, but dataset="
                 f"{dataset_choice(cfg)} trains {self.kind}: pick one of its models "
-                f"({', '.join(self.models)})."
+                f"({', '.join(self.models)}){self.suggest and f', e.g. {self.suggest}'}."
             )
         return instantiate(opts)
 
     models: tuple[str, ...] = ()  # conf/model names for this task, for the message above
+    suggest: str = ""  # a whole working choice for that message, e.g. "model=srcnn optim=adam"
 
     @abc.abstractmethod
     def step(self, state, cfg: DictConfig, ctx, amp):

@@ -56,6 +56,7 @@ class SuperResolutionTask(Task):
     kind = "super_resolution"
     metric, metric_label, metric_unit = "val_psnr", "best PSNR", " dB"
     models = ("srcnn",)
+    suggest = "model=srcnn optim=adam (or experiment=srcnn_div2k)"
     collate = staticmethod(collate_pairs)
 
     def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
