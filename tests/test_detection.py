@@ -287,7 +287,7 @@ def test_longer_cpu_run_detects_objects(tmp_path):
             "trainer.device=cpu",
             "trainer.progress=false",
             "trainer.batch_size=8",
-            "trainer.epochs=4",
+            "trainer.epochs=2",
             "trainer.checkpoint_every=0",
             "logger=none",
             "loader.num_workers=1",
@@ -299,3 +299,17 @@ def test_longer_cpu_run_detects_objects(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert rows[-1]["val_map"] > 0 and rows[-1]["val_map50"] > rows[-1]["val_map"]
+
+
+def test_local_weights_load_or_fail_naming_the_file(tmp_path):
+    from fastload.models.detection import build_detector
+
+    model = build_detector("fcos_tiny", 3)
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    again = build_detector("fcos_tiny", 3, weights=str(tmp_path / "w.pth"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 again.state_dict().values(), strict=True))  # fmt: skip
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'w.pth'} does not fit"):
+        build_detector("fcos_tiny", 5, weights=str(tmp_path / "w.pth"))
+    with pytest.raises(ConfigError, match="no such file"):
+        build_detector("fcos_tiny", 3, weights=str(tmp_path / "missing.pth"))

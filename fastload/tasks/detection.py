@@ -128,6 +128,7 @@ class GroundTruth:
 
     def __init__(self, category_ids: np.ndarray, annotations: Path | None):
         self.category_ids, self.annotations = category_ids, annotations
+        self._file_coco = None  # the file parsed once (val2017's takes ~1 s), on rank 0
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> GroundTruth:
@@ -147,7 +148,8 @@ class GroundTruth:
 
         with contextlib.redirect_stdout(io.StringIO()):
             if self.annotations is not None:
-                return COCO(str(self.annotations))
+                self._file_coco = self._file_coco or COCO(str(self.annotations))
+                return self._file_coco
             coco = COCO()
             coco.dataset = boxes_as_coco(images, self.category_ids)
             coco.createIndex()
