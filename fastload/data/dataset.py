@@ -61,14 +61,7 @@ class ImageDataset(torch.utils.data.Dataset):
             else:
                 pixels = self.backend.load(data, self.transform, rng)
         except Exception as exc:  # any decoder's failure on bad bytes
-            self.backend.pop_counts()  # a skipped file is counted as skipped, not as a fallback
-            if self.skip_corrupt:
-                return Skipped(self.reader.describe(index))
-            raise CorruptImageError(
-                f"cannot decode image {self.reader.describe(index)} ({type(exc).__name__}: "
-                f"{exc}). Remove or replace the file, or set dataset.skip_corrupt=true to skip "
-                f"and count such files."
-            ) from None
+            return undecodable(self, index, exc)
         counts = self.backend.pop_counts()
         if self.item_cost_ms > 0:
             busy_wait(self.item_cost_ms / 1000)
@@ -87,6 +80,20 @@ def busy_wait(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+def undecodable(dataset, index: int, exc: Exception) -> Skipped:
+    """A sample the backend could not decode: `Skipped` with dataset.skip_corrupt, else the
+    error naming the file. The backend's counters of that sample are dropped (a skipped file
+    is counted as skipped, not as a decode fallback)."""
+    dataset.backend.pop_counts()
+    if dataset.skip_corrupt:
+        return Skipped(dataset.reader.describe(index))
+    raise CorruptImageError(
+        f"cannot decode image {dataset.reader.describe(index)} ({type(exc).__name__}: {exc}). "
+        f"Remove or replace the file, or set dataset.skip_corrupt=true to skip and count such "
+        f"files."
+    ) from None
 
 
 class Normalize:

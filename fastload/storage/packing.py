@@ -173,6 +173,7 @@ def pack_params(source, kind: str, max_side, quality: int, size, compression=Non
     params["source"] = source.kind
     if hasattr(source, "category_ids"):
         params["category_ids"] = source.category_ids.tolist()  # labels are these ids
+        params["dropped"] = dict(source.dropped)  # annotations left out, for the epoch row
     if source.has_pairs:
         params["pair_scale"] = getattr(source, "scale", None) or 1
     return params

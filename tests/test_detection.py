@@ -1,0 +1,315 @@
+"""dataset=coco: the synthetic COCO, the detection transforms and batches, every storage's
+targets, COCO mAP, the bad-input errors, and train.py end to end on the CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import compose_config, run_train
+
+from fastload.data.batch import IMAGE, SKIPPED, TARGET
+from fastload.data.dataset import Normalize
+from fastload.data.detection import (
+    DetectionDataset,
+    ResizeFlip,
+    category_ids,
+    collate_detection,
+    dropped_counts,
+)
+from fastload.data.layouts import CocoLayout
+from fastload.data.synthetic_coco import CATEGORY_IDS, ensure_synthetic_coco
+from fastload.decode.pil import PILBackend
+from fastload.errors import ConfigError, DatasetError
+from fastload.loaders.device_prep import DevicePrep
+from fastload.storage.disk import DiskStorage
+from fastload.storage.lmdb_store import LmdbStorage
+from fastload.storage.shards import ShardStorage
+from fastload.storage.tmpfs import TmpfsStorage
+from fastload.tasks.detection import GroundTruth, coco_map
+
+# What the synthetic splits hold on purpose (fastload/data/synthetic_coco.py).
+DROPPED = {"crowd": 1, "degenerate": 2, "images_without_boxes": 1}
+VAL_DROPPED = {"crowd": 1, "degenerate": 0, "images_without_boxes": 1}
+FIELDS = {"boxes", "labels", "image_id", "orig_size"}
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("coco") / "synthetic"
+    return ensure_synthetic_coco(root, train_images=12, val_images=6, workers=1, progress=False)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def coco_run_args(root, run_dir, *extra):
+    return [
+        "dataset=coco",
+        "model=fcos_tiny",
+        "debug=fast",
+        f"dataset.root={root}",
+        "dataset.prepare=null",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        f"hydra.run.dir={run_dir}",
+        f"output_root={run_dir.parent}",
+        *extra,
+    ]
+
+
+def assert_one_line_error(out, *needles):
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text, text
+    for needle in needles:
+        assert needle in text, text
+
+
+# -- the synthetic COCO ------------------------------------------------------------------
+
+
+def test_synthetic_coco_is_valid_and_deterministic(coco_root, tmp_path):
+    source = CocoLayout(str(coco_root)).source("train")
+    assert source.dropped == DROPPED
+    assert source.category_ids.tolist() == list(CATEGORY_IDS[:3])  # not contiguous
+    coco = json.loads((coco_root / "annotations" / "instances_train.json").read_text())
+    assert {"images", "annotations", "categories"} <= set(coco)
+    for a in coco["annotations"]:
+        assert {"id", "image_id", "bbox", "area", "iscrowd", "category_id"} <= set(a)
+    # the boxes are the drawn objects: inside the image, and the pixels differ there
+    boxes, labels = source.boxes(0)
+    assert len(boxes) and set(labels.tolist()) <= set(CATEGORY_IDS[:3])
+    again = ensure_synthetic_coco(tmp_path / "again", train_images=12, val_images=6,
+                                  workers=2, progress=False)  # fmt: skip
+    for split in ("train", "val"):
+        name = f"annotations/instances_{split}.json"
+        assert (again / name).read_bytes() == (coco_root / name).read_bytes()
+    assert (again / "train" / "000003.jpg").read_bytes() == (
+        coco_root / "train" / "000003.jpg"
+    ).read_bytes()
+
+
+def test_synthetic_coco_refuses_a_foreign_folder(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "photo.jpg").write_bytes(b"x")
+    with pytest.raises(DatasetError, match="not a synthetic COCO"):
+        ensure_synthetic_coco(tmp_path / "mine", train_images=2, val_images=2, progress=False)
+
+
+# -- transforms and batches --------------------------------------------------------------
+
+
+def test_resize_and_flip_move_the_boxes():
+    img = np.zeros((100, 200, 3), np.uint8)
+    img[20:50, 30:90] = 255  # the object: x 30..90, y 20..50
+    boxes = np.array([[30, 20, 90, 50]], np.float32)
+    rng = np.random.default_rng(0)
+    out, moved = ResizeFlip(min_size=50, max_size=1000, hflip=0.0)(img, boxes, rng)
+    assert out.shape == (50, 100, 3)
+    np.testing.assert_allclose(moved, [[15, 10, 45, 25]])
+    out, moved = ResizeFlip(min_size=200, max_size=300, hflip=1.0)(img, boxes, rng)
+    assert out.shape == (150, 300, 3)  # max_size wins over min_size
+    np.testing.assert_allclose(moved, [[300 - 135, 30, 300 - 45, 75]])
+    x0, y0, x1, y1 = moved[0].astype(int)
+    assert out[y0 + 2 : y1 - 2, x0 + 2 : x1 - 2].min() > 200  # the pixels moved with it
+    assert out[:, : x0 - 3].max() < 30 and out[:, x1 + 3 :].max() < 30
+
+
+def test_collate_keeps_variable_sizes_and_device_prep_keeps_every_target_field(coco_root):
+    reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
+    ds = DetectionDataset(reader, PILBackend(), ResizeFlip(64, 96, 0.5), seed=0, train=True)
+    batch = collate_detection([ds[(0, i)] for i in range(4)] + [None])
+    assert batch[SKIPPED] == 1 and len(batch[IMAGE]) == len(batch[TARGET]) == 4
+    assert len({tuple(x.shape) for x in batch[IMAGE]}) > 1  # sizes differ, not stacked
+    for image, t in zip(batch[IMAGE], batch[TARGET], strict=True):
+        assert set(t) == FIELDS and image.dtype == torch.uint8
+        assert t["boxes"].dtype == torch.float32 and t["labels"].dtype == torch.int64
+        assert t["labels"].min() >= 1 and t["labels"].max() <= 3  # contiguous 1..K
+        assert (t["boxes"][:, 2:] > t["boxes"][:, :2]).all()
+        assert t["boxes"][:, 2].max() <= image.shape[2] and t["boxes"][:, 3].max() <= image.shape[1]
+    prepped = DevicePrep(torch.device("cpu"), Normalize([0.0] * 3, [1.0] * 3))(batch)
+    for before, after in zip(batch[TARGET], prepped[TARGET], strict=True):
+        assert set(after) == FIELDS
+        for k in FIELDS:
+            assert torch.equal(before[k], after[k])
+    assert all(x.dtype == torch.float32 and x.max() <= 1.0 for x in prepped[IMAGE])
+
+
+@pytest.mark.parametrize("loader", ["prefetch", "bg"])
+def test_loaders_deliver_every_target_field(coco_root, loader):
+    """The CUDA prefetcher (CPU fallback here; the cuda test below on a GPU) and the
+    background loader move the list-of-dicts targets like any batch."""
+    from fastload.pipeline import build_loader
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.prepare=null",
+                          f"loader={loader}", "loader.num_workers=1", "trainer.batch_size=3"])  # fmt: skip
+    val = build_loader(cfg, "val")
+    got = [t for b in val for t in b[TARGET]]
+    val.close()
+    ds = val.dataset
+    assert len(got) == len(ds) == 6  # evaluation keeps the image without boxes
+    for t, i in zip(got, range(len(ds)), strict=True):
+        want = ds[(0, i)][1]
+        assert set(t) == FIELDS
+        assert all(torch.equal(t[k].cpu(), want[k]) for k in FIELDS)
+
+
+@pytest.mark.cuda
+def test_cuda_prefetcher_moves_targets_to_the_gpu(coco_root):
+    from fastload.pipeline import build_loader
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.prepare=null",
+                          "loader=prefetch", "loader.num_workers=1", "trainer.batch_size=3"])  # fmt: skip
+    val = build_loader(cfg, "val", device="cuda")
+    batch = next(iter(val))
+    val.close()
+    assert all(x.is_cuda and x.dtype == torch.float32 for x in batch[IMAGE])
+    assert all(set(t) == FIELDS and all(v.is_cuda for v in t.values()) for t in batch[TARGET])
+
+
+# -- every storage holds the same targets ------------------------------------------------
+
+
+def test_packs_and_tmpfs_give_the_json_targets(coco_root, tmp_path):
+    layout = CocoLayout(str(coco_root))
+    disk = {s: DiskStorage().open(layout, s) for s in ("train", "val")}
+    stores = [
+        LmdbStorage(path=str(tmp_path / "lmdb")),
+        ShardStorage(path=str(tmp_path / "shards")),
+        TmpfsStorage(target_dir=str(tmp_path / "shm"), progress=False),
+    ]
+    for store in stores:
+        store.prepare(layout, ["train", "val"])
+        for split, want in disk.items():
+            got = store.open(layout, split)
+            assert len(got) == len(want) and np.array_equal(got.targets, want.targets)
+            assert category_ids(got).tolist() == category_ids(want).tolist()
+            assert dropped_counts(got) == dropped_counts(want)
+            assert dropped_counts(got) == (DROPPED if split == "train" else VAL_DROPPED)
+            for i in range(len(want)):
+                for a, b in zip(got.boxes(i), want.boxes(i), strict=True):
+                    np.testing.assert_array_equal(a, b)
+                assert got.read(i) == want.read(i)
+
+
+# -- COCO mAP ----------------------------------------------------------------------------
+
+
+def test_coco_map_of_a_perfect_and_an_empty_prediction(coco_root):
+    ann = coco_root / "annotations" / "instances_val.json"
+    truth = GroundTruth(np.array(CATEGORY_IDS[:3]), ann)
+    source = CocoLayout(str(coco_root)).source("val")
+    images = {}
+    for i in range(len(source)):
+        boxes, cats = source.boxes(i)  # crowd and degenerate ones are not in it
+        dets = np.hstack([boxes, np.ones((len(boxes), 1)), cats[:, None]])
+        gt = np.hstack([boxes, cats[:, None]])
+        images[int(source.ids[i])] = (1, 1, gt, dets)
+    sizes = {im["id"]: (im["height"], im["width"]) for im in json.loads(ann.read_text())["images"]}
+    images = {k: (*sizes[k], gt, d) for k, (_, _, gt, d) in images.items()}
+    perfect = coco_map(truth.coco(images), images)
+    assert perfect["val_map"] == pytest.approx(100.0) and perfect["val_map50"] == 100.0
+    empty = {k: (h, w, gt, d[:0]) for k, (h, w, gt, d) in images.items()}
+    assert coco_map(truth.coco(empty), empty)["val_map"] == 0.0
+    # the same from the boxes alone (a pack without its annotation file)
+    no_file = GroundTruth(np.array(CATEGORY_IDS[:3]), None)
+    assert coco_map(no_file.coco(images), images)["val_map"] == pytest.approx(100.0)
+    # shifted by a third of each box: mAP falls (the metric looks at the boxes)
+    off = {k: (h, w, gt, d + np.r_[0.33 * d[:, 2:3].T, np.zeros((5, len(d)))].T[:, :6])
+           for k, (h, w, gt, d) in images.items()}  # fmt: skip
+    assert coco_map(truth.coco(off), off)["val_map"] < 60
+
+
+# -- configuration errors ----------------------------------------------------------------
+
+
+def test_num_classes_must_match_the_categories(coco_root):
+    from fastload.tasks.detection import DetectionTask
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.num_classes=80"])
+    reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
+    with pytest.raises(ConfigError, match="set dataset.num_classes=3"):
+        DetectionTask().check(cfg, reader, reader)
+
+
+def test_classification_model_on_coco_is_refused(coco_root, tmp_path):
+    out = run_train(coco_run_args(coco_root, tmp_path / "run", "model=resnet18"))
+    assert_one_line_error(out, "model=resnet18 is a classification model", "fcos_tiny")
+
+
+def test_malformed_json_and_missing_image_name_the_file(coco_root, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(coco_root, broken)
+    ann = broken / "annotations" / "instances_train.json"
+    ann.write_text(ann.read_text()[:-40])
+    out = run_train(coco_run_args(broken, tmp_path / "run1"))
+    assert_one_line_error(out, str(ann))
+    shutil.copy(coco_root / "annotations" / "instances_train.json", ann)
+    (broken / "train" / "000002.jpg").unlink()
+    out = run_train(coco_run_args(broken, tmp_path / "run2"))
+    assert_one_line_error(out, str(broken / "train" / "000002.jpg"))
+
+
+# -- train.py end to end -----------------------------------------------------------------
+
+
+def test_short_cpu_run_lowers_the_loss_and_reports_map(coco_root, tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_train(coco_run_args(coco_root, run_dir, "trainer.epochs=3"))
+    assert out.returncode == 0, out.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    for r in rows:
+        assert {f"dropped_{k}": v for k, v in DROPPED.items()}.items() <= r.items()
+        assert 0 <= r["val_map"] <= r["val_map50"] <= 100
+        assert r["train_images"] == 8  # 11 images with boxes, batches of 4, drop_last
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["metric"] == "val_map"
+    assert summary["best_map"] == max(r["val_map"] for r in rows)
+    assert "best mAP" in out.stdout
+
+
+@pytest.mark.slow
+def test_longer_cpu_run_detects_objects(tmp_path):
+    """The default synthetic COCO (512 train images), long enough for mAP > 0."""
+    run_dir = tmp_path / "run"
+    out = run_train(
+        [
+            "dataset=coco",
+            "model=fcos_tiny",
+            f"dataset.root={tmp_path / 'coco'}",
+            "trainer.device=cpu",
+            "trainer.progress=false",
+            "trainer.batch_size=8",
+            "trainer.epochs=2",
+            "trainer.checkpoint_every=0",
+            "logger=none",
+            "loader.num_workers=1",
+            f"hydra.run.dir={run_dir}",
+            f"output_root={tmp_path}",
+        ],
+        timeout=1800,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert rows[-1]["val_map"] > 0 and rows[-1]["val_map50"] > rows[-1]["val_map"]
+
+
+def test_local_weights_load_or_fail_naming_the_file(tmp_path):
+    from fastload.models.detection import build_detector
+
+    model = build_detector("fcos_tiny", 3)
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    again = build_detector("fcos_tiny", 3, weights=str(tmp_path / "w.pth"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 again.state_dict().values(), strict=True))  # fmt: skip
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'w.pth'} does not fit"):
+        build_detector("fcos_tiny", 5, weights=str(tmp_path / "w.pth"))
+    with pytest.raises(ConfigError, match="no such file"):
+        build_detector("fcos_tiny", 3, weights=str(tmp_path / "missing.pth"))
