@@ -51,6 +51,7 @@ class DetectionTask(Task):
         "fcos_resnet50_fpn",
         "fasterrcnn_mobilenet_v3_large_320_fpn",
     )
+    suggest = "model=fcos_tiny on a CPU, model=fasterrcnn_resnet50_fpn on a GPU"
     collate = staticmethod(collate_detection)
 
     def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
