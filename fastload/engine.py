@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist
+from fastload.doctor.env import preflight
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
 from fastload.tasks.base import build_task
@@ -463,6 +464,7 @@ def fit(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:
         check_writable(run_dir)
+    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, decoders...: fatal ones stop here, with fixes
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
     task = build_task(cfg)

@@ -1,0 +1,154 @@
+"""The doctor: the pre-flight check's failures produced on purpose (each with its fix), the
+bottleneck doctor naming an injected slow stage, and loader=auto's choice and cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose_config, run_train, tiny_overrides
+
+from fastload.doctor import env
+from fastload.doctor.__main__ import main as doctor_main
+from fastload.errors import ConfigError
+
+MB = 2**20
+
+
+def facts(**changes) -> env.Facts:
+    """A healthy machine, then the given changes (nothing read from this one)."""
+    base = env.Facts(
+        shm=(8 * 2**30, 8 * 2**30),
+        nofile=(65536, 65536),
+        usable_cores=16,
+        cpu_count=16,
+        cpu_flags=frozenset({"sse4_2", "avx", "avx2"}),
+        arch="x86_64",
+        ram_total=128 * 2**30,
+        dataset_fs="ext4",
+        decoders={m: True for m in env.DECODER_MODULES},
+    )
+    return env.replace(base, **changes)
+
+
+def checks(overrides=(), ranks=1, **changes) -> dict[str, env.Check]:
+    cfg = compose_config(["trainer.device=cpu", *overrides])
+    return {c.name: c for c in env.run_checks(cfg, facts(**changes), ranks)}
+
+
+def test_a_healthy_machine_passes_every_check():
+    results = checks(["loader.num_workers=8"])
+    assert {c.status for c in results.values()} == {"ok"}, results
+    assert len(results) == len(env.CHECKS)
+
+
+def test_docker_default_shm_is_fatal_with_the_shm_size_ipc_host_and_emptydir_fixes():
+    small = (64 * MB, 64 * MB)  # Docker's default
+    over = ["loader.num_workers=8", "trainer.batch_size=256", "dataset.train_transform.size=224"]
+    shm = checks(over, shm=small)["/dev/shm"]
+    assert shm.status == "fatal"
+    assert "Bus error" in shm.message and "8 workers" in shm.message
+    for fix in ("--shm-size=", "--ipc=host", "emptyDir", "medium: Memory", "loader.num_workers"):
+        assert fix in shm.fix, shm.fix
+    # local ranks multiply the need: 4 ranks x 2 workers of small batches no longer fit 64 MB
+    tiny = ["loader.num_workers=2", "trainer.batch_size=64", "dataset.train_transform.size=128"]
+    assert checks(tiny, shm=small)["/dev/shm"].status != "fatal"
+    assert checks(tiny, ranks=4, shm=small)["/dev/shm"].status == "fatal"
+    # no workers, no shared memory needed
+    assert checks(["loader.num_workers=0"], shm=small)["/dev/shm"].status == "ok"
+
+
+def test_a_fatal_check_stops_the_run_in_fit_with_the_fixes(tmp_path):
+    from fastload.dist import DistContext
+
+    cfg = compose_config(["trainer.device=cpu", "loader.num_workers=8", "trainer.batch_size=256"])
+    small = facts(shm=(64 * MB, 64 * MB))
+    with pytest.raises(ConfigError) as exc:
+        env.preflight(cfg, DistContext(), small)
+    text = exc.value.user_message
+    assert "pre-flight" in text and "--shm-size=" in text and "--ipc=host" in text
+    off = compose_config(["trainer.device=cpu", "loader.num_workers=8", "doctor.preflight=false"])
+    assert env.preflight(off, DistContext(), small) == []
+
+
+def test_train_py_stops_before_any_work_on_a_fatal_check(tiny_folder, tmp_path):
+    # 2 workers x 10^7 prefetched batches cannot fit any /dev/shm: refused before the data
+    run_dir = tmp_path / "run"
+    extra = ["loader.num_workers=2", "loader.prefetch_factor=10000000"]
+    out = run_train(tiny_overrides(tiny_folder, run_dir, *extra), timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: the pre-flight check found 1 problem" in out.stderr
+    assert "--shm-size=" in out.stderr and "Traceback" not in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_low_open_file_limit_warns_with_the_ulimit_fix():
+    code = (
+        "import resource, sys\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from fastload.doctor.__main__ import main\n"
+        "sys.exit(main(['env', 'trainer.device=cpu', 'loader.num_workers=2']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]  # a warning, not fatal
+    line = [ln for ln in out.stdout.splitlines() if "ulimit -n:" in ln][0]
+    assert line.startswith("[WARN ]") and "soft limit 256" in line, out.stdout
+    assert "fix: raise it before starting: `ulimit -n" in out.stdout
+    assert "--ulimit nofile=" in out.stdout
+
+
+def test_pillow_simd_without_avx2_warns_and_on_arm_is_fatal():
+    no_avx2 = frozenset({"sse4_2", "avx"})
+    cpu = checks(["backend=pillow-simd"], cpu_flags=no_avx2, pillow="pillow-simd")["CPU flags"]
+    assert cpu.status == "warn" and "Illegal instruction" in cpu.message
+    assert "install_pillow_simd.sh" in cpu.fix and "backend=turbo" in cpu.fix
+    arm = checks(["backend=pillow-simd"], arch="aarch64", cpu_flags=None)["CPU flags"]
+    assert arm.status == "fatal" and "backend=turbo" in arm.fix
+    # AVX2 does not matter to other backends
+    assert checks(["backend=pil"], cpu_flags=no_avx2)["CPU flags"].status == "ok"
+
+
+def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
+    no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
+    dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
+    assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
+    nfs = checks(dataset_fs="nfs4")["dataset file system"]
+    assert nfs.status == "warn" and "storage=tmpfs" in nfs.fix and "storage=shards" in nfs.fix
+    cores = checks(["loader.num_workers=8"], ranks=4, usable_cores=8)["cores"]
+    assert cores.status == "warn" and "loader.num_workers=auto (= 2 per rank" in cores.fix
+    gpu = checks(["trainer.device=cuda"])["GPU"]
+    assert gpu.status == "fatal" and "--gpus all" in gpu.fix
+    nvml = checks(["trainer.device=auto"], gpus=["NVIDIA H100"], nvml=None)["GPU"]
+    assert nvml.status == "warn" and "nvidia-ml-py" in nvml.fix
+    pinned = checks(
+        ["trainer.device=auto", "loader.pin_memory=true", "loader.pin_memory_max_mb=10",
+         "trainer.batch_size=256", "dataset.train_transform.size=224"],
+        gpus=["NVIDIA H100"], nvml="driver 550",
+    )["pinned memory"]  # fmt: skip
+    assert pinned.status == "fatal" and "loader.pin_memory_max_mb" in pinned.fix
+
+
+def test_doctor_env_prints_one_line_per_check_and_is_quick(capsys):
+    import time
+
+    assert doctor_main(["env", "trainer.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n[") + out.startswith("[") == len(env.CHECKS), out
+    assert f"{len(env.CHECKS)} checks: 0 fatal" in out
+    cfg = compose_config(["trainer.device=cpu"])
+    env.run_checks(cfg)  # warm (torch.cuda, NVML lookups)
+    t0 = time.perf_counter()
+    env.run_checks(cfg)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_doctor_refuses_bad_input_in_one_line(capsys):
+    assert doctor_main(["nope"]) == 2
+    assert "usage: python -m fastload.doctor {env,pipeline}" in capsys.readouterr().err
+    assert doctor_main(["env", "loader=nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
