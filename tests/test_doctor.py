@@ -3,6 +3,7 @@ bottleneck doctor naming an injected slow stage, and loader=auto's choice and ca
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -152,3 +153,69 @@ def test_doctor_refuses_bad_input_in_one_line(capsys):
     assert doctor_main(["env", "loader=nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        doctor_main(["pipeline", "--images", "0"])
+    assert "--images 0: use a whole number >= 1" in capsys.readouterr().err
+
+
+# -- the bottleneck doctor --------------------------------------------------------------------
+
+
+def doctor_overrides(root, *extra: str) -> list[str]:
+    return [
+        "trainer.device=cpu",
+        f"dataset.root={root}",
+        "dataset.prepare=null",
+        "dataset.num_classes=3",
+        "dataset.train_transform.size=32",
+        "trainer.batch_size=4",
+        "loader.num_workers=1",
+        *extra,
+    ]
+
+
+def diagnose(root, *extra: str, step_ms: float = 5.0):
+    from fastload.doctor import pipeline
+
+    argv = ["--images", "8", "--batches", "3", "--model-steps", "2", "--step-ms", str(step_ms)]
+    _, report = pipeline.run(pipeline.parse([*argv, *doctor_overrides(root, *extra)]))
+    return report
+
+
+def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
+    # a slow model step (200 ms per batch of 4): nothing to fix in the data path
+    slow_model = diagnose(tiny_folder, step_ms=200)
+    assert slow_model.bound["stage"] == "model", slow_model.bound
+    assert "nothing to fix in the data path" in slow_model.bound["message"]
+    # 40 ms of extra CPU work per image (a heavy augmentation) and a fast step
+    heavy = diagnose(tiny_folder, "dataset.task.item_cost_ms=40")
+    assert heavy.bound["stage"] == "augment", heavy.bound
+    assert heavy.bound["img_s"] < 0.5 * heavy.bound["model_img_s"]
+    changes = [a[0] for a in heavy.advice]
+    assert "dataset.task.item_cost_ms=0" in changes, heavy.advice
+    # an emulated slow disk: 8 ms + size / 120 MB/s per file
+    disk = diagnose(tiny_folder, "storage=slow_disk")
+    assert disk.bound["stage"] == "storage", disk.bound
+    costs = disk.measured["costs_ms"]
+    assert costs["storage read"] > 5 * costs["decode"]
+    assert disk.advice[0][0] in ("storage=tmpfs", "storage=shards"), disk.advice
+    # the rows the table and the chart show
+    stages = [r["stage"] for r in disk.stages]
+    for name in ("storage read", "decode", "augment", "collate", "transfer + device prep",
+                 "model step", "epoch boundary (amortised)"):  # fmt: skip
+        assert name in stages
+
+
+def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "doctor"
+    argv = ["pipeline", "--images", "6", "--batches", "2", "--model-steps", "1", "--step-ms",
+            "300", "--out", str(out), *doctor_overrides(tiny_folder)]  # fmt: skip
+    assert doctor_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "bound: the model step bounds you at" in text
+    assert "best change: (nothing in the data path)" in text
+    payload = json.loads((out / "pipeline.json").read_text())
+    assert payload["bound"]["stage"] == "model"
+    assert {r["stage"] for r in payload["stages"]} >= {"decode", "model step"}
+    png = (out / "pipeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
