@@ -162,16 +162,10 @@ def test_doctor_refuses_bad_input_in_one_line(capsys):
 
 
 def doctor_overrides(root, *extra: str) -> list[str]:
-    return [
-        "trainer.device=cpu",
-        f"dataset.root={root}",
-        "dataset.prepare=null",
-        "dataset.num_classes=3",
-        "dataset.train_transform.size=32",
-        "trainer.batch_size=4",
-        "loader.num_workers=1",
-        *extra,
-    ]
+    """conftest's tiny run (2 CPU cores, 32 px crops, batch 4), with one worker."""
+    skip = ("hydra.", "output_root", "loader.num_workers")
+    tiny = [o for o in tiny_overrides(root, REPO / "unused" / "run") if not o.startswith(skip)]
+    return [*tiny, "loader.num_workers=1", *extra]
 
 
 def diagnose(root, *extra: str, step_ms: float = 5.0):
