@@ -4,11 +4,13 @@ bottleneck doctor naming an injected slow stage, and loader=auto's choice and ca
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, compose_config, run_train, tiny_overrides
+from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
 
 from fastload.doctor import env
 from fastload.doctor.__main__ import main as doctor_main
@@ -213,3 +215,114 @@ def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, ca
     assert {r["stage"] for r in payload["stages"]} >= {"decode", "model step"}
     png = (out / "pipeline.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+# -- loader=auto ------------------------------------------------------------------------------
+
+
+def tune_with(root, caplog, *extra: str, model=None):
+    """fastload.doctor.autotune.tune as fit calls it, on `root`; (chosen cfg, trial log lines,
+    cache-hit log lines)."""
+    from fastload.dist import DistContext
+    from fastload.doctor.autotune import tune
+    from fastload.pipeline import build_backend, build_storage
+
+    over = [o for o in doctor_overrides(root) if not o.startswith("loader.num_workers")]
+    cfg = compose_config([*over, "loader=auto", "loader.auto.backends=[]", *extra])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        tuned, _ = tune(cfg, DistContext(), build_storage(cfg), build_backend(cfg), model,
+                        channels_last=False, amp=None)  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    return (
+        tuned,
+        [m for m in lines if m.startswith("loader=auto trial")],
+        [m for m in lines if "cache hit" in m],
+    )
+
+
+@pytest.fixture
+def tune_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    return make_image_folder(tmp_path / "d", per_split=(16, 2))  # 48 images: 12 batches of 4
+
+
+def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, caplog):
+    # 20 ms of CPU per image, a 30 ms step: in the main thread every batch costs 80 + 30 ms;
+    # with workers the loading overlaps the step (2 cores here: 2 workers are the known best)
+    extra = (
+        "dataset.task.item_cost_ms=20",
+        "loader.auto.step_ms=30",
+        "loader.auto.workers=[0,1,2]",
+    )
+    tuned, trials, hits = tune_with(tune_folder, caplog, *extra)
+    assert not hits and len(trials) >= 3, trials
+    assert tuned.loader.num_workers >= 1, trials
+    rate = {int(m.split("num_workers=")[1].split()[0]): float(m.split(": ")[-1].split()[0])
+            for m in trials if "prefetch_factor=2 " in m}  # fmt: skip
+    assert rate[0] < rate[tuned.loader.num_workers], trials
+    assert any(f"chose num_workers={tuned.loader.num_workers}" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    # the second run starts directly from the cache: logged, no trial
+    again, trials2, hits2 = tune_with(tune_folder, caplog, *extra)
+    assert hits2 and not trials2, caplog.text
+    assert again.loader.num_workers == tuned.loader.num_workers
+    assert again.loader.prefetch_factor == tuned.loader.prefetch_factor
+    # a changed config (batch size) is another key: probed again
+    _, trials3, hits3 = tune_with(tune_folder, caplog, *extra, "trainer.batch_size=2")
+    assert trials3 and not hits3
+    assert len(list((tune_folder.parent / "cache" / "autotune").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loader.auto.budget_s=0", "loader.auto.budget_s=0: use seconds > 0"),
+        ("loader.auto.workers=[-1]", "loader.auto.workers=[-1]: use auto or a list"),
+        ("loader.auto.backends=turbo", "loader.auto.backends='turbo': use available, []"),
+        ("loader.auto.step_ms=-5", "loader.auto.step_ms=-5: use null (measure) or ms >= 0"),
+    ],
+)
+def test_loader_auto_refuses_bad_settings_naming_the_option(tune_folder, caplog, override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tune_with(tune_folder, caplog, override)
+
+
+def test_loader_auto_worker_candidates_follow_the_affinity_mask_and_local_ranks():
+    from fastload.doctor.autotune import worker_candidates
+
+    auto = {"workers": "auto"}
+    assert worker_candidates(auto, 1, cores=16) == [16, 8, 4, 2, 1, 0]
+    assert worker_candidates(auto, 4, cores=16) == [4, 2, 1, 0]
+    assert worker_candidates(auto, 8, cores=6) == [1, 0]
+    assert worker_candidates({"workers": [4, 12, 8]}, 1) == [12, 8, 4]
+
+
+def test_loader_auto_times_the_models_step_on_a_copy(tune_folder, caplog):
+    import torch
+
+    from fastload.tasks.base import build_task
+
+    cfg = compose_config(["dataset.num_classes=3"])
+    model = build_task(cfg).build_model(cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    extra = ("loader.auto.workers=[1]", "loader.auto.batches=2", "loader.auto.budget_s=1")
+    tuned, trials, _ = tune_with(tune_folder, caplog, *extra, model=model)
+    assert "the model's step takes" in caplog.text, caplog.text
+    if not trials:  # the budget ran out first: the base settings, said so
+        assert "no trial finished within 1 s" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_train_py_with_loader_auto_probes_then_uses_the_cache(tiny_folder, tmp_path):
+    env = {"FASTLOAD_CACHE": str(tmp_path / "cache")}
+    extra = ("loader=auto", "loader.auto.step_ms=20", "loader.auto.backends=[]",
+             "loader.auto.workers=[0,1]", "trainer.epochs=1")  # fmt: skip
+    first = run_train(tiny_overrides(tiny_folder, tmp_path / "a" / "run", *extra), env=env)
+    text = first.stdout + first.stderr
+    assert first.returncode == 0, text[-3000:]
+    assert "loader=auto trial 1:" in text and "loader=auto: chose num_workers=" in text, text
+    second = run_train(tiny_overrides(tiny_folder, tmp_path / "b" / "run", *extra), env=env)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert "loader=auto: cache hit" in text and "loader=auto trial" not in text, text
