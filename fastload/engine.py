@@ -465,9 +465,9 @@ def fit(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:
         check_writable(run_dir)
-    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, decoders...: fatal ones stop here, with fixes
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
+    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
     task = build_task(cfg)
     model = task.build_model(cfg)  # so is a model made for another task
     storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
