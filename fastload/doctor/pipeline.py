@@ -33,6 +33,7 @@ they do on a GPU machine; on a CPU-only machine the model step competes for the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import statistics
 import time
@@ -243,16 +244,19 @@ def make_step(s: Setup, step_ms: float | None):
 
 
 def model_stage(s: Setup, step, batch, steps: int) -> float:
-    """Seconds per training step on a resident batch (after two warm-up steps)."""
+    """Seconds per training step on a resident batch: the median of `steps` steps after two
+    warm-up steps (robust to a busy machine's outliers)."""
     step.train_mode()
     for _ in range(2):
         step.train(batch)
     sync(s.ctx.device)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step.train(batch)
-    sync(s.ctx.device)
-    return (time.perf_counter() - t0) / steps
+        sync(s.ctx.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def together(s: Setup, step, batches: int, step_s: float, budget_s: float = 15.0) -> float:
@@ -337,7 +341,8 @@ def alternatives(s: Setup, n: int = 16) -> dict:
             continue
         try:
             backend = instantiate(OmegaConf.load(conf_dir() / "backend" / f"{name}.yaml"))
-            backend.load(datas[0], transform, sample_rng(0, 0, 0))
+            for d in datas[:3]:  # warm-up: lazy imports, first-call set-up
+                backend.load(d, transform, sample_rng(0, 0, 0))
         except Exception:  # not importable here: not a candidate
             continue
         t = sum(timed(backend.load, d, transform, sample_rng(0, 0, i))[0]
@@ -415,11 +420,12 @@ def advice(s: Setup, b: dict, costs: dict, alt: dict, loader: dict, nxt: float) 
         out.append((fix, workers_at(total - costs["storage read"]), why + " (from RAM: ~0)"))
         out.append(("storage=shards", workers_at(total - costs["storage read"]),
                     "large sequential files instead of one open/read per image"))  # fmt: skip
-    if stage == "decode":
+    if stage in ("decode", "augment"):  # the backend's path does both
         path = costs["decode"] + costs["augment"] - costs["extra per-sample work (ms)"]
         for name, ms in alt["backends"].items():
             out.append((f"backend={name}", workers_at(total - path + ms),
                         f"its decode+crop measured {ms:.2f} ms vs {path:.2f}"))  # fmt: skip
+    if stage == "decode":
         side = alt["mean_side"]
         if side > 256:
             scaled = total - costs["decode"] * (1 - (256 / side) ** 2)
@@ -448,12 +454,33 @@ def advice(s: Setup, b: dict, costs: dict, alt: dict, loader: dict, nxt: float) 
     return sorted(out, key=lambda a: -a[1])
 
 
+@contextlib.contextmanager
+def one_core():
+    """The per-core timings run as a worker does: one torch thread, no OpenCV thread pool
+    (fastload/loaders/workers.py: worker_init)."""
+    import sys
+
+    threads = torch.get_num_threads()
+    cv2 = sys.modules.get("cv2")
+    cv2_threads = cv2.getNumThreads() if cv2 is not None else None
+    torch.set_num_threads(1)
+    if cv2 is not None:
+        cv2.setNumThreads(0)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if cv2 is not None:
+            cv2.setNumThreads(cv2_threads)
+
+
 def run(args) -> tuple[Setup, Report]:
     s = setup(args)
     rep = Report()
     log.info("doctor: timing each worker stage on %d images", args.images)
-    costs = sample_costs(s, args.images)
-    alt = alternatives(s)
+    with one_core():
+        costs = sample_costs(s, args.images)
+        alt = alternatives(s)
     loader = loader_stages(s, args.batches)
     prep_s, device_batch = device_stage(s, loader["device_prep"], loader["batch"])
     step = make_step(s, args.step_ms)
