@@ -41,6 +41,7 @@ NOT_SHAPING = (
     "output_root",
     "logger",
     "hydra",
+    "doctor",
     "trainer.progress",
     "trainer.checkpoint_every",
     "trainer.eval_every",

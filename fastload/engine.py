@@ -25,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist
+from fastload.doctor.autotune import tune
+from fastload.doctor.env import preflight
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
 from fastload.tasks.base import build_task
@@ -465,12 +467,15 @@ def fit(cfg: DictConfig) -> dict:
         check_writable(run_dir)
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
+    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
     task = build_task(cfg)
     model = task.build_model(cfg)  # so is a model made for another task
     storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
+    # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
+    cfg, backend = tune(cfg, ctx, storage, backend, model, channels_last=channels_last, amp=amp)
     data = build_data(cfg, ctx, storage, channels_last=channels_last, backend=backend)
     state = TrainState.create(
         cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,

@@ -121,6 +121,9 @@ def loader_factory(cfg: DictConfig):
     opts = OmegaConf.to_container(cfg.loader, resolve=True)
     for key in ("normalize_on", "input_dtype"):
         opts.pop(key)
+    # loader=auto: the probe's settings (fastload/doctor/autotune.py), resolved at the start
+    # of a run into the keys above; a loader built without the probe uses its base values.
+    opts.pop("auto", None)
     return instantiate(opts)
 
 
@@ -137,15 +140,18 @@ def build_loader(
     backend=None,
     dataset=None,
     collate_fn=None,
+    reader=None,
 ):
-    """One split's loader (split: train | val). `storage` / `backend` reuse objects built
-    already; `dataset` (with `collate_fn`) replaces the image dataset, e.g. in tests."""
+    """One split's loader (split: train | val). `storage` / `backend` / `reader` (the split's
+    opened reader) reuse objects built already; `dataset` (with `collate_fn`) replaces the
+    image dataset, e.g. in tests."""
     train = split == "train"
     task = build_task(cfg)
     if dataset is None:
         backend = backend if backend is not None else build_backend(cfg)
-        storage = storage if storage is not None else build_storage(cfg)
-        reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS[split]])
+        if reader is None:
+            storage = storage if storage is not None else build_storage(cfg)
+            reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS[split]])
     where = normalize_on(cfg, backend)
     normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
     if dataset is None:

@@ -446,3 +446,28 @@ def test_image_trains_as_the_owner_of_the_mounted_outputs(image, tmp_path):
     written = [p for p in outputs.rglob("*") if p.is_file()]
     assert any(p.name == "summary.json" for p in written), written[:10]
     assert {p.stat().st_uid for p in written} == {1234}  # every file is the user's
+
+
+@pytest.mark.docker
+def test_image_runs_the_pre_flight_check(image):
+    out = docker("run", "--rm", "--shm-size=1g", image, "python", "-m", "fastload.doctor", "env",
+                 "trainer.device=cpu", timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[OK   ] /dev/shm: 1,024 MB" in out.stdout, out.stdout
+    assert " checks: 0 fatal" in out.stdout, out.stdout
+
+
+@pytest.mark.docker
+def test_a_tiny_shm_in_the_container_is_fatal_with_the_docker_fix(image):
+    # 8 workers x 3 batches of 256 x 224 px = 289 MB of worker batches, in a 64 MB /dev/shm
+    opts = ["trainer.device=cpu", "loader.num_workers=8", "trainer.batch_size=256",
+            "dataset.train_transform.size=224"]  # fmt: skip
+    out = docker("run", "--rm", "--shm-size=64m", image, "python", "-m", "fastload.doctor",
+                 "env", *opts, timeout=300)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "[FATAL] /dev/shm: 64 MB" in out.stdout, out.stdout
+    assert "--shm-size=" in out.stdout and "--ipc=host" in out.stdout, out.stdout
+    run = docker("run", "--rm", "--shm-size=64m", image, "python", "train.py", "debug=fast",
+                 *opts, timeout=600)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "error: the pre-flight check found" in run.stderr and "--shm-size=" in run.stderr

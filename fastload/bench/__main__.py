@@ -34,12 +34,17 @@ def main(argv: list[str] | None = None) -> int:
             f"usage: python -m fastload.bench {{{','.join(available)}}} [--help]", file=sys.stderr
         )
         return 2
+    return reporting_errors(importlib.import_module(f"fastload.bench.{argv[0]}").main, argv[1:])
+
+
+def reporting_errors(command, argv: list[str]) -> int:
+    """`command(argv)`'s exit status; a problem with the input is one line, exit 2."""
     from hydra.errors import HydraException
 
     from fastload.errors import FastloadError, user_error
 
     try:
-        return importlib.import_module(f"fastload.bench.{argv[0]}").main(argv[1:])
+        return command(argv)
     except (FastloadError, HydraException) as exc:
         # ours (also when Hydra's instantiate wrapped it), or an override that does not compose
         ours = user_error(exc)

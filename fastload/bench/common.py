@@ -99,6 +99,23 @@ def compose(overrides: list[str]):
         return hydra_compose("config", overrides=list(overrides))
 
 
+def one_device(cfg):
+    """(a one-process DistContext, channels_last) as a run resolves them: trainer.device (auto:
+    the first GPU when there is one) and trainer.channels_last (auto: on for CUDA)."""
+    from fastload.dist import DistContext, check_gpus_for_ranks
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.trainer.device != "auto":
+        device = torch.device(cfg.trainer.device)
+    if device.type == "cuda":
+        check_gpus_for_ranks(1)
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    channels_last = cfg.trainer.channels_last
+    channels_last = device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+    return DistContext(device=device), channels_last
+
+
 def config_names(group: str) -> list[str]:
     """The options of a config group, as train.py takes them: conf/<group>/*.yaml names."""
     from fastload.config import conf_dir

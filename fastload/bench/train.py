@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fastload.bench.common import compose, format_table, write_json
+from fastload.bench.common import compose, format_table, one_device, write_json
 from fastload.tasks.base import SumsEvaluator
 from fastload.tasks.classification import ClassificationStep
 
@@ -218,7 +218,6 @@ def parse(argv):
 
 def build(args):
     """(config, rank context, data path, autocast dtype, channels_last) as fit builds them."""
-    from fastload.dist import DistContext, check_gpus_for_ranks
     from fastload.engine import amp_dtype
     from fastload.errors import ConfigError
     from fastload.pipeline import build_data, prepare_data
@@ -233,13 +232,8 @@ def build(args):
         device = torch.device(cfg.trainer.device)
     if args.model and device.type != "cuda":
         raise ConfigError(f"--model {args.model} needs a GPU; on a CPU machine use --step-ms MS.")
-    if device.type == "cuda":
-        check_gpus_for_ranks(1)
-        torch.cuda.set_device(0)
-        device = torch.device("cuda", 0)
-    ctx = DistContext(device=device)
-    channels_last = cfg.trainer.channels_last
-    channels_last = device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+    ctx, channels_last = one_device(cfg)
+    device = ctx.device
     storage = prepare_data(cfg, ctx)
     data = build_data(cfg, ctx, storage, channels_last=channels_last)
     return cfg, ctx, data, amp_dtype(cfg.trainer.precision, device), channels_last

@@ -1,0 +1,328 @@
+"""The doctor: the pre-flight check's failures produced on purpose (each with its fix), the
+bottleneck doctor naming an injected slow stage, and loader=auto's choice and cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
+
+from fastload.doctor import env
+from fastload.doctor.__main__ import main as doctor_main
+from fastload.errors import ConfigError
+
+MB = 2**20
+
+
+def facts(**changes) -> env.Facts:
+    """A healthy machine, then the given changes (nothing read from this one)."""
+    base = env.Facts(
+        shm=(8 * 2**30, 8 * 2**30),
+        nofile=(65536, 65536),
+        usable_cores=16,
+        cpu_count=16,
+        cpu_flags=frozenset({"sse4_2", "avx", "avx2"}),
+        arch="x86_64",
+        ram_total=128 * 2**30,
+        dataset_fs="ext4",
+        decoders={m: True for m in env.DECODER_MODULES},
+    )
+    return env.replace(base, **changes)
+
+
+def checks(overrides=(), ranks=1, **changes) -> dict[str, env.Check]:
+    cfg = compose_config(["trainer.device=cpu", *overrides])
+    return {c.name: c for c in env.run_checks(cfg, facts(**changes), ranks)}
+
+
+def test_a_healthy_machine_passes_every_check():
+    results = checks(["loader.num_workers=8"])
+    assert {c.status for c in results.values()} == {"ok"}, results
+    assert len(results) == len(env.CHECKS)
+
+
+def test_docker_default_shm_is_fatal_with_the_shm_size_ipc_host_and_emptydir_fixes():
+    small = (64 * MB, 64 * MB)  # Docker's default
+    over = ["loader.num_workers=8", "trainer.batch_size=256", "dataset.train_transform.size=224"]
+    shm = checks(over, shm=small)["/dev/shm"]
+    assert shm.status == "fatal"
+    assert "Bus error" in shm.message and "8 workers" in shm.message
+    for fix in ("--shm-size=", "--ipc=host", "emptyDir", "medium: Memory", "loader.num_workers"):
+        assert fix in shm.fix, shm.fix
+    # local ranks multiply the need: 4 ranks x 2 workers of small batches no longer fit 64 MB
+    tiny = ["loader.num_workers=2", "trainer.batch_size=64", "dataset.train_transform.size=128"]
+    assert checks(tiny, shm=small)["/dev/shm"].status != "fatal"
+    assert checks(tiny, ranks=4, shm=small)["/dev/shm"].status == "fatal"
+    # no workers, no shared memory needed
+    assert checks(["loader.num_workers=0"], shm=small)["/dev/shm"].status == "ok"
+
+
+def test_a_fatal_check_stops_the_run_in_fit_with_the_fixes(tmp_path):
+    from fastload.dist import DistContext
+
+    cfg = compose_config(["trainer.device=cpu", "loader.num_workers=8", "trainer.batch_size=256"])
+    small = facts(shm=(64 * MB, 64 * MB))
+    with pytest.raises(ConfigError) as exc:
+        env.preflight(cfg, DistContext(), small)
+    text = exc.value.user_message
+    assert "pre-flight" in text and "--shm-size=" in text and "--ipc=host" in text
+    off = compose_config(["trainer.device=cpu", "loader.num_workers=8", "doctor.preflight=false"])
+    assert env.preflight(off, DistContext(), small) == []
+
+
+def test_train_py_stops_before_any_work_on_a_fatal_check(tiny_folder, tmp_path):
+    # 2 workers x 10^7 prefetched batches cannot fit any /dev/shm: refused before the data
+    run_dir = tmp_path / "run"
+    extra = ["loader.num_workers=2", "loader.prefetch_factor=10000000"]
+    out = run_train(tiny_overrides(tiny_folder, run_dir, *extra), timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: the pre-flight check found 1 problem" in out.stderr
+    assert "--shm-size=" in out.stderr and "Traceback" not in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_low_open_file_limit_warns_with_the_ulimit_fix():
+    code = (
+        "import resource, sys\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from fastload.doctor.__main__ import main\n"
+        "sys.exit(main(['env', 'trainer.device=cpu', 'loader.num_workers=2']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]  # a warning, not fatal
+    line = [ln for ln in out.stdout.splitlines() if "ulimit -n:" in ln][0]
+    assert line.startswith("[WARN ]") and "soft limit 256" in line, out.stdout
+    assert "fix: raise it before starting: `ulimit -n" in out.stdout
+    assert "--ulimit nofile=" in out.stdout
+
+
+def test_pillow_simd_without_avx2_warns_and_on_arm_is_fatal():
+    no_avx2 = frozenset({"sse4_2", "avx"})
+    cpu = checks(["backend=pillow-simd"], cpu_flags=no_avx2, pillow="pillow-simd")["CPU flags"]
+    assert cpu.status == "warn" and "Illegal instruction" in cpu.message
+    assert "install_pillow_simd.sh" in cpu.fix and "backend=turbo" in cpu.fix
+    arm = checks(["backend=pillow-simd"], arch="aarch64", cpu_flags=None)["CPU flags"]
+    assert arm.status == "fatal" and "backend=turbo" in arm.fix
+    # AVX2 does not matter to other backends
+    assert checks(["backend=pil"], cpu_flags=no_avx2)["CPU flags"].status == "ok"
+
+
+def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
+    no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
+    dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
+    assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
+    nfs = checks(dataset_fs="nfs4")["dataset file system"]
+    assert nfs.status == "warn" and "storage=tmpfs" in nfs.fix and "storage=shards" in nfs.fix
+    cores = checks(["loader.num_workers=8"], ranks=4, usable_cores=8)["cores"]
+    assert cores.status == "warn" and "loader.num_workers=auto (= 2 per rank" in cores.fix
+    gpu = checks(["trainer.device=cuda"])["GPU"]
+    assert gpu.status == "fatal" and "--gpus all" in gpu.fix
+    nvml = checks(["trainer.device=auto"], gpus=["NVIDIA H100"], nvml=None)["GPU"]
+    assert nvml.status == "warn" and "nvidia-ml-py" in nvml.fix
+    pinned = checks(
+        ["trainer.device=auto", "loader.pin_memory=true", "loader.pin_memory_max_mb=10",
+         "trainer.batch_size=256", "dataset.train_transform.size=224"],
+        gpus=["NVIDIA H100"], nvml="driver 550",
+    )["pinned memory"]  # fmt: skip
+    assert pinned.status == "fatal" and "loader.pin_memory_max_mb" in pinned.fix
+
+
+def test_doctor_env_prints_one_line_per_check_and_is_quick(capsys):
+    import time
+
+    assert doctor_main(["env", "trainer.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n[") + out.startswith("[") == len(env.CHECKS), out
+    assert f"{len(env.CHECKS)} checks: 0 fatal" in out
+    cfg = compose_config(["trainer.device=cpu"])
+    env.run_checks(cfg)  # warm (torch.cuda, NVML lookups)
+    t0 = time.perf_counter()
+    env.run_checks(cfg)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_doctor_refuses_bad_input_in_one_line(capsys):
+    assert doctor_main(["nope"]) == 2
+    assert "usage: python -m fastload.doctor {env,pipeline}" in capsys.readouterr().err
+    assert doctor_main(["env", "loader=nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        doctor_main(["pipeline", "--images", "0"])
+    assert "--images 0: use a whole number >= 1" in capsys.readouterr().err
+
+
+# -- the bottleneck doctor --------------------------------------------------------------------
+
+
+def doctor_overrides(root, *extra: str) -> list[str]:
+    """conftest's tiny run (2 CPU cores, 32 px crops, batch 4), with one worker."""
+    skip = ("hydra.", "output_root", "loader.num_workers")
+    tiny = [o for o in tiny_overrides(root, REPO / "unused" / "run") if not o.startswith(skip)]
+    return [*tiny, "loader.num_workers=1", *extra]
+
+
+def diagnose(root, *extra: str, step_ms: float = 5.0):
+    from fastload.doctor import pipeline
+
+    argv = ["--images", "8", "--batches", "3", "--model-steps", "2", "--step-ms", str(step_ms)]
+    _, report = pipeline.run(pipeline.parse([*argv, *doctor_overrides(root, *extra)]))
+    return report
+
+
+def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
+    # a slow model step (200 ms per batch of 4): nothing to fix in the data path
+    slow_model = diagnose(tiny_folder, step_ms=200)
+    assert slow_model.bound["stage"] == "model", slow_model.bound
+    assert "nothing to fix in the data path" in slow_model.bound["message"]
+    # 40 ms of extra CPU work per image (a heavy augmentation) and a fast step
+    heavy = diagnose(tiny_folder, "dataset.task.item_cost_ms=40")
+    assert heavy.bound["stage"] == "augment", heavy.bound
+    assert heavy.bound["img_s"] < 0.5 * heavy.bound["model_img_s"]
+    changes = [a[0] for a in heavy.advice]
+    assert "dataset.task.item_cost_ms=0" in changes, heavy.advice
+    # an emulated slow disk: 8 ms + size / 120 MB/s per file
+    disk = diagnose(tiny_folder, "storage=slow_disk")
+    assert disk.bound["stage"] == "storage", disk.bound
+    costs = disk.measured["costs_ms"]
+    assert costs["storage read"] > 5 * costs["decode"]
+    assert disk.advice[0][0] in ("storage=tmpfs", "storage=shards"), disk.advice
+    # the rows the table and the chart show
+    stages = [r["stage"] for r in disk.stages]
+    for name in ("storage read", "decode", "augment", "collate", "transfer + device prep",
+                 "model step", "epoch boundary (amortised)"):  # fmt: skip
+        assert name in stages
+
+
+def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "doctor"
+    argv = ["pipeline", "--images", "6", "--batches", "2", "--model-steps", "1", "--step-ms",
+            "300", "--out", str(out), *doctor_overrides(tiny_folder)]  # fmt: skip
+    assert doctor_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "bound: the model step bounds you at" in text
+    assert "best change: (nothing in the data path)" in text
+    payload = json.loads((out / "pipeline.json").read_text())
+    assert payload["bound"]["stage"] == "model"
+    assert {r["stage"] for r in payload["stages"]} >= {"decode", "model step"}
+    png = (out / "pipeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+# -- loader=auto ------------------------------------------------------------------------------
+
+
+def tune_with(root, caplog, *extra: str, model=None):
+    """fastload.doctor.autotune.tune as fit calls it, on `root`; (chosen cfg, trial log lines,
+    cache-hit log lines)."""
+    from fastload.dist import DistContext
+    from fastload.doctor.autotune import tune
+    from fastload.pipeline import build_backend, build_storage
+
+    over = [o for o in doctor_overrides(root) if not o.startswith("loader.num_workers")]
+    cfg = compose_config([*over, "loader=auto", "loader.auto.backends=[]", *extra])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        tuned, _ = tune(cfg, DistContext(), build_storage(cfg), build_backend(cfg), model,
+                        channels_last=False, amp=None)  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    return (
+        tuned,
+        [m for m in lines if m.startswith("loader=auto trial")],
+        [m for m in lines if "cache hit" in m],
+    )
+
+
+@pytest.fixture
+def tune_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTLOAD_CACHE", str(tmp_path / "cache"))
+    return make_image_folder(tmp_path / "d", per_split=(16, 2))  # 48 images: 12 batches of 4
+
+
+def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, caplog):
+    # 20 ms of CPU per image, a 30 ms step: in the main thread every batch costs 80 + 30 ms;
+    # with workers the loading overlaps the step (2 cores here: 2 workers are the known best)
+    extra = (
+        "dataset.task.item_cost_ms=20",
+        "loader.auto.step_ms=30",
+        "loader.auto.workers=[0,1,2]",
+    )
+    tuned, trials, hits = tune_with(tune_folder, caplog, *extra)
+    assert not hits and len(trials) >= 3, trials
+    assert tuned.loader.num_workers >= 1, trials
+    rate = {int(m.split("num_workers=")[1].split()[0]): float(m.split(": ")[-1].split()[0])
+            for m in trials if "prefetch_factor=2 " in m}  # fmt: skip
+    assert rate[0] < rate[tuned.loader.num_workers], trials
+    assert any(f"chose num_workers={tuned.loader.num_workers}" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    # the second run starts directly from the cache: logged, no trial
+    again, trials2, hits2 = tune_with(tune_folder, caplog, *extra)
+    assert hits2 and not trials2, caplog.text
+    assert again.loader.num_workers == tuned.loader.num_workers
+    assert again.loader.prefetch_factor == tuned.loader.prefetch_factor
+    # a changed config (batch size) is another key: probed again
+    _, trials3, hits3 = tune_with(tune_folder, caplog, *extra, "trainer.batch_size=2")
+    assert trials3 and not hits3
+    assert len(list((tune_folder.parent / "cache" / "autotune").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loader.auto.budget_s=0", "loader.auto.budget_s=0: use seconds > 0"),
+        ("loader.auto.workers=[-1]", "loader.auto.workers=[-1]: use auto or a list"),
+        ("loader.auto.backends=turbo", "loader.auto.backends='turbo': use available, []"),
+        ("loader.auto.step_ms=-5", "loader.auto.step_ms=-5: use null (measure) or ms >= 0"),
+    ],
+)
+def test_loader_auto_refuses_bad_settings_naming_the_option(tune_folder, caplog, override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        tune_with(tune_folder, caplog, override)
+
+
+def test_loader_auto_worker_candidates_follow_the_affinity_mask_and_local_ranks():
+    from fastload.doctor.autotune import worker_candidates
+
+    auto = {"workers": "auto"}
+    assert worker_candidates(auto, 1, cores=16) == [16, 8, 4, 2, 1, 0]
+    assert worker_candidates(auto, 4, cores=16) == [4, 2, 1, 0]
+    assert worker_candidates(auto, 8, cores=6) == [1, 0]
+    assert worker_candidates({"workers": [4, 12, 8]}, 1) == [12, 8, 4]
+
+
+def test_loader_auto_times_the_models_step_on_a_copy(tune_folder, caplog):
+    import torch
+
+    from fastload.tasks.base import build_task
+
+    cfg = compose_config(["dataset.num_classes=3"])
+    model = build_task(cfg).build_model(cfg)
+    before = [p.detach().clone() for p in model.parameters()]
+    extra = ("loader.auto.workers=[1]", "loader.auto.batches=2", "loader.auto.budget_s=1")
+    tuned, trials, _ = tune_with(tune_folder, caplog, *extra, model=model)
+    assert "the model's step takes" in caplog.text, caplog.text
+    if not trials:  # the budget ran out first: the base settings, said so
+        assert "no trial finished within 1 s" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_train_py_with_loader_auto_probes_then_uses_the_cache(tiny_folder, tmp_path):
+    env = {"FASTLOAD_CACHE": str(tmp_path / "cache")}
+    extra = ("loader=auto", "loader.auto.step_ms=20", "loader.auto.backends=[]",
+             "loader.auto.workers=[0,1]", "trainer.epochs=1")  # fmt: skip
+    first = run_train(tiny_overrides(tiny_folder, tmp_path / "a" / "run", *extra), env=env)
+    text = first.stdout + first.stderr
+    assert first.returncode == 0, text[-3000:]
+    assert "loader=auto trial 1:" in text and "loader=auto: chose num_workers=" in text, text
+    second = run_train(tiny_overrides(tiny_folder, tmp_path / "b" / "run", *extra), env=env)
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert "loader=auto: cache hit" in text and "loader=auto trial" not in text, text
