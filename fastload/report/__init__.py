@@ -96,9 +96,9 @@ def group_variants(runs: list[Run]) -> list[Variant]:
 def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
     if baseline is None:
         return variants[0]
-    wanted = set(baseline.split())
+    wanted = set(baseline.lower().split())  # Hydra writes booleans as True / False
     for v in variants:
-        if wanted <= set(v.name.split()):
+        if wanted <= set(v.name.lower().split()):
             return v
     names = ", ".join(v.name for v in variants)
     raise ReportError(f"--baseline {baseline!r} matches no variant; the variants are: {names}.")

@@ -6,7 +6,7 @@ source "$(dirname "$0")/_common.sh"
 parse_size "${1:-}"
 case "$SIZE" in
     # tiny: two batch sizes only (the sweep's command-line value replaces the yaml's)
-    tiny) overrides="trainer.batch_size=8,64 dataset.prepare.train_count=16 dataset.prepare.val_count=4 trainer.epochs=1" ;;
+    tiny) overrides="trainer.batch_size=8,64 dataset.prepare.train_count=16 dataset.prepare.val_count=4 dataset.repeat=4 trainer.epochs=1" ;;
     small) overrides="dataset.prepare.train_count=64 dataset.prepare.val_count=8 dataset.repeat=8" ;;
     full)
         : "${DATA:?full size needs DATA=<DIV2K root with DIV2K_train_HR/, DIV2K_train_LR_bicubic/X2/, DIV2K_valid_*>}"
