@@ -192,3 +192,10 @@ def test_item_cost_adds_cpu_work_per_sample(tiny_folder, tmp_path):
     ds[(0, 0)]
     assert time.perf_counter() - wall0 >= 0.040
     assert time.process_time() - cpu0 >= 0.010  # it burns CPU (a sleep would not)
+
+
+def test_report_keeps_a_sweeps_job_order(tmp_path):
+    runs = [fake_run(tmp_path, j, [f"loader.num_workers={j}"], [1.0 + j]) for j in range(12)]
+    shell_order = sorted(runs, key=lambda p: p.name)  # what a glob gives: 0, 1, 10, 11, 2, ...
+    rows = build_report(shell_order, tmp_path / "report")["rows"]
+    assert [r["variant"] for r in rows] == [f"loader.num_workers={j}" for j in range(12)]

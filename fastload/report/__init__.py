@@ -169,7 +169,10 @@ def build_report(run_dirs, out: Path, baseline: str | None = None, title: str = 
     """Read the runs, write report.md / report.json / the charts into `out`; the table."""
     from fastload.report.charts import write_charts
 
-    runs = [read_run(Path(p)) for p in run_dirs]
+    paths = [Path(p) for p in run_dirs]
+    if all(p.name.isdigit() for p in paths):  # a sweep's job folders: job order, not 0,1,10,2
+        paths.sort(key=lambda p: (str(p.parent), int(p.name)))
+    runs = [read_run(p) for p in paths]
     if not runs:
         raise ReportError("no run directories given.")
     variants = group_variants(runs)

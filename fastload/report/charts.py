@@ -55,7 +55,7 @@ def _bar(ax, rows, key: str, scale: float, unit: str, title: str) -> None:
 
 
 def normalized_chart(rows, out: Path, title: str) -> Path:
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 4), dpi=110)
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(rows)), 4.2), dpi=110)
     xs = list(range(len(rows)))
     med = [r["normalized"] or 0 for r in rows]
     err = [
@@ -65,8 +65,9 @@ def normalized_chart(rows, out: Path, title: str) -> Path:
     colours = [BASE_COLOUR if r["baseline"] else OTHER_COLOUR for r in rows]
     ax.bar(xs, med, yerr=err, capsize=4, color=colours)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="baseline = 1.0")
-    for x, m in zip(xs, med, strict=True):
-        ax.annotate(f"{m:.2f}×", (x, m), ha="center", va="bottom", fontsize=8,
+    for x, m, r in zip(xs, med, rows, strict=True):
+        top = max(m, r["normalized_max"] or m)  # above the error bar, not on it
+        ax.annotate(f"{m:.2f}×", (x, top), ha="center", va="bottom", fontsize=8,
                     xytext=(0, 3), textcoords="offset points")  # fmt: skip
     ax.set_xticks(xs, _labels(rows), fontsize=8, rotation=20, ha="right")
     ax.set_xlabel(_axis_name(rows), fontsize=9)
