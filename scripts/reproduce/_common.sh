@@ -3,7 +3,7 @@
 # and spread, into outputs/reproduce/<name>/<size>-<time>/, then `python -m fastload.report`
 # on the job folders. Sizes:
 #   tiny   a smoke run of a minute or two on 2 CPU cores (a few images, 1 epoch, 1 repeat)
-#   small  about ten minutes on 2 CPU cores (the built-in synthetic data, 3 repeats)
+#   small  a few minutes on 2 CPU cores (2-7 min here; the built-in synthetic data, 3 repeats)
 #   full   the published scale, for a GPU box: DATA=<dataset root> (see each script)
 # Environment: PYTHON (default python), FASTLOAD_REPRODUCE_DIR (default outputs/reproduce),
 # REPEATS (override the size's repeat count).
@@ -19,7 +19,7 @@ parse_size() {  # SIZE -> sets SIZE and REPEATS, or prints the usage and exits 2
         small) REPEATS=${REPEATS:-3} ;;
         full) REPEATS=${REPEATS:-3} ;;
         *)
-            echo "usage: $0 tiny|small|full   (tiny: 1-2 min smoke run; small: ~10 min on 2 CPU cores; full: the published scale on a GPU box)" >&2
+            echo "usage: $0 tiny|small|full   (tiny: 1-2 min smoke run; small: a few minutes on 2 CPU cores; full: the published scale on a GPU box)" >&2
             exit 2
             ;;
     esac
