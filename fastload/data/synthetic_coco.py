@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-from fastload.atomic import AlreadyBuilt, building
+from fastload.data.generated import Generated, run_tasks
 from fastload.data.synthetic import (
     _PALETTES,
     _background,
@@ -44,8 +42,7 @@ from fastload.data.synthetic import (
     _texture_mix,
     class_signature,
 )
-from fastload.errors import ConfigError, DatasetError
-from fastload.host import ignore_sigint
+from fastload.errors import ConfigError
 
 MANIFEST_NAME = "fastload-synthetic-coco.json"
 _GENERATOR = "fastload-synthetic-coco"
@@ -167,32 +164,12 @@ def _params(**kw) -> dict:
     return {"generator": _GENERATOR, "version": GENERATOR_VERSION, **kw}
 
 
-def _check_existing(root: Path, params: dict) -> bool:
-    """True when root holds this dataset already; False when absent or empty; DatasetError
-    when it holds anything else (never written into: it may be a user's data)."""
-    if not root.exists():
-        return False
-    if not root.is_dir():
-        raise DatasetError(f"synthetic COCO root {root} is not a folder; pass dataset.root=<a "
-                           f"new or empty folder>.")  # fmt: skip
-    try:
-        manifest = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        if not any(root.iterdir()):
-            return False
-        raise DatasetError(
-            f"{root} is not empty and is not a synthetic COCO made by fastload (no readable "
-            f"{MANIFEST_NAME}), so nothing is generated there: pass dataset.root=<a new or "
-            f"empty folder>. To train on a real COCO in {root}, use dataset=coco2017 "
-            f"dataset.root={root}."
-        ) from None
-    if manifest.get("params") != params:
-        raise DatasetError(
-            f"{root} holds a synthetic COCO generated with other parameters "
-            f"({manifest.get('params')}, wanted {params}); pass dataset.root=<other folder> "
-            f"or delete {root} (and {root}.packs if present)."
-        )
-    return True
+GENERATED = Generated(
+    MANIFEST_NAME,
+    "synthetic COCO",
+    "Pass dataset.root=<a new or empty folder>. To train on a real COCO in {root}, use "
+    "dataset=coco2017 dataset.root={root}.",
+)
 
 
 def _validate(num_categories, train_images, val_images, sizes, quality) -> None:
@@ -225,25 +202,12 @@ def ensure_synthetic_coco(
     """Generate the synthetic COCO into `root` unless it is there already; returns root."""
     sizes = (int(min_long_side), int(max_long_side))
     _validate(num_categories, train_images, val_images, sizes, quality)
-    root = Path(root).expanduser().absolute()
     params = _params(num_categories=int(num_categories), train_images=int(train_images),
                      val_images=int(val_images), seed=int(seed), min_long_side=sizes[0],
                      max_long_side=sizes[1], quality=int(quality))  # fmt: skip
-    if _check_existing(root, params):
-        return root
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with building(root) as tmp:
-            counts = _generate(tmp, params, workers, progress)
-            manifest = {"params": params, "splits": counts}
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))  # last: complete
-    except AlreadyBuilt:  # another process (a DDP rank) won the race: fine if it is ours
-        if not _check_existing(root, params):
-            raise
-    except OSError as e:
-        raise DatasetError(f"cannot write the synthetic COCO {root}: {e}; pass dataset.root="
-                           f"<a writable folder with space>.") from e  # fmt: skip
-    return root
+    return GENERATED.ensure(
+        root, params, lambda tmp: {"splits": _generate(tmp, params, workers, progress)}
+    )
 
 
 def _generate(tmp: Path, p: dict, workers: int | None, progress: bool) -> dict:
@@ -257,25 +221,8 @@ def _generate(tmp: Path, p: dict, workers: int | None, progress: bool) -> dict:
         tasks = [(str(tmp / split / f"{i:06d}.jpg"), p["seed"], split_id, i,
                   p["num_categories"], sizes, p["quality"], i == n - 1)  # the last: no object
                  for i in range(n)]  # fmt: skip
-        entries = _run(tasks, workers, progress, f"synthetic COCO {split}")
+        entries = run_tasks(_write_one, tasks, workers, progress, f"synthetic COCO {split}", "img")
         coco = instances(entries, p["num_categories"], degenerate=split == "train")
         (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
         counts[split] = n
     return counts
-
-
-def _run(tasks: list[tuple], workers: int | None, progress: bool, desc: str) -> list[dict]:
-    from tqdm import tqdm
-
-    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
-    with tqdm(total=len(tasks), desc=desc, unit="img", file=sys.stderr,
-              disable=not progress) as bar:  # fmt: skip
-        if workers == 1:
-            return [bar.update() or _write_one(t) for t in tasks]
-        # spawn: the caller may hold CUDA or OpenMP threads, which fork does not survive
-        with multiprocessing.get_context("spawn").Pool(workers, initializer=ignore_sigint) as pool:
-            out = []
-            for entry in pool.imap(_write_one, tasks, chunksize=8):  # in order: ids follow it
-                out.append(entry)
-                bar.update()
-            return out

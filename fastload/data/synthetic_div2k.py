@@ -19,18 +19,14 @@ else is never written into.
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
-import sys
 from pathlib import Path
 
 from PIL import Image
 
-from fastload.atomic import AlreadyBuilt, building
+from fastload.data.generated import Generated, run_tasks
 from fastload.data.synthetic import MAX_CLASSES, render_image
-from fastload.errors import ConfigError, DatasetError
-from fastload.host import ignore_sigint
+from fastload.errors import ConfigError
 
 MANIFEST_NAME = "fastload-synthetic-div2k.json"
 GENERATOR = "fastload-synthetic-div2k"
@@ -64,27 +60,13 @@ def write_pair(task: tuple) -> int:
     return os.path.getsize(hr_path) + os.path.getsize(lr_path)
 
 
-def _existing(root: Path, params: dict) -> bool:
-    """True when root holds this synthetic DIV2K; False when absent or empty; else refused."""
-    if not root.exists():
-        return False
-    if root.is_dir() and not any(root.iterdir()):
-        return False
-    try:
-        theirs = json.loads((root / MANIFEST_NAME).read_text(encoding="utf-8"))["params"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise DatasetError(
-            f"{root} is not empty and is not a synthetic DIV2K made by fastload (no readable "
-            f"{MANIFEST_NAME}), so nothing is generated there. To train on the images in it "
-            f"add dataset.prepare=null (DIV2K layout, or dataset.layout.lr=null for any image "
-            f"folder); to generate, pass dataset.root=<a new or empty folder>."
-        ) from None
-    if theirs != params:
-        raise DatasetError(
-            f"{root} holds a synthetic DIV2K generated with other parameters ({theirs}, wanted "
-            f"{params}): pass dataset.root=<another folder> or delete {root}."
-        )
-    return True
+GENERATED = Generated(
+    MANIFEST_NAME,
+    "synthetic DIV2K",
+    "To train on the images in it add dataset.prepare=null (DIV2K layout, or "
+    "dataset.layout.lr=null for any image folder); to generate, pass dataset.root=<a new or "
+    "empty folder>.",
+)
 
 
 def ensure_synthetic_div2k(
@@ -110,27 +92,17 @@ def ensure_synthetic_div2k(
             f"synthetic DIV2K: min_long_side={min_long_side}, max_long_side={max_long_side}: "
             f"need {16 * scale} <= min_long_side <= max_long_side."
         )
-    root = Path(root).expanduser().absolute()
     params = {"generator": GENERATOR, "version": GENERATOR_VERSION, "scale": scale,
               "train_count": train_count, "val_count": val_count, "seed": seed,
               "min_long_side": min_long_side, "max_long_side": max_long_side}  # fmt: skip
-    if _existing(root, params):
-        return root
-    try:
-        with building(root) as tmp:
-            tasks = _tasks(tmp, params)
-            total = _run(tasks, workers, progress, root)
-            manifest = {"params": params, "files": 2 * len(tasks), "total_bytes": total}
-            (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    except AlreadyBuilt:  # another rank or run made the same folder first
-        if not _existing(root, params):
-            raise
-    except OSError as e:
-        raise DatasetError(
-            f"cannot write the synthetic DIV2K {root}: {e}; pass dataset.root=<a writable "
-            f"folder with space>."
-        ) from e
-    return root
+
+    def build(tmp: Path) -> dict:
+        tasks = _tasks(tmp, params)
+        desc = f"generating synthetic DIV2K {Path(root).name}"
+        sizes = run_tasks(write_pair, tasks, workers, progress, desc, "pair", chunksize=4)
+        return {"files": 2 * len(tasks), "total_bytes": sum(sizes)}
+
+    return GENERATED.ensure(root, params, build)
 
 
 def _tasks(tmp: Path, params: dict) -> list[tuple]:
@@ -149,18 +121,3 @@ def _tasks(tmp: Path, params: dict) -> list[tuple]:
                           params["min_long_side"], params["max_long_side"]))  # fmt: skip
             index += 1
     return tasks
-
-
-def _run(tasks: list[tuple], workers: int | None, progress: bool, root: Path) -> int:
-    from tqdm import tqdm
-
-    workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
-    bar = tqdm(total=len(tasks), desc=f"generating synthetic DIV2K {root.name}", unit="pair",
-               file=sys.stderr, disable=not progress)  # fmt: skip
-    with bar:
-        if workers == 1:
-            results = map(write_pair, tasks)
-            return sum(bar.update() or n for n in results)
-        ctx = multiprocessing.get_context("spawn")  # the caller may hold threads
-        with ctx.Pool(workers, initializer=ignore_sigint) as pool:
-            return sum(bar.update() or n for n in pool.imap(write_pair, tasks, chunksize=4))
