@@ -164,6 +164,10 @@ def make_backend(name, monkeypatch):
         from fastload.decode.turbo import TurboBackend
 
         return TurboBackend()
+    if name == "turbo-noroi":  # the whole-image decode (simplejpeg), as without libturbojpeg 3
+        from fastload.decode.turbo import TurboBackend
+
+        return TurboBackend(roi="off")
     if name == "turbo-fast":
         from fastload.decode.turbo import TurboBackend
 
@@ -198,7 +202,8 @@ def run_load(backend, data, transform, seed):
 
 BACKENDS = [
     "pil-draft",
-    "turbo",  # resize=auto: cv2 here
+    "turbo",  # resize=auto: cv2 here; roi=auto: ROI decode here (tests/test_roi_decode.py)
+    "turbo-noroi",
     "turbo-pil",
     "turbo-cv2-nodct",  # whole-pixel boxes and crops >= 2x the output (block pre-averaging)
     "turbo-fast",
@@ -262,6 +267,7 @@ def test_decode_error_falls_back_with_the_same_box(kinds, backend_name, monkeypa
     if backend_name == "accimage":
         backend.accimage = FakeAccimage(fail=True)
     else:
+        backend.roi = None  # the whole-image path (its ROI twin: tests/test_roi_decode.py)
         backend.simplejpeg = types.SimpleNamespace(
             decode_jpeg=lambda *a, **k: (_ for _ in ()).throw(ValueError("bad huffman"))
         )
@@ -312,19 +318,25 @@ def mixed_items(kinds, copies=3):
     return [(k, d) for _ in range(copies) for k, d in kinds.items()]
 
 
-def test_fallback_counts_cross_worker_processes(kinds):
-    """Per-sample counters travel worker -> collate -> batch["counts"] (what the engine sums
-    into the epoch row, next to skipped_corrupt)."""
-    from fastload.decode.turbo import TurboBackend
-
-    items = mixed_items(kinds)
-    ds = ImageDataset(BytesStorage(items), TurboBackend(), RandomResizedCropFlip(32), seed=0)
+def epoch_counts(items, backend, size=32) -> dict[str, int]:
+    """One epoch over in-memory (name, bytes) items through 2 worker processes: the batches'
+    backend counters summed, as the engine sums them into the epoch row."""
+    ds = ImageDataset(BytesStorage(items), backend, RandomResizedCropFlip(size), seed=0)
     loader = build_test_loader("loader.num_workers=2", "loader.drop_last=false", dataset=ds)
     loader.set_epoch(0)
     totals: dict[str, int] = {}
     for batch in loader:
         for k, v in batch["counts"].items():
             totals[k] = totals.get(k, 0) + v
+    return totals
+
+
+def test_fallback_counts_cross_worker_processes(kinds):
+    """Per-sample counters travel worker -> collate -> batch["counts"] (what the engine sums
+    into the epoch row, next to skipped_corrupt)."""
+    from fastload.decode.turbo import TurboBackend
+
+    totals = epoch_counts(mixed_items(kinds), TurboBackend())
     for reason in ("not_jpeg", "cmyk", "exif_rotated"):
         expected = sum(r == reason for r in EXPECTED_FALLBACK.values()) * 3
         assert totals[f"decode_fallback_{reason}"] == expected

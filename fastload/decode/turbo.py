@@ -5,7 +5,16 @@ Per image: read the header (size, components, EXIF orientation), sample the crop
 full-resolution size (the same RNG draw, hence the same box, as backend=pil), pick the
 largest reduction s in {8, 4, 2} after which the box still covers the output size, decode at
 1/s (libjpeg-turbo skips most of the IDCT work), map the box by 1/s, then crop + resize +
-flip. Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
+flip.
+
+`roi` (auto | on | off): with libjpeg-turbo >= 3.0 (fastload/decode/tj3.py) only the region
+the crop samples is decoded, at 1/s: rows below it are never entropy-decoded, columns and
+rows outside it skip IDCT, upsampling and colour conversion. RandomResizedCrop keeps about
+half the image on average, so a crop decodes ~1.25x faster (single core, synthetic set). The
+pixels are those of the whole-image path. Progressive JPEGs, a missing library and
+TurboJPEG errors take the whole-image simplejpeg path, counted as decode_roi_fallback_*.
+
+Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
 or fails, the image goes through PIL's `open_rgb` with the same box, and the fallback is
 counted by reason.
 
@@ -31,11 +40,13 @@ the cores (the loader's worker_init does the same for any cv2 user).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from PIL import Image
 
 from fastload.data.transforms import resized_crop
+from fastload.decode import tj3
 from fastload.decode.base import JpegOnlyBackend, load_with_box
 from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
@@ -46,6 +57,25 @@ from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
 RESIZE_CHOICES = ("auto", "pil", "cv2")
+ROI_CHOICES = ("auto", "on", "off")
+# Why a JPEG went through the whole-image decode although ROI decode was asked for.
+ROI_FALLBACK_REASONS = ("no_library", "progressive", "error")
+
+
+def make_roi_decoder(roi, fastdct: bool, fastupsample: bool):
+    """The TurboJPEG 3 region decoder, or None when `roi` is off, or auto and the library
+    is missing (on: a ConfigError naming the fix)."""
+    roi = {True: "on", False: "off"}.get(roi, roi)
+    if roi not in ROI_CHOICES:
+        raise ConfigError(f"backend.roi={roi!r}: use one of {', '.join(ROI_CHOICES)}.")
+    if roi == "off":
+        return None
+    try:
+        return tj3.RoiDecoder(fastdct=fastdct, fastupsample=fastupsample)
+    except ImportError as e:
+        if roi == "on":
+            raise ConfigError(f"backend.roi=on: {e} (or set backend.roi=auto / off)") from None
+        return None
 
 
 def import_simplejpeg():
@@ -128,6 +158,7 @@ class TurboBackend(JpegOnlyBackend):
         fastdct: bool = False,
         fastupsample: bool = False,
         resize: str = "auto",
+        roi: str = "auto",
     ):
         if resize not in RESIZE_CHOICES:
             raise ConfigError(f"backend.resize={resize!r}: use one of {', '.join(RESIZE_CHOICES)}.")
@@ -138,8 +169,13 @@ class TurboBackend(JpegOnlyBackend):
         self.dct_scale = bool(dct_scale)
         self.fastdct = bool(fastdct)
         self.fastupsample = bool(fastupsample)
+        self.roi_option = roi
+        self.roi = make_roi_decoder(roi, self.fastdct, self.fastupsample)
         self.counts = Counts(
-            "decode_dct_scaled", *(f"decode_fallback_{r}" for r in FALLBACK_REASONS)
+            "decode_dct_scaled",
+            "decode_roi",
+            *(f"decode_fallback_{r}" for r in FALLBACK_REASONS),
+            *(f"decode_roi_fallback_{r}" for r in ROI_FALLBACK_REASONS),
         )
 
     def __getstate__(self):  # a module cannot be pickled (spawn-started workers)
@@ -152,14 +188,48 @@ class TurboBackend(JpegOnlyBackend):
 
     def info(self) -> dict:
         resize = f"cv2-{self.cv2.__version__}" if self.cv2 is not None else pillow_name()
+        if self.roi is not None:
+            decoder = f"libturbojpeg-3 ROI ({os.path.basename(self.roi.path)})"
+        elif self.roi_option == "off":
+            decoder = f"simplejpeg-{self.simplejpeg.__version__}"
+        else:
+            decoder = f"simplejpeg-{self.simplejpeg.__version__} (no ROI: {tj3.UNAVAILABLE_REASON})"
         return {
-            "decoder": f"simplejpeg-{self.simplejpeg.__version__}",
+            "decoder": decoder,
             "decoder_fallback": pillow_name(),
             "resize": resize,
         }
 
     def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
         s = dct_scale(box, transform.size) if self.dct_scale else 1
+        if self.roi is not None and not info.progressive:
+            try:
+                return self._load_roi(data, info, box, flip, transform.size, s)
+            except tj3.RoiDecodeError:
+                self.counts.add("decode_roi_fallback_error")
+        elif self.roi is not None:
+            # Progressive files decode every scan of the whole image's coefficients first:
+            # TurboJPEG crops them, but a half-area region was only ~6 % faster (measured on
+            # the photo set re-encoded progressive), so they keep the simplejpeg path.
+            self.counts.add("decode_roi_fallback_progressive")
+        elif self.roi_option != "off":
+            self.counts.add("decode_roi_fallback_no_library")
+        return self._load_whole(data, info, box, flip, transform, s)
+
+    def _load_roi(self, data: bytes, info, box, flip: bool, size: int, s: int) -> np.ndarray:
+        """Decode only the region the crop samples (at 1/s), then the same crop as the
+        whole-image path: identical pixels (the region's margin absorbs its edge effects)."""
+        width, height, subsamp = self.roi.header(data)
+        if (width, height) != (info.width, info.height) or not 0 <= subsamp < len(tj3.MCU_WIDTH):
+            raise tj3.RoiDecodeError(f"header {width}x{height} subsampling {subsamp}")
+        mcu = tj3.scaled_mcu_width(subsamp, s)
+        region, local_box = tj3.region_for(box, s, width, height, size, mcu)
+        pixels = self.roi.decode(data, s, region)
+        self.counts.add("decode_roi")
+        self.counts.add("decode_dct_scaled", int(s > 1))
+        return self._resized_crop(pixels, local_box, size, flip)
+
+    def _load_whole(self, data: bytes, info, box, flip: bool, transform, s: int) -> np.ndarray:
         try:
             pixels = self.simplejpeg.decode_jpeg(
                 data,

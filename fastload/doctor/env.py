@@ -80,6 +80,9 @@ class Facts:
     nvml_error: str = ""
     decoders: dict = field(default_factory=dict)  # module -> installed (bool)
     pillow: str = "pillow"  # pillow | pillow-simd (the loaded PIL)
+    roi_decode: str | None = (
+        None  # backend=turbo's ROI decode: "" usable, else why not; None: unknown
+    )
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -139,7 +142,15 @@ def gather(cfg: DictConfig | None = None) -> Facts:
         nvml_error=why,
         decoders={m: importlib.util.find_spec(m) is not None for m in DECODER_MODULES},
         pillow=pillow_flavour(),
+        roi_decode=roi_decode_status(),
     )
+
+
+def roi_decode_status() -> str:
+    """ "" when libturbojpeg >= 3.0 loads (backend=turbo decodes crop regions), else why not."""
+    from fastload.decode import tj3
+
+    return "" if tj3.load() is not None else tj3.UNAVAILABLE_REASON
 
 
 # -- what the config asks for ------------------------------------------------------------------
@@ -398,6 +409,14 @@ def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     if a.backend == "turbo" and not facts.decoders.get("cv2", True):
         return Check(name, WARN, f"backend=turbo without OpenCV resizes with PIL ({text})",
                      "pip install opencv-python-headless (about 7x faster crops).")  # fmt: skip
+    roi_wanted = a.backend == "turbo" and str(cfg.backend.get("roi", "auto")) != "off"
+    if roi_wanted and facts.roi_decode:
+        return Check(name, WARN, f"backend=turbo decodes whole images, not crop regions "
+                     f"({facts.roi_decode})", "pip install turbojpeg (Linux x86_64), or "
+                     "FASTLOAD_LIBTURBOJPEG=/path/to/libturbojpeg.so.0 of libjpeg-turbo >= 3.0; "
+                     "crops decode ~1.25x faster with it.")  # fmt: skip
+    if roi_wanted and facts.roi_decode == "":
+        text += "; ROI decode: libturbojpeg 3"
     return Check(name, OK, f"backend={a.backend}; {text}")
 
 
