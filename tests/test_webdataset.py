@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import build_test_loader, make_image_folder, run_torchrun
+from conftest import (
+    build_test_loader,
+    make_image_folder,
+    run_torchrun,
+    run_train,
+    tiny_overrides,
+)
 
 from fastload.data.sampling import shard_stream_order
 from fastload.errors import StorageError
@@ -405,7 +411,32 @@ def test_s3_through_moto_server(data, tmp_path, monkeypatch):
         server.stop()
 
 
-# -- the application: 2-process DDP -------------------------------------------------------
+# -- the application: resume=auto and 2-process DDP ------------------------------------------
+
+
+@pytest.mark.slow  # three train.py runs, ~40 s here; the loader-level test above is fast
+def test_train_resumed_mid_epoch_matches_the_uninterrupted_run(data, tmp_path):
+    root, pack = data
+    common = ["trainer.epochs=2", "loader.num_workers=0", "trainer.batch_size=4"]
+    common += wds_overrides(pack, tmp_path / "cache")
+    common += ["storage._target_=tests.helpers.SigtermWebDataset"]
+    ref = run_train(tiny_overrides(root, tmp_path / "ref" / "r", *common, "name=ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # SIGTERM at the 31st read: in epoch 1 (5 batches of 4 from 21), a few steps in.
+    killed_dir = tmp_path / "out" / "b" / "r1"
+    killed = run_train(
+        tiny_overrides(root, killed_dir, *common, "name=b"), env={"SIGTERM_AFTER_READS": "31"}
+    )
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    state = torch.load(killed_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["epoch"] == 1 and 0 < state["step_in_epoch"] < 5, state["step_in_epoch"]
+    resumed_dir = tmp_path / "out" / "b" / "r2"
+    resumed = run_train(tiny_overrides(root, resumed_dir, *common, "name=b", "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(tmp_path / "ref" / "r" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
 
 
 def test_two_process_ddp_over_http_equal_batches(data, tmp_path):
