@@ -413,6 +413,18 @@ class WdsReader(Reader):
         self._account(n, t0)
         return data, target
 
+    def _evict(self) -> None:
+        """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
+        again: it measures the network); local shards leave the page cache."""
+        if self.cache is None or not is_remote(self.base):
+            return super()._evict()
+        files = self.store_files()
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+        log.info(
+            "cold cache: removed %d shard(s) of %s from %s", len(files), self.base, self.cache.dir
+        )
+
     def store_root(self) -> str:
         if self.cache is not None and is_remote(self.base):
             return str(self.cache.dir)
