@@ -265,7 +265,7 @@ class WdsReader(Reader):
     """`(bytes, target)` of one split's shards; a shard is fetched (or opened) on first use
     in each process, a few memory maps are kept open at a time."""
 
-    _unpicklable = ("_maps", "_index", "_verified", "_bad")
+    _unpicklable = ("_maps", "_verified", "_bad")
 
     def __init__(
         self,
@@ -303,7 +303,7 @@ class WdsReader(Reader):
         self.cold_cache = bool(cold_cache)
         avg = max(1.0, float(self.shard_sizes.mean())) if len(shards) else 1.0
         self.max_maps = max(4, int(self.shuffle_buffer / avg) + 3)
-        self._maps = self._index = self._verified = self._bad = None
+        self._maps = self._verified = self._bad = None
         self._init_stats()
 
     def __len__(self) -> int:
@@ -370,25 +370,27 @@ class WdsReader(Reader):
     def _open(self, k: int):
         """(memory map, image offsets, lengths) of shard k, opened once per process."""
         if self._maps is None:
-            self._maps, self._index, self._verified, self._bad = (
-                collections.OrderedDict(),
-                {},
-                set(),
-                {},  # fmt: skip
-            )
+            self._maps, self._verified, self._bad = collections.OrderedDict(), set(), {}
         got = self._maps.get(k)
         if got is not None:
             self._maps.move_to_end(k)
             return got
-        path = self.local_path(k)
-        keys, offs, lens, _ = tar_index(path, self.urls[k])
+        for attempt in (0, 1):
+            try:
+                path = self.local_path(k)
+                keys, offs, lens, _ = tar_index(path, self.urls[k])
+                fh = open(path, "rb")  # noqa: SIM115
+                break
+            except FileNotFoundError:  # evicted by another process between fill and open
+                if attempt:
+                    raise
         if len(keys) != int(self.shard_sizes[k]):
             raise CorruptShard(
                 f"corrupt shard {self.urls[k]}: {len(keys)} image members, the manifest says "
                 f"{int(self.shard_sizes[k])}."
             )
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         self._maps[k] = got = (mm, offs, lens)
         while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
             self._maps.popitem(last=False)[1][0].close()
