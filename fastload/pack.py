@@ -7,6 +7,8 @@
         --annotations instances_train2017.json --images DIR      # -> DST/train2017/
     python -m fastload.pack {lmdb,shards} DST --source div2k \
         --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
+    python -m fastload.pack webdataset SRC DST [--max-side N --quality Q] [--shard-mb M]
+                                           [--shard-samples N]   # tar shards + manifest.json
     python -m fastload.pack verify DST            # every record's checksum (shards, LMDB)
 
 COCO: one record per image (by image id), target = image id, plus its boxes [x, y, w, h]
@@ -41,6 +43,8 @@ from fastload.storage import lmdb_store, shards
 from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.packing import pack_split, stale_reason
 from fastload.storage.shards import ShardStorage
+from fastload.storage.webdataset import WebDatasetStorage
+from fastload.storage.webdataset import verify_split as webdataset_verify
 
 
 def split_dirs(src: Path) -> list[Path]:
@@ -59,6 +63,16 @@ def make_storage(args):
         return LmdbStorage(**common, compression=args.compression)
     if args.compression:
         raise StorageError("--compression is an LMDB option (shards stay uncompressed).")
+    if args.format == "webdataset":
+        if args.source != "imagefolder":
+            raise StorageError(
+                f"webdataset --source {args.source}: only ImageFolder sources are written to "
+                f"tar shards so far; use shards or lmdb for COCO and DIV2K."
+            )
+        shard = {"shard_mb": args.shard_mb, "shard_samples": args.shard_samples}
+        return WebDatasetStorage(
+            kind=args.kind, max_side=args.max_side, quality=args.quality, **shard
+        )
     return ShardStorage(**common, shard_mb=args.shard_mb)
 
 
@@ -94,6 +108,7 @@ def pack_one(args, src_dir, out, source=None) -> None:
 PACK_CHECKS = (
     (ShardStorage, shards.verify_split),
     (LmdbStorage, lmdb_store.verify_split),
+    (WebDatasetStorage, webdataset_verify),
 )
 
 
@@ -116,7 +131,7 @@ def find_packs(root: Path) -> list[tuple[Path, object]]:
     if not found:
         raise StorageError(
             f"no pack in {root}: expected a shard pack (a folder with meta.json) or an LMDB "
-            f"pack (a folder with data.mdb) there or below it (`python -m fastload.pack "
+            f"pack (a folder with data.mdb) or a webdataset pack (a folder with manifest.json) there or below it (`python -m fastload.pack "
             f"shards|lmdb SRC DST` writes one per split into DST)."
         )
     return sorted(found, key=lambda f: str(f[0]))
@@ -156,7 +171,7 @@ def parse(argv):
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("format", choices=["lmdb", "shards", "verify"])
+    p.add_argument("format", choices=["lmdb", "shards", "webdataset", "verify"])
     p.add_argument(
         "src",
         type=Path,
@@ -181,6 +196,7 @@ def parse(argv):
     )
     p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
     p.add_argument("--shard-mb", type=int, default=1024)
+    p.add_argument("--shard-samples", type=int, help="webdataset: at most N samples per shard")
     p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
     p.add_argument(
         "--split-name", help="coco/div2k: the pack's split folder (default: the source's name)"

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
 from fastload.data.dataset import Normalize
-from fastload.data.sampling import EpochSampler, ShardSampler
+from fastload.data.sampling import EpochSampler, ShardSampler, ShardStreamSampler
 from fastload.errors import ConfigError
 from fastload.loaders.device_prep import DTYPES, DevicePrep
 from fastload.tasks.base import build_task
@@ -157,7 +157,18 @@ def build_loader(
     if dataset is None:
         dataset = task.dataset(cfg, split, reader, backend, normalize if where == "cpu" else None)
         collate_fn = collate_fn or task.collate
-    if train:
+    shard_sizes = getattr(getattr(dataset, "reader", None), "shard_sizes", None)
+    if shard_sizes is not None:  # a store read shard by shard (storage=webdataset)
+        sampler = ShardStreamSampler(
+            shard_sizes,
+            rank=rank,
+            world_size=world_size,
+            seed=cfg.seed,
+            train=train,
+            window=dataset.reader.shuffle_buffer,
+            remainder=dataset.reader.remainder,
+        )
+    elif train:
         sampler = EpochSampler(
             len(dataset), rank=rank, world_size=world_size, shuffle=True, seed=cfg.seed
         )

@@ -9,6 +9,7 @@ import signal
 from fastload.data.layouts import as_layout
 from fastload.storage.disk import DiskStorage, SourceReader
 from fastload.storage.tmpfs import TmpfsStorage
+from fastload.storage.webdataset import WdsReader, WebDatasetStorage
 
 
 class SigtermReader(SourceReader):
@@ -49,3 +50,24 @@ class RecordingTmpfs(TmpfsStorage):
         with open(self.record, "a") as f:
             f.write(f"{os.environ.get('RANK', '0')}\n")
         super().prepare(root, splits, **kw)
+
+
+class SigtermWebDataset(WebDatasetStorage):
+    """storage=webdataset whose train reader sends SIGTERM after $SIGTERM_AFTER_READS reads
+    (loader.num_workers=0), like SigtermAfterReads."""
+
+    def _reader(self, base, manifest):
+        reader = super()._reader(base, manifest)
+        reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
+        if reads and "/train" in base:
+            reader.__class__ = _SigtermWdsReader
+            reader.left = reads
+        return reader
+
+
+class _SigtermWdsReader(WdsReader):
+    def read(self, i):
+        self.left -= 1
+        if self.left == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().read(i)

@@ -13,6 +13,10 @@ the train split of the default synthetic set.
           live worker's mmap keeps its pages); on tmpfs nothing can be evicted (the data IS
           the page cache), so its cold row is the warm number, marked.
 
+webdataset reads tar shards (--wds-shard-mb) where they are; webdataset-http streams the same
+shards from Python's http.server on this machine through the node cache (under --tmpfs-dir):
+warm = the cached epoch, cold = the cache emptied before each pass (every shard fetched).
+
 --ffcv-python runs FFCV (scripts/bench_ffcv.py, in an environment that has it) on the same
 files in the same run: raw pixels at --raw-size and full-size JPEG, and the target lines
 compare whole epochs against those rows instead of the issue's reference figures.
@@ -25,8 +29,12 @@ summed over workers (what one reader saw; tells a cold pass from a warm one).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -48,7 +56,7 @@ from fastload.bench.common import (
 from fastload.host import fs_type, usable_cores
 from fastload.storage.base import du_bytes
 
-STORES = ("disk", "tmpfs", "lmdb", "shards-jpeg", "shards-raw")
+STORES = ("disk", "tmpfs", "lmdb", "shards-jpeg", "shards-raw", "webdataset", "webdataset-http")
 # FFCV on this 2-core machine (issue 5's reference figures; not re-measured here unless an
 # FFCV venv is available): raw pixels ~1,800 img/s, full-size JPEG ~830 img/s, RRC 224 + flip.
 FFCV_RAW, FFCV_JPEG = 1800.0, 830.0
@@ -81,6 +89,15 @@ def store_overrides(name: str, args) -> list[str]:
             f"storage.quality={args.quality}",
         ],
         "shards-raw": ["storage=shards", "storage.kind=raw", f"storage.size={args.raw_size}"],
+        # tar shards read where they are (local files) / streamed from a web server through
+        # the node cache: its warm row reads the cached shards, its cold row empties the
+        # cache before each epoch (every shard crosses the network again).
+        "webdataset": ["storage=webdataset", f"storage.shard_mb={args.wds_shard_mb}"],
+        "webdataset-http": [
+            "storage=webdataset",
+            f"storage.url={getattr(args, 'wds_url', None)}",
+            f"storage.cache_dir={args.tmpfs_dir}-wds-cache",
+        ],
     }
     return options[name] + ["storage.cold_cache=true"]
 
@@ -108,6 +125,36 @@ def open_store(name: str, root: Path, args):
     storage.prepare(root, [args.split])
     prep_s = time.perf_counter() - t0
     return cfg, storage, Path(storage.open(root, args.split).store_root()), prep_s
+
+
+@contextlib.contextmanager
+def served_webdataset(root: Path, args):
+    """webdataset-http: the split's local webdataset pack (packed now when missing) served
+    by Python's threaded http.server in a subprocess on a free port, as a stand-in for a
+    web server on the network; sets args.wds_url."""
+    from fastload.storage.webdataset import WebDatasetStorage
+
+    store = WebDatasetStorage(shard_mb=args.wds_shard_mb)
+    store.prepare(root, [args.split])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = store.pack_root(root)
+    cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+    proc = subprocess.Popen(
+        [*cmd, "--directory", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                break
+            time.sleep(0.05)
+        args.wds_url, args.wds_folder = f"http://127.0.0.1:{port}", folder / args.split
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(f"{args.tmpfs_dir}-wds-cache", ignore_errors=True)
 
 
 def make_loader(cfg, storage, persistent: bool):
@@ -185,6 +232,7 @@ def parse(argv):
     p.add_argument("--max-side", type=int, default=256, help="shards-jpeg: re-encode side")
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--raw-size", type=int, default=256, help="shards-raw: stored longer side")
+    p.add_argument("--wds-shard-mb", type=int, default=8, help="webdataset: tar shard size")
     p.add_argument("--tmpfs-dir", default="/dev/shm/fastload-bench")
     p.add_argument("--keep-tmpfs", action="store_true")
     p.add_argument(
@@ -207,8 +255,11 @@ def parse(argv):
 def measure_store(name: str, root: Path, args) -> list[dict]:
     """The warm and the cold row of one store."""
     cfg, storage, where, pack_s = open_store(name, root, args)
+    if name == "webdataset-http":  # its store root is the (empty) node cache: size the pack
+        where = args.wds_folder
     apparent, allocated = du_bytes(where)
-    on_ram = fs_type(where) in ("tmpfs", "ramfs")
+    # a streamed store's cold pass empties its node cache (a real cold pass, even on tmpfs)
+    on_ram = fs_type(where) in ("tmpfs", "ramfs") and name != "webdataset-http"
     rows = []
     for mode in ("warm", "cold"):
         # Cold passes need fresh workers: a live worker's mmap pins the pages it mapped.
@@ -260,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     root = Path(args.root) if args.root else default_dataset()
     rows = []
-    for name in args.stores.split(","):
-        rows += measure_store(name, root, args)
+    with contextlib.ExitStack() as stack:
+        if "webdataset-http" in args.stores.split(","):
+            stack.enter_context(served_webdataset(root, args))
+        for name in args.stores.split(","):
+            rows += measure_store(name, root, args)
     if not args.keep_tmpfs and "tmpfs" in args.stores:
         shutil.rmtree(args.tmpfs_dir, ignore_errors=True)
     if args.ffcv_python:

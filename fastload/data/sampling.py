@@ -13,8 +13,13 @@ drop_last), so pipelining changes timing, never content.
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
+
+log = logging.getLogger("fastload")
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -105,3 +110,109 @@ class EpochBatches(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         return sum(n for _, _, n in self.plan)
+
+
+def shard_stream_order(
+    shard_sizes, *, seed: int, epoch: int, rank: int, world_size: int, window: int,
+    remainder: str = "pad",
+) -> tuple[list[int], int]:  # fmt: skip
+    """One rank's sample order for a store read shard by shard (storage=webdataset), a
+    function of (seed, epoch, rank, world_size) only, and how many samples the remainder
+    padded (+) or dropped (-) across all ranks this epoch.
+
+    1. the shards are permuted by (seed, epoch) and their samples laid end to end (each shard
+       in its stored order): the epoch's stream, read sequentially;
+    2. the stream is cut into `world_size` contiguous, EQUAL parts: every rank gets the same
+       number of samples (so the same number of batches: no rank waits for another at an
+       all-reduce), whatever the number of shards, also fewer shards than ranks. The
+       N % world_size samples left over are handled explicitly: `pad` repeats the stream's
+       first ones (every sample at least once, like DistributedSampler), `drop` leaves the
+       stream's last ones out this epoch (a different few each epoch);
+    3. a rank's part is shuffled block-wise: it is cut into equal blocks of at most `window`
+       consecutive samples, each permuted uniformly (seed, epoch, rank). A worker so needs at most the shards
+       that overlap one window (about window / shard size + 2), which bounds the node cache a
+       rank needs, unlike a classic shuffle buffer whose stragglers come back to shards read
+       long ago."""
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    if remainder not in ("pad", "drop"):
+        raise ValueError(f"remainder={remainder!r}: use pad or drop")
+    rng = np.random.default_rng([seed, epoch, 0x57D5])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    perm = rng.permutation(len(sizes))
+    stream = np.concatenate(
+        [np.arange(starts[k], starts[k] + sizes[k]) for k in perm] or [np.zeros(0, np.int64)]
+    )
+    n = len(stream)
+    per_rank = -(-n // world_size) if remainder == "pad" else n // world_size
+    extra = per_rank * world_size - n
+    if extra > 0:
+        stream = np.concatenate([stream, stream[:extra]])
+    part = stream[rank * per_rank : (rank + 1) * per_rank].copy()
+    window = max(1, int(window))
+    if window > 1 and len(part):
+        # ceil(len / window) blocks of equal size (no small last block that mixes less)
+        cuts = np.linspace(0, len(part), -(-len(part) // window) + 1).astype(np.int64)
+        block_rng = np.random.default_rng([seed, epoch, rank, 0xB10C])
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            part[a:b] = part[a:b][block_rng.permutation(b - a)]
+    return part.tolist(), extra
+
+
+class ShardStreamSampler(torch.utils.data.Sampler):
+    """The sampler of a store read shard by shard (a reader with `shard_sizes`): training
+    order from `shard_stream_order` (equal parts per rank, block-wise shuffle), evaluation
+    in stored order, rank r a contiguous 1/W of it without padding (metrics count every
+    sample once; each rank fetches only its shards). Yields `(epoch, index)` like
+    `EpochSampler`; resume skips batches of `epoch_keys`, which depend on (seed, epoch) only,
+    so a resumed run continues with exactly the samples the interrupted one would have read."""
+
+    def __init__(
+        self, shard_sizes, *, rank: int, world_size: int, seed: int, train: bool = True,
+        window: int = 1, remainder: str = "pad",
+    ):  # fmt: skip
+        self.shard_sizes = np.asarray(shard_sizes, dtype=np.int64)
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.train, self.window, self.remainder = train, int(window), remainder
+        self.epoch = 0
+        self.skipped = 0
+        self._cache: tuple[int, list[int]] | None = None
+        if train:
+            n = int(self.shard_sizes.sum())
+            left = n % world_size
+            if left and rank == 0:
+                log.info(
+                    "%d samples over %d ranks: %d sample(s) %s each epoch so that every rank "
+                    "gets %d (storage.remainder=%s)",
+                    n, world_size, world_size - left if remainder == "pad" else left,
+                    "repeated" if remainder == "pad" else "left out", len(self.order(0)),
+                    remainder,
+                )  # fmt: skip
+
+    def order(self, epoch: int) -> list[int]:
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if self.train:
+            out, _ = shard_stream_order(
+                self.shard_sizes, seed=self.seed, epoch=epoch, rank=self.rank,
+                world_size=self.world_size, window=self.window, remainder=self.remainder,
+            )  # fmt: skip
+        else:
+            n = int(self.shard_sizes.sum())
+            out = list(
+                range(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+            )
+        self._cache = (epoch, out)
+        return out
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.epoch, self.skipped = epoch, skip
+
+    def epoch_keys(self, epoch: int) -> list[tuple[int, int]]:
+        e = epoch if self.train else 0
+        return [(e, i) for i in self.order(epoch)]
+
+    def __iter__(self):
+        return iter(self.epoch_keys(self.epoch)[self.skipped :])
+
+    def __len__(self) -> int:
+        return len(self.order(self.epoch)) - self.skipped

@@ -1,0 +1,232 @@
+"""The node-local shard cache of storage=webdataset, and fetching a shard with retries.
+
+One folder per node (tmpfs or a local disk), shared by every rank and DataLoader worker of
+the node. A shard is fetched by whichever process needs it first; the others wait on its
+lock and then read the same file:
+
+    <dir>/<key>             a complete, verified shard (key: a hash of its URL + its name)
+    <dir>/<key>.lock        flock(2) held while one process fetches it
+    <dir>/.<key>.tmp-<pid>  the download in progress, renamed to <key> once its size and
+                            checksum match the manifest (never read under its final name
+                            half-written)
+    <dir>/<key>.bad         why a shard is corrupt (the other processes read the verdict
+                            instead of fetching it again)
+
+Size limit: before a fill, the least recently used complete shards (by mtime, touched at
+each process's first use) are removed until the new one fits. A process that still maps a
+removed shard keeps reading it (an unlinked file lives until unmapped); one that needs it
+later fetches it again. Readers map only a few shards at a time, so the RAM of removed
+shards on tmpfs comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+
+import xxhash
+
+from fastload.errors import StorageError
+
+log = logging.getLogger("fastload")
+
+REMOTE = ("http://", "https://", "s3://")
+
+
+class CorruptShard(StorageError):
+    """A shard whose size, checksum or tar structure is wrong (dataset.skip_corrupt may skip
+    its samples); a shard that cannot be fetched at all is a plain StorageError."""
+
+
+def is_remote(url: str) -> bool:
+    return str(url).startswith(REMOTE)
+
+
+def file_xxh3(path) -> str:
+    """xxh3_64 (hex) of a whole file, read in 16 MB chunks: the manifest's shard checksum."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def describe_error(exc: BaseException, url: str = "") -> str:
+    """The HTTP status or S3 error code of a failed fetch, when the exception carries one
+    (fsspec turns HTTP 404 and S3 NoSuchKey into FileNotFoundError)."""
+    if isinstance(exc, FileNotFoundError):
+        return f"{'S3 NoSuchKey' if url.startswith('s3://') else 'HTTP 404'}: not found"
+    status = getattr(exc, "status", None) or getattr(exc, "code", None)
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        err = response.get("Error", {})
+        status = f"S3 {err.get('Code')}: {err.get('Message', '')}".strip()
+    head = f"HTTP {status}" if isinstance(status, int) else (status or "")
+    text = f"{type(exc).__name__}: {exc}"
+    return f"{head} ({text})" if head else text
+
+
+def _not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or getattr(exc, "status", None) in (403, 404)
+
+
+def filesystem(url: str, storage_options: dict | None = None):
+    """The fsspec file system of a URL (fsspec caches instances per process and clears the
+    cache after a fork, so workers get their own)."""
+    try:
+        import fsspec
+    except ImportError:
+        raise StorageError(
+            "storage=webdataset needs fsspec: pip install fsspec (aiohttp for http(s) URLs)"
+        ) from None
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        return fsspec.filesystem(protocol, **(storage_options or {}))
+    except ImportError as exc:
+        extra = {"s3": "pip install 'fastload[s3]' (s3fs)", "http": "pip install aiohttp"}
+        need = extra.get(protocol, extra["http"] if protocol == "https" else f"({exc})")
+        raise StorageError(f"storage.url {url}: {protocol}:// needs {need}.") from None
+
+
+def with_retries(what: str, url: str, fn, retries: int, backoff_s: float):
+    """fn() with up to `retries` more tries after a failure, sleeping backoff_s * 2**k;
+    not-found (404 / NoSuchKey) fails at once. The final error names the URL and the cause."""
+    errors = []
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except StorageError:
+            raise
+        except Exception as exc:  # network, HTTP, S3: all named below
+            errors.append(describe_error(exc, url))
+            if _not_found(exc):
+                break
+            if attempt < retries:
+                delay = backoff_s * 2**attempt
+                log.warning(
+                    "%s %s failed (%s); retry %d/%d in %.1f s",
+                    what, url, errors[-1], attempt + 1, retries, delay,
+                )  # fmt: skip
+                time.sleep(delay)
+    raise StorageError(
+        f"cannot {what} {url} after {len(errors)} attempt(s): {errors[-1]}. Check that the "
+        f"server or bucket is reachable from this node and that storage.url is right "
+        f"(storage.retries / storage.retry_backoff_s set how hard to try)."
+    )
+
+
+def fetch(url: str, dst: Path, storage_options=None, retries=3, backoff_s=1.0) -> None:
+    """Download url to dst (streamed, not held in memory), with retries."""
+
+    def once():
+        fs = filesystem(url, storage_options)
+        fs.get_file(url, str(dst))
+
+    with_retries("fetch shard", url, once, retries, backoff_s)
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+class ShardCache:
+    """A node-local folder of fetched shards with a size limit (see the module docstring)."""
+
+    def __init__(self, directory, limit_bytes: int):
+        self.dir = Path(directory)
+        self.limit = int(limit_bytes)
+        self.fetched = 0  # shards this process downloaded (the others it found filled)
+
+    @staticmethod
+    def key(url: str) -> str:
+        return f"{xxhash.xxh3_64_hexdigest(url.encode())[:12]}-{url.rsplit('/', 1)[-1]}"
+
+    def path(self, url: str) -> Path:
+        return self.dir / self.key(url)
+
+    def get(self, url: str, expect_bytes, expect_check, fetch_fn) -> Path:
+        """The local path of url's shard: filled by `fetch_fn(url, tmp)` under the shard's
+        lock when missing (size and checksum checked before the rename), touched for LRU.
+        A corrupt shard raises StorageError (and leaves a `.bad` verdict for the others)."""
+        final = self.path(url)
+        bad = final.with_name(final.name + ".bad")
+        if not final.is_file():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with locked(final.with_name(final.name + ".lock")):
+                if bad.is_file():
+                    raise CorruptShard(bad.read_text(encoding="utf-8"))
+                if not final.is_file():
+                    self._fill(url, final, bad, expect_bytes, expect_check, fetch_fn)
+        with contextlib.suppress(OSError):
+            os.utime(final)
+        return final
+
+    def _fill(self, url, final: Path, bad: Path, expect_bytes, expect_check, fetch_fn) -> None:
+        if expect_bytes:
+            self.make_room(int(expect_bytes), keep=final)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        t0 = time.perf_counter()
+        try:
+            fetch_fn(url, tmp)
+            size = tmp.stat().st_size
+            problem = None
+            if expect_bytes is not None and size != expect_bytes:
+                cut = "truncated" if size < expect_bytes else "longer than packed"
+                problem = f"{cut}: {size} bytes, the manifest says {expect_bytes}"
+            elif expect_check is not None and file_xxh3(tmp) != expect_check:
+                problem = f"its xxh3_64 is {file_xxh3(tmp)}, the manifest says {expect_check}"
+            if problem:
+                message = (
+                    f"corrupt shard {url} ({problem}). Re-upload it (python -m fastload.pack "
+                    f"webdataset SRC DST writes it again), or set dataset.skip_corrupt=true to "
+                    f"skip and count its samples."
+                )
+                bad.write_text(message, encoding="utf-8")
+                raise CorruptShard(message)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.fetched += 1
+        dt = time.perf_counter() - t0
+        log.debug("cached %s (%.1f MB in %.2f s) as %s", url, size / 1e6, dt, final)
+
+    def entries(self) -> list[os.stat_result]:
+        out = []
+        for p in self.dir.iterdir() if self.dir.is_dir() else ():
+            if p.name.startswith(".") or p.suffix in (".lock", ".bad", ".json"):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                out.append((p, p.stat()))
+        return out
+
+    def make_room(self, need: int, keep: Path) -> None:
+        """Remove least recently used shards until `need` more bytes fit in the limit."""
+        with locked(self.dir / ".evict.lock"):
+            files = sorted(self.entries(), key=lambda e: e[1].st_mtime)
+            used = sum(st.st_size for _, st in files)
+            for p, st in files:
+                if used + need <= self.limit:
+                    break
+                if p == keep:
+                    continue
+                p.unlink(missing_ok=True)
+                used -= st.st_size
+                log.debug(
+                    "shard cache %s: evicted %s (%.1f MB)", self.dir, p.name, st.st_size / 1e6
+                )
+            if used + need > self.limit:
+                log.warning(
+                    "shard cache %s: a %.1f MB shard does not fit in storage.cache_gb=%.3g "
+                    "beside the shards in use; raise storage.cache_gb",
+                    self.dir, need / 1e6, self.limit / 1e9,
+                )  # fmt: skip

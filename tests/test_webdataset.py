@@ -1,0 +1,459 @@
+"""storage=webdataset: tar shards from a local folder, a real web server (nginx when installed,
+else Python's http.server) and an S3-protocol server (moto), through the node cache, in a
+deterministic shard-aware order with equal parts per rank and exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import (
+    build_test_loader,
+    make_image_folder,
+    run_torchrun,
+    run_train,
+    tiny_overrides,
+)
+
+from fastload.data.sampling import shard_stream_order
+from fastload.errors import StorageError
+from fastload.pack import main as pack_main
+from fastload.storage.disk import DiskStorage
+from fastload.storage.webdataset import WebDatasetStorage, expand_braces
+
+CLASSES = ("cat", "dog", "eel")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """An ImageFolder (3 classes x 7 train / 3 val, so 21 train samples: odd, not a multiple
+    of the batch) packed into tar shards of 4 samples, written sorted by class."""
+    base = tmp_path_factory.mktemp("wds")
+    root = make_image_folder(base / "tiny", classes=CLASSES, per_split=(7, 3), size=(48, 40))
+    assert pack_main(["webdataset", str(root), str(base / "pack"), "--shard-samples", "4"]) == 0
+    return root, base / "pack"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, proc, timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the server exited"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(port)
+
+
+NGINX_CONF = """
+daemon off; worker_processes 1; {user}
+pid {d}/nginx.pid; error_log {d}/error.log;
+events {{ worker_connections 64; }}
+http {{
+  access_log {log}; client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;
+  fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+  server {{ listen 127.0.0.1:{port}; root {root}; }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def web_server(folder: Path, workdir: Path):
+    """Serve `folder` over HTTP on a free port: nginx when installed, else Python's threaded
+    http.server. Yields (base URL, process, access log); both log "GET /path HTTP/1.1" 200."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "access.log"
+    if shutil.which("nginx"):
+        user = "user root;" if os.geteuid() == 0 else ""  # tmp_path is private to root
+        conf = workdir / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(user=user, d=workdir, log=log, port=port, root=folder))
+        cmd = ["nginx", "-c", str(conf), "-p", str(workdir)]
+        err = open(workdir / "stderr.log", "w")  # noqa: SIM115
+    else:
+        cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        cmd += ["--directory", str(folder)]
+        err = open(log, "w")  # noqa: SIM115 (http.server logs each request to stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_port(port, proc)
+        yield f"http://127.0.0.1:{port}", proc, log
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        err.close()
+
+
+def gets(log: Path) -> Counter:
+    """GET requests per path in the server's access log."""
+    return Counter(re.findall(r'"GET (\S+) HTTP', log.read_text()))
+
+
+def disk_samples(root, split="train"):
+    disk = DiskStorage().open(root, split)
+    return [disk.read(i) for i in range(len(disk))]
+
+
+# -- packing and the local folder ----------------------------------------------------------
+
+
+def test_pack_writes_webdataset_tars_with_a_manifest_and_reads_the_disk_bytes(data):
+    root, pack = data
+    manifest = json.loads((pack / "train" / "manifest.json").read_text())
+    assert manifest["count"] == 21 and manifest["classes"] == list(CLASSES)
+    assert [s["count"] for s in manifest["shards"]] == [4, 4, 4, 4, 4, 1]
+    assert all(len(s["xxh3_64"]) == 16 and s["bytes"] > 0 for s in manifest["shards"])
+    # The WebDataset convention: <key>.jpg + <key>.cls, readable by any tar reader.
+    with tarfile.open(pack / "train" / "shard-000000.tar") as tf:
+        names = tf.getnames()
+        assert names[:4] == ["00000000.jpg", "00000000.cls", "00000001.jpg", "00000001.cls"]
+        assert tf.extractfile("00000000.cls").read() == b"0"
+    reader = WebDatasetStorage(url=str(pack)).open(root, "train")
+    assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+    assert "shard-000001.tar sample 1 of 4" in reader.describe(5)
+    assert pack_main(["verify", str(pack)]) == 0
+
+
+def test_url_null_packs_beside_the_dataset_on_first_use(tmp_path):
+    root = make_image_folder(tmp_path / "d", per_split=(2, 1), size=(32, 24))
+    store = WebDatasetStorage(shard_samples=2)
+    with pytest.raises(StorageError, match="python -m fastload.pack webdataset"):
+        WebDatasetStorage(auto_pack=False).open(root, "train")
+    store.prepare(root, ["train", "val"])
+    assert (Path(f"{root}.packs") / "webdataset-orig" / "val" / "manifest.json").is_file()
+    reader = store.open(root, "train")
+    assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+
+
+def test_brace_patterns_and_foreign_shards_without_a_manifest(data, tmp_path):
+    assert expand_braces("a-{08..10}-{x,y}.tar") == [
+        "a-08-x.tar", "a-08-y.tar", "a-09-x.tar", "a-09-y.tar", "a-10-x.tar", "a-10-y.tar"
+    ]  # fmt: skip
+    root, pack = data
+    # Shards written by another tool: keys with folders, .cls, and an extra member.
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    samples = disk_samples(root)
+    for k in range(3):
+        with tarfile.open(foreign / f"part-{k:03d}.tar", "w") as tf:
+            for i in range(k * 7, k * 7 + 7):
+                for ext, blob in (("jpg", samples[i][0]), ("cls", b"%d" % samples[i][1]),
+                                  ("txt", b"caption")):  # fmt: skip
+                    info = tarfile.TarInfo(f"imgs/s{i:04d}.{ext}")
+                    info.size = len(blob)
+                    tf.addfile(info, __import__("io").BytesIO(blob))
+    store = WebDatasetStorage(url=str(foreign / "part-{000..002}.tar"), cache_dir=tmp_path / "c")
+    store.prepare(root, ["train"])  # local rank 0 derives the manifest once ...
+    assert len(list((tmp_path / "c").glob("*.json"))) == 1
+    reader = store.open(root, "train")  # ... the other ranks find it
+    assert reader.classes == ("0", "1", "2") and list(reader.shard_sizes) == [7, 7, 7]
+    assert [reader.read(i) for i in range(21)] == samples
+    # A pattern over our own pack uses the manifest beside the shards (no scan).
+    sub = WebDatasetStorage(url=str(pack / "{split}" / "shard-{000001..000002}.tar"))
+    reader = sub.open(root, "train")
+    assert len(reader) == 8 and reader.read(0) == samples[4]
+
+
+# -- order: equal parts per rank, every sample, shuffle quality ------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_every_rank_gets_the_same_count_and_every_sample_once(world, remainder):
+    sizes = [4, 4, 4, 1]  # 13 samples in 4 shards: fewer shards than 5 ranks too
+    parts = [
+        shard_stream_order(
+            sizes, seed=3, epoch=1, rank=r, world_size=world, window=5, remainder=remainder
+        )[0]  # fmt: skip
+        for r in range(world)
+    ]
+    assert len({len(p) for p in parts}) == 1  # equal: the same batches on every rank
+    seen = Counter(i for p in parts for i in p)
+    left = 13 % world
+    if remainder == "pad":
+        assert set(seen) == set(range(13))
+        assert sum(seen.values()) - 13 == (world - left) % world  # the repeats, counted
+    else:
+        assert set(seen) <= set(range(13)) and len(seen) == 13 - left
+        assert max(seen.values()) == 1
+    again = shard_stream_order(sizes, seed=3, epoch=1, rank=0, world_size=world, window=5,
+                               remainder=remainder)[0]  # fmt: skip
+    assert again == parts[0]  # the same order for the same (seed, epoch)
+    other = shard_stream_order(sizes, seed=3, epoch=2, rank=0, world_size=1, window=5)[0]
+    assert other != shard_stream_order(sizes, seed=3, epoch=1, rank=0, world_size=1, window=5)[0]
+
+
+def adjacent_same(classes) -> float:
+    c = np.asarray(classes)
+    return float(np.mean(c[1:] == c[:-1]))
+
+
+def longest_run(classes) -> int:
+    best = run = 1
+    for a, b in zip(classes, classes[1:], strict=False):
+        run = run + 1 if a == b else 1
+        best = max(best, run)
+    return best
+
+
+def test_shuffle_of_class_sorted_shards_is_not_clustered():
+    """10 classes x 1,000 samples written sorted by class into shards of 100 (each shard one
+    class, the worst case), 2 ranks. What a rank sees, against a uniform shuffle (adjacent
+    same-class rate 1/10, longest run ~6): measured over seeds 0-9, window 500: 0.27 / 15,
+    2000 (the default, 20 shards): 0.14 / 8, 5000 (a rank's whole part): 0.11 / 6."""
+    n_classes, per, shard = 10, 1000, 100
+    cls = np.repeat(np.arange(n_classes), per)
+    sizes = [shard] * (n_classes * per // shard)
+    uniform = 1 / n_classes
+
+    def seen(window, rank=0, seed=0):
+        order = shard_stream_order(
+            sizes, seed=seed, epoch=0, rank=rank, world_size=2, window=window
+        )[0]
+        return cls[order]
+
+    assert adjacent_same(seen(1)) > 0.95  # stored order: clustered (the metric sees it)
+    for rank in (0, 1):
+        s = seen(2000, rank)  # the yaml's default window
+        assert adjacent_same(s) < 1.8 * uniform, adjacent_same(s)
+        assert longest_run(s) <= 10, longest_run(s)
+        assert len(set(s[:500])) >= 6  # most classes early in the epoch (a window = 20 shards)
+    # the window is the knob: wider mixes better, the whole part is as good as uniform
+    rates = [np.mean([adjacent_same(seen(w, seed=k)) for k in range(4)]) for w in (500, 2000, 5000)]
+    assert rates[0] > rates[1] > rates[2] and rates[2] < 1.25 * uniform, rates
+
+
+# -- HTTP, the node cache, loaders, failures --------------------------------------------------
+
+
+def wds_overrides(url, cache, *extra):
+    return [
+        "storage=webdataset",
+        f"storage.url='{url}'",
+        f"storage.cache_dir={cache}",
+        "storage.shuffle_buffer=6",
+        "storage.retry_backoff_s=0.05",
+        "dataset.num_classes=3",
+        *extra,
+    ]
+
+
+def test_http_epochs_through_the_loader_fill_the_cache_once_per_node(data, tmp_path):
+    root, pack = data
+    with web_server(pack, tmp_path / "srv") as (url, _, log):
+        loaders = [
+            build_test_loader(
+                *wds_overrides(
+                    url, tmp_path / "cache", "loader.num_workers=2", "loader.drop_last=false"
+                ),  # fmt: skip
+                folder=root,
+                rank=rank,
+                world_size=2,
+                batch_size=4,
+            )  # fmt: skip
+            for rank in (0, 1)
+        ]
+        reader = loaders[0].dataset.reader
+        for epoch in (0, 1):
+            keys = []
+            for loader in loaders:
+                loader.set_epoch(epoch)
+                batches = list(loader.host_batches())
+                ks = loader.sampler.epoch_keys(epoch)
+                assert len(batches) == 3  # 11 samples per rank (21 padded to 22), batch 4
+                got = torch.cat([b["target"] for b in batches])
+                assert got.tolist() == [int(reader.targets[i]) for _, i in ks]
+                keys += [i for _, i in ks]
+            assert set(keys) == set(range(21)) and len(keys) == 22  # one repeat, counted
+        for loader in loaders:
+            loader.close()
+        requests = gets(log)
+    shards = [f"/train/shard-{k:06d}.tar" for k in range(6)]
+    # Two ranks x two workers x two epochs: each shard crossed the network exactly once.
+    assert {p: requests[p] for p in shards} == dict.fromkeys(shards, 1), requests
+    assert requests["/train/manifest.json"] == 2  # one per rank's open
+    assert len(list((tmp_path / "cache").glob("*shard-*.tar"))) == 6
+    assert not list((tmp_path / "cache").glob(".*tmp*"))  # nothing half-written
+
+
+def test_resume_mid_epoch_continues_with_the_samples_the_run_would_have_seen(data, tmp_path):
+    root, pack = data
+    make = lambda: build_test_loader(  # noqa: E731
+        *wds_overrides(pack, tmp_path / "c", "loader.num_workers=0"), folder=root, batch_size=4
+    )
+    whole = make()
+    whole.set_epoch(1)
+    ref = [b["image"].clone() for b in whole.host_batches()]
+    resumed = make()  # a new process's loader, as after a restart
+    resumed.set_epoch(1, skip_batches=2)  # what fit does with the checkpoint's step
+    rest = [b["image"] for b in resumed.host_batches()]
+    assert len(ref) == 5 and len(rest) == 3
+    assert all(torch.equal(a, b) for a, b in zip(ref[2:], rest, strict=True))
+    whole.set_epoch(2)
+    assert not torch.equal(next(iter(whole.host_batches()))["image"], ref[0])  # new epoch order
+
+
+def test_the_cache_limit_evicts_least_recently_used_shards(data, tmp_path):
+    root, pack = data
+    one = (pack / "train" / "shard-000000.tar").stat().st_size
+    with web_server(pack, tmp_path / "srv") as (url, _, log):
+        store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", cache_gb=2.5 * one / 1e9)
+        reader = store.open(root, "train")
+        for i in range(0, 21, 4):
+            reader.read(i)
+        kept = sorted(p.name[-10:-4] for p in (tmp_path / "c").glob("*.tar"))
+        assert kept == ["000003", "000004", "000005"]  # the least recently used went first
+        assert sum(p.stat().st_size for p in (tmp_path / "c").glob("*.tar")) <= 2.5 * one
+        reader = store.open(root, "train")  # a fresh process: the last two are local
+        reader.read(20), reader.read(16)
+        assert gets(log)["/train/shard-000005.tar"] == 1 and reader.cache.fetched == 0
+
+
+def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path, caplog):
+    root, pack = data
+    with web_server(pack, tmp_path / "srv") as (url, proc, _):
+        store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", retries=2,
+                                  retry_backoff_s=0.05)  # fmt: skip
+        reader = store.open(root, "train")
+        assert reader.read(0) == disk_samples(root)[0]
+        proc.terminate()
+        proc.wait(10)
+        with caplog.at_level(logging.WARNING, "fastload"):
+            with pytest.raises(StorageError) as err:
+                reader.read(4)  # shard 1: not cached yet
+    assert f"{url}/train/shard-000001.tar after 3 attempt(s)" in str(err.value)
+    assert "storage.retries" in str(err.value)
+    assert sum("retry" in r.message for r in caplog.records) == 2
+    # A missing shard is not retried: the error says HTTP 404 at once.
+    (tmp_path / "gone").mkdir()
+    shutil.copy(pack / "train" / "manifest.json", tmp_path / "gone" / "manifest.json")
+    with web_server(tmp_path, tmp_path / "srv2") as (url, _, log):
+        store = WebDatasetStorage(url={"train": f"{url}/gone/shard-{{000000..000005}}.tar"},
+                                  cache_dir=tmp_path / "c2")  # fmt: skip
+        with pytest.raises(StorageError, match=r"404"):
+            store.open(root, "train").read(0)
+        assert gets(log)["/gone/shard-000000.tar"] == 1
+
+
+def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):
+    root, pack = data
+    bad = tmp_path / "pack"
+    shutil.copytree(pack, bad)
+    shard = bad / "train" / "shard-000002.tar"
+    shard.write_bytes(shard.read_bytes()[:1500])  # truncated
+    with web_server(bad, tmp_path / "srv") as (url, _, _log):
+        store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", retries=0)
+        with pytest.raises(StorageError, match=r"corrupt shard .*shard-000002.tar \(truncated"):
+            store.open(root, "train").read(9)
+        assert not list((tmp_path / "c").glob("*shard-000002.tar"))  # never entered the cache
+    # Local folder, through the dataset: stop with the shard's name, or skip and count.
+    overrides = wds_overrides(
+        bad, tmp_path / "c3", "loader.num_workers=0", "loader.drop_last=false"
+    )
+    loader = build_test_loader(*overrides, folder=root)
+    loader.set_epoch(0)
+    with pytest.raises(StorageError, match="shard-000002.tar"):
+        list(loader.host_batches())
+    loader = build_test_loader(*overrides, "dataset.skip_corrupt=true", folder=root)
+    loader.set_epoch(0)
+    batches = list(loader.host_batches())
+    assert sum(b["skipped"] for b in batches) == 4  # the shard's samples, counted
+    assert sum(len(b["target"]) for b in batches) == 21 - 4  # one rank: no padding
+
+
+def test_s3_through_moto_server(data, tmp_path, monkeypatch):
+    boto3 = pytest.importorskip("boto3")
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                 ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        monkeypatch.setenv(k, v)
+    root, pack = data
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.create_bucket(Bucket="data")
+        for f in (pack / "train").iterdir():
+            s3.upload_file(str(f), "data", f"in/train/{f.name}")
+        opts = {"endpoint_url": endpoint}
+        store = WebDatasetStorage(url="s3://data/in", storage_options=opts,
+                                  cache_dir=tmp_path / "c")  # fmt: skip
+        reader = store.open(root, "train")
+        assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+        assert len(list((tmp_path / "c").glob("*.tar"))) == 6
+        missing = WebDatasetStorage(url="s3://data/in/train/shard-{000007..000008}.tar",
+                                    storage_options=opts, cache_dir=tmp_path / "c2", retries=1)  # fmt: skip
+        with pytest.raises(StorageError, match=r"s3://data/in/train/shard-000007.tar"):
+            missing.open(root, "train")
+    finally:
+        server.stop()
+
+
+# -- the application: resume=auto and 2-process DDP ------------------------------------------
+
+
+@pytest.mark.slow  # three train.py runs, ~40 s here; the loader-level test above is fast
+def test_train_resumed_mid_epoch_matches_the_uninterrupted_run(data, tmp_path):
+    root, pack = data
+    common = ["trainer.epochs=2", "loader.num_workers=0", "trainer.batch_size=4"]
+    common += wds_overrides(pack, tmp_path / "cache")
+    common += ["storage._target_=tests.helpers.SigtermWebDataset"]
+    ref = run_train(tiny_overrides(root, tmp_path / "ref" / "r", *common, "name=ref"))
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    # SIGTERM at the 31st read: in epoch 1 (5 batches of 4 from 21), a few steps in.
+    killed_dir = tmp_path / "out" / "b" / "r1"
+    killed = run_train(
+        tiny_overrides(root, killed_dir, *common, "name=b"), env={"SIGTERM_AFTER_READS": "31"}
+    )
+    assert killed.returncode == 143, killed.stderr[-3000:]
+    state = torch.load(killed_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["epoch"] == 1 and 0 < state["step_in_epoch"] < 5, state["step_in_epoch"]
+    resumed_dir = tmp_path / "out" / "b" / "r2"
+    resumed = run_train(tiny_overrides(root, resumed_dir, *common, "name=b", "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(tmp_path / "ref" / "r" / "checkpoints" / "last.pt", weights_only=True)
+    b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_two_process_ddp_over_http_equal_batches(data, tmp_path):
+    root, pack = data
+    with web_server(pack, tmp_path / "srv") as (url, _, log):
+        out_root = tmp_path / "outputs"
+        out = run_torchrun(
+            root, tmp_path, f"output_root={out_root}", "name=wds", "trainer.epochs=2",
+            *wds_overrides(url, tmp_path / "cache"), "loader.drop_last=false",
+            "dataset.skip_corrupt=false", "trainer.batch_size=4",
+        )  # fmt: skip
+        requests = gets(log)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = list((out_root / "wds").iterdir())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0, 1] and rows[0]["world_size"] == 2
+    # 21 samples: 11 per rank (one repeat), 3 batches each; both ranks stepped together.
+    assert all(r["train_images"] == 2 * 11 for r in rows), rows[0]
+    # both ranks x epochs x the train and val splits: each shard fetched once on this node
+    assert all(n == 1 for p, n in requests.items() if p.endswith(".tar")), requests
