@@ -510,3 +510,21 @@ def test_psnr_threshold_catches_geometry_bugs(kinds):
             )
             for bug, got in bugs.items():
                 assert psnr(got, want) < MIN_PSNR_DB, (bug, size, seed, psnr(got, want))
+
+
+def test_cv2_crop_written_into_a_batch_slot_is_the_same_crop(photo):
+    """cv2_resized_crop(out=...) writes the crop into the given view (a sample's place in a
+    batch) with the pixels it returns without one: whole-pixel, sub-pixel (DCT-mapped) and
+    block-averaged boxes, flipped or not."""
+    import cv2
+
+    from fastload.decode.turbo import cv2_resized_crop
+
+    pixels = np.asarray(photo)
+    slot = np.zeros((4, 48, 48, 3), np.uint8)
+    boxes = [(10, 20, 100, 80), (10.5, 20.25, 60.5, 41.75), (0, 0, 400, 300), (3, 7, 30, 200)]
+    for k, box in enumerate(boxes):
+        for flip in (False, True):
+            want = cv2_resized_crop(cv2, pixels, box, 48, flip)
+            got = cv2_resized_crop(cv2, pixels, box, 48, flip, out=slot[k])
+            assert np.shares_memory(got, slot[k]) and np.array_equal(slot[k], want), (box, flip)

@@ -117,6 +117,73 @@ def test_raw_records_are_cropped_by_the_backends_own_resize(tiny_folder, packs):
     assert len(calls) == 3
 
 
+def test_raw_batches_resize_into_the_batch_slot_with_the_items_pixels(
+    tiny_folder, packs, monkeypatch
+):
+    """The loader's batch path over raw shards (`load_batch`): crops are left to collate,
+    which resizes each straight into its place in the batch (a reused slot in a worker), and
+    the batch is bit-identical to collating the per-item samples; `__getitems__` gives the
+    per-item samples."""
+    from fastload.data.dataset import PendingCrop
+    from fastload.decode.turbo import TurboBackend
+    from fastload.loaders import batch_ring
+
+    raw = open_store("sr", tiny_folder, "train", packs)
+    tf = RandomResizedCropFlip(24)  # 96x72 records: boxes from 7 to 96 px, some averaged first
+    keys = [(e, i) for e in (1, 2) for i in range(len(raw))]
+    for backend in (TurboBackend(resize="cv2"), TurboBackend(resize="pil"), PILBackend()):
+        ds = ImageDataset(raw, backend, tf, seed=3)
+        items = [ds[k] for k in keys]
+        lazy = ds.load_batch(keys)
+        assert all(isinstance(s[0], PendingCrop) for s in lazy)
+        assert all(
+            torch.equal(a[0], b[0]) and a[1:] == b[1:]
+            for a, b in zip(ds.__getitems__(keys), items, strict=True)
+        )
+        want = collate(items)
+        got = collate(lazy)
+        assert torch.equal(got["image"], want["image"]), type(backend).__name__
+        assert torch.equal(got["target"], want["target"])
+        # In a worker with a reused slot: written into the slot, same pixels.
+        ring = batch_ring.BatchRing(1, 1, len(keys) * 3 * 24 * 24)
+        monkeypatch.setattr(batch_ring, "get_worker_info", lambda: type("W", (), {"id": 0}))
+        slot = collate(ds.load_batch(keys), ring=ring)["image"]
+        monkeypatch.undo()
+        assert isinstance(slot, batch_ring.RingSlot)
+        assert torch.equal(ring.resolve(slot), want["image"])
+    # A normalising dataset (float batches) keeps the per-item path.
+    norm = ImageDataset(raw, PILBackend(), tf, seed=3, normalize=lambda x: x.float())
+    assert not norm.crops_in_place and torch.is_tensor(norm.load_batch(keys[:2])[0][0])
+
+
+def test_raw_shard_loader_batches_match_the_items(tiny_folder, packs):
+    """Through the product loader (2 workers, reused slots, the batch path): the same batches
+    as the dataset's items collated in the main process."""
+    from conftest import build_test_loader
+
+    loader = build_test_loader(
+        "storage=shards",
+        "storage.kind=raw",
+        f"storage.path={packs / 'sr'}",
+        "storage.auto_pack=false",
+        "backend=turbo",
+        "loader.num_workers=2",
+        "loader.persistent_workers=false",
+        "loader.cross_epoch=false",
+        folder=tiny_folder,
+        batch_size=4,
+    )
+    loader.set_epoch(1)
+    batches = [(b["image"].clone(), b["target"].clone()) for b in loader.host_batches()]
+    ds = loader.dataset
+    keys = loader.sampler.epoch_keys(1)
+    hits = loader.ring_stats()["ring_hits"]
+    assert hits == len(batches) >= 3
+    for n, (image, target) in enumerate(batches):
+        want = collate([ds[k] for k in keys[n * 4 : (n + 1) * 4]])
+        assert torch.equal(image, want["image"]) and torch.equal(target, want["target"])
+
+
 def test_reencoded_shards_respect_max_side(tiny_folder, packs):
     store = open_store("sj64", tiny_folder, "train", packs)
     idx = np.load(packs / "sj64" / "train" / "index.npy")

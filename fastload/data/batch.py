@@ -2,7 +2,9 @@
 
 A sample leaves the dataset (fastload/data/dataset.py) as `(image, target)` or
 `(image, target, counts)`: image a uint8 CHW tensor (a view of the decoder's HWC array; float
-when normalize_on=cpu) or a `DeferredSample` (fastload/decode/base.py), target an int, counts
+when normalize_on=cpu), a `DeferredSample` (fastload/decode/base.py), or, from a dataset's
+`load_batch` only (the batch path the loader takes with this collate), a `PendingImage`: a
+crop not resized yet, which collate writes straight into the batch's memory; target an int, counts
 a dict of per-sample backend counters; a `Skipped` is a corrupt sample the dataset left out
 (dataset.skip_corrupt), `None` one a custom dataset left out.
 
@@ -11,9 +13,11 @@ a dict of per-sample backend counters; a `Skipped` is a corrupt sample the datas
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from fastload.torch_internals import new_shared_storage
@@ -46,6 +50,25 @@ class Skipped:
     where: str
 
 
+class PendingImage(abc.ABC):
+    """A sample's uint8 image that collate materialises in place: `write` puts its HWC pixels
+    into the sample's place in the batch (a view of the reused slot), so the image is never
+    built in a buffer of its own and copied again (~150 KB per 224 px image)."""
+
+    shape: tuple[int, int, int]  # (C, H, W) of the image it becomes
+
+    @abc.abstractmethod
+    def write(self, out: np.ndarray) -> None:
+        """Fill `out`, a C-contiguous (H, W, C) uint8 array."""
+
+    def tensor(self) -> torch.Tensor:
+        """The image alone: a CHW view of a new HWC array (what the dataset's item gives)."""
+        c, h, w = self.shape
+        hwc = np.empty((h, w, c), np.uint8)
+        self.write(hwc)
+        return torch.from_numpy(hwc).permute(2, 0, 1)
+
+
 def collate(samples: list, ring=None) -> dict:
     """Samples -> one batch dict with the keys above; skipped (corrupt) samples, `None`, are
     dropped and counted.
@@ -62,8 +85,8 @@ def collate(samples: list, ring=None) -> dict:
     if not kept:
         batch = {IMAGE: None, TARGET: None, SKIPPED: len(samples)}
     else:
-        ready = [i for i, s in enumerate(kept) if torch.is_tensor(s[0])]
-        deferred = [i for i, s in enumerate(kept) if not torch.is_tensor(s[0])]
+        ready = [i for i, s in enumerate(kept) if is_image(s[0])]
+        deferred = [i for i, s in enumerate(kept) if not is_image(s[0])]
         images = stack_images([kept[i][0] for i in ready], ring) if ready else None
         targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
         batch = {IMAGE: images, TARGET: targets, SKIPPED: len(samples) - len(kept)}
@@ -77,6 +100,55 @@ def collate(samples: list, ring=None) -> dict:
     return batch
 
 
+def is_image(x) -> bool:
+    return torch.is_tensor(x) or isinstance(x, PendingImage)
+
+
+def batch_memory(shape, dtype, ring=None):
+    """(an empty contiguous batch tensor of `shape`, its RingSlot or None): a free slot of
+    `ring`; in a DataLoader worker without one, a new shared-memory segment (as
+    default_collate does: sending the batch to the main process then moves no bytes, where
+    a private batch is copied once more into a new shared segment when it is pickled);
+    else private memory."""
+    got = ring.acquire(shape, dtype) if ring else None
+    if got is not None:
+        return got
+    out = torch.empty(0, dtype=dtype)
+    if torch.utils.data.get_worker_info() is not None:
+        nbytes = math.prod(shape) * out.element_size()
+        return out.set_(new_shared_storage(nbytes), 0, tuple(shape)), None
+    return torch.empty(tuple(shape), dtype=dtype), None
+
+
+def nchw_result(batch, slot):
+    """An NHWC batch as the NCHW view (channels_last strides) collate returns, or its slot
+    (with the NCHW view's shape and strides, for the main process to rebuild the same view)."""
+    if slot is None:
+        return batch.permute(0, 3, 1, 2)
+    order = (0, 3, 1, 2)
+    return dataclasses.replace(
+        slot,
+        shape=tuple(slot.shape[d] for d in order),
+        stride=tuple(slot.stride[d] for d in order),
+    )
+
+
+def stack_pending(images: list, ring=None):
+    """`stack_images` of a batch holding `PendingImage`s: each is written straight into its
+    place in the batch memory (tensors are copied there), NHWC, returned as in stack_images."""
+    c, h, w = images[0].shape
+    out, slot = batch_memory((len(images), h, w, c), torch.uint8, ring)
+    arr = out.numpy()
+    for k, x in enumerate(images):
+        if isinstance(x, PendingImage):
+            if tuple(x.shape) != (c, h, w):
+                raise ValueError(f"a batch of {(c, h, w)} images got one of {tuple(x.shape)}")
+            x.write(arr[k])
+        else:
+            out[k].copy_(x.permute(1, 2, 0))
+    return nchw_result(out, slot)
+
+
 def stack_images(images: list, ring=None):
     """torch.stack of CHW samples. The backends' samples are CHW views of HWC arrays; stacking
     those into contiguous NCHW is a strided gather (~0.2-0.4 ms per 224 px image on one core,
@@ -84,29 +156,13 @@ def stack_images(images: list, ring=None):
     NCHW view with channels_last strides: same values and shape, and device prep makes the
     memory format the model wants on the device, where it is cheap. With a `ring` that has
     a free slot for this worker, returns the slot's `RingSlot` instead of a tensor."""
+    if any(isinstance(x, PendingImage) for x in images):
+        return stack_pending(images, ring)
     hwc = [x.permute(1, 2, 0) for x in images if x.dim() == 3]
     nhwc = len(hwc) == len(images) and all(x.is_contiguous() for x in hwc)
     parts = hwc if nhwc else images
-    out = slot = None
-    got = ring.acquire((len(parts), *parts[0].shape), parts[0].dtype) if ring else None
-    if got is not None:
-        out, slot = got
-    elif torch.utils.data.get_worker_info() is not None:
-        # In a DataLoader worker, stack straight into shared memory (as default_collate
-        # does): sending the batch to the main process then moves no bytes, where a private
-        # batch is copied once more into a new shared segment when it is pickled.
-        shape = (len(parts), *parts[0].shape)
-        out = torch.empty(0, dtype=parts[0].dtype)
-        nbytes = math.prod(shape) * out.element_size()
-        out.set_(new_shared_storage(nbytes), 0, shape)
+    out, slot = batch_memory((len(parts), *parts[0].shape), parts[0].dtype, ring)
     batch = torch.stack(parts, out=out)
-    if slot is not None:
-        if nhwc:  # the NCHW view's strides, for the main process to rebuild the same view
-            order = (0, 3, 1, 2)
-            slot = dataclasses.replace(
-                slot,
-                shape=tuple(slot.shape[d] for d in order),
-                stride=tuple(slot.stride[d] for d in order),
-            )
-        return slot
-    return batch.permute(0, 3, 1, 2) if nhwc else batch
+    if nhwc:
+        return nchw_result(batch, slot)
+    return slot if slot is not None else batch

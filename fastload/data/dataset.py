@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from fastload.data import rawimage
-from fastload.data.batch import Skipped
+from fastload.data.batch import PendingImage, Skipped
 from fastload.errors import CorruptImageError
 
 
@@ -50,14 +50,54 @@ class ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
+    @property
+    def crops_in_place(self) -> bool:
+        """Whether `load_batch` may leave raw-pixel crops to collate (`PendingCrop`): a
+        uint8 batch, a transform that draws its box with `sample`, a backend that crops a
+        drawn box (`crop_pixels`)."""
+        return (
+            self.normalize is None
+            and callable(getattr(self.transform, "sample", None))
+            and isinstance(getattr(self.transform, "size", None), int)
+            and callable(getattr(self.backend, "crop_pixels", None))
+        )
+
     def __getitem__(self, key):
+        return self._load(key, pending=False)
+
+    def __getitems__(self, keys: list) -> list:
+        """The samples of `keys`, the same as `[self[k] for k in keys]`."""
+        return [
+            (s[0].tensor(), *s[1:])
+            if isinstance(s, tuple) and isinstance(s[0], PendingImage)
+            else s
+            for s in self.load_batch(keys)
+        ]
+
+    def load_batch(self, keys: list) -> list:
+        """A batch's samples for fastload's `collate` (fastload/data/batch.py), the loader's
+        path: raw-pixel records come back as `PendingCrop`s (box drawn, pixels a view of the
+        record) that collate resizes straight into the batch's reused slot; everything else
+        as `__getitem__` gives it."""
+        pending = self.crops_in_place
+        return [self._load(k, pending) for k in keys]
+
+    def _load(self, key, pending: bool):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         data, target = self.reader.read(index)
         # Raw-pixel records (packed shards of decoded images) have nothing to decode.
         rng = sample_rng(self.seed, epoch, index)
         try:
             if rawimage.is_raw(data):
-                pixels = self.backend.load_pixels(rawimage.pixels(data), self.transform, rng)
+                pixels = rawimage.pixels(data)
+                if pending:
+                    box, flip = self.transform.sample(pixels.shape[1], pixels.shape[0], rng)
+                    image = PendingCrop(pixels, box, flip, self.transform.size, self.backend)
+                    counts = self.backend.pop_counts()
+                    if self.item_cost_ms > 0:
+                        busy_wait(self.item_cost_ms / 1000)
+                    return (image, target, counts) if counts else (image, target)
+                pixels = self.backend.load_pixels(pixels, self.transform, rng)
             else:
                 pixels = self.backend.load(data, self.transform, rng)
         except Exception as exc:  # any decoder's failure on bad bytes
@@ -74,6 +114,23 @@ class ImageDataset(torch.utils.data.Dataset):
             # under "encoded" and the backend's device decoder finishes it in device prep.
             image = pixels
         return (image, target, counts) if counts else (image, target)
+
+
+class PendingCrop(PendingImage):
+    """A raw-pixel sample's crop, drawn but not resized: collate has the backend resize it
+    into the sample's place in the batch (`crop_pixels(..., out=)`), the same pixels as
+    `load_pixels` with the same draw."""
+
+    __slots__ = ("pixels", "box", "flip", "size", "backend", "shape")
+
+    def __init__(self, pixels: np.ndarray, box, flip: bool, size: int, backend):
+        self.pixels, self.box, self.flip, self.size, self.backend = pixels, box, flip, size, backend
+        self.shape = (pixels.shape[2], size, size)
+
+    def write(self, out: np.ndarray) -> None:
+        got = self.backend.crop_pixels(self.pixels, self.box, self.flip, self.size, out=out)
+        if got is not out and not np.shares_memory(got, out):
+            out[...] = got  # a backend that could not write in place
 
 
 def busy_wait(seconds: float) -> None:

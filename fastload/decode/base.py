@@ -17,6 +17,10 @@ A backend (one module + one conf/backend/<name>.yaml) is a `DecodeBackend`:
     load_pixels(pixels, transform, rng)
                                   optional: already-decoded HWC pixels (raw-pixel shards)
                                   -> the same crop, resized this backend's way (default: PIL);
+    crop_pixels(pixels, box, flip, size, out=None)
+                                  optional: the same for a box already drawn, written into
+                                  `out` (a sample's place in its batch) when given; what
+                                  raw-pixel batches use (fastload/data/dataset.py);
     device_decoder                optional: a callable (cpu_images, encoded, device) -> uint8
                                   NCHW batch on `device`, set by backends whose `load` returns
                                   `DeferredSample`s (backend=nvjpeg); None otherwise.
@@ -78,6 +82,16 @@ class DecodeBackend(abc.ABC):
         h, w = pixels.shape[:2]
         img = Image.frombuffer("RGB", (w, h), pixels, "raw", "RGB", 0, 1)  # a view, no copy
         return np.array(transform(img, rng), dtype=np.uint8)
+
+    def crop_pixels(self, pixels: np.ndarray, box, flip: bool, size: int, out=None) -> np.ndarray:
+        """Decoded HWC uint8 pixels -> `box` resized to size x size and flipped, the PIL way;
+        copied into `out` (size x size x 3 uint8) when given, and returned."""
+        img = Image.fromarray(pixels)
+        got = np.asarray(resized_crop(img, box, size, flip), dtype=np.uint8)
+        if out is None:
+            return np.array(got)
+        out[...] = got
+        return out
 
 
 def open_rgb(data: bytes) -> Image.Image:

@@ -104,9 +104,15 @@ def import_cv2(required: bool):
     return cv2
 
 
-def cv2_resized_crop(cv2, pixels: np.ndarray, box, size: int, flip: bool) -> np.ndarray:
+def cv2_resized_crop(
+    cv2, pixels: np.ndarray, box, size: int, flip: bool, out: np.ndarray | None = None
+) -> np.ndarray:
     """Crop `box` (left, top, width, height; floats allowed) of an HWC uint8 array, resize
-    to size x size and flip, with OpenCV; the same geometry as `resized_crop` (PIL)."""
+    to size x size and flip, with OpenCV; the same geometry as `resized_crop` (PIL).
+
+    `out`: a C-contiguous size x size x channels uint8 array (e.g. a sample's place in a
+    batch slot) that the last pass writes straight into, so the crop is not resized into a
+    new array and copied again; returned."""
     left, top, w, h = box
     kx, ky = max(1, int(w / size)), max(1, int(h / size))  # floor of the downscale factors
     if kx > 1 or ky > 1:
@@ -128,7 +134,10 @@ def cv2_resized_crop(cv2, pixels: np.ndarray, box, size: int, flip: bool) -> np.
         # source (i + 0.5) * w / size - 0.5 of the crop, exactly PIL's mapping (~0.1 ms).
         left, top, w, h = int(left), int(top), int(w), int(h)
         out = cv2.resize(
-            pixels[top : top + h, left : left + w], (size, size), interpolation=cv2.INTER_LINEAR
+            pixels[top : top + h, left : left + w],
+            (size, size),
+            dst=out,
+            interpolation=cv2.INTER_LINEAR,
         )
         # In place (no second array): torch cannot wrap a negative-stride view.
         return cv2.flip(out, 1, dst=out) if flip else out
@@ -144,6 +153,7 @@ def cv2_resized_crop(cv2, pixels: np.ndarray, box, size: int, flip: bool) -> np.
         pixels,
         m,
         (size, size),
+        dst=out,
         flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
         borderMode=cv2.BORDER_REPLICATE,
     )
@@ -262,7 +272,13 @@ class TurboBackend(JpegOnlyBackend):
         box, flip = transform.sample(pixels.shape[1], pixels.shape[0], rng)
         return self._resized_crop(pixels, box, transform.size, flip)
 
-    def _resized_crop(self, pixels, box, size: int, flip: bool) -> np.ndarray:
+    def crop_pixels(self, pixels: np.ndarray, box, flip: bool, size: int, out=None) -> np.ndarray:
+        """`load_pixels` for a box already drawn, OpenCV's resize writing into `out`."""
+        return self._resized_crop(pixels, box, size, flip, out)
+
+    def _resized_crop(self, pixels, box, size: int, flip: bool, out=None) -> np.ndarray:
         if self.cv2 is not None:
-            return cv2_resized_crop(self.cv2, pixels, box, size, flip)
+            return cv2_resized_crop(self.cv2, pixels, box, size, flip, out)
+        if out is not None:
+            return super().crop_pixels(pixels, box, flip, size, out)
         return np.array(resized_crop(Image.fromarray(pixels), box, size, flip), dtype=np.uint8)

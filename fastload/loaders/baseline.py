@@ -124,7 +124,7 @@ class BaselineLoader:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
         self.batches = EpochBatches(sampler, batch_size, drop_last and train)
         self.dataloader = DataLoader(
-            WorkerSeeding(dataset, seed, rank),
+            WorkerSeeding(dataset, seed, rank, batched=collate_fn is None),
             batch_sampler=self.batches,
             num_workers=self.num_workers,
             collate_fn=self.collate,

@@ -72,8 +72,12 @@ class WorkerSeeding(torch.utils.data.Dataset):
     has its own RNG); user code that draws from the global RNGs does. In the main process
     (num_workers=0) the global RNGs belong to the training loop and are left alone."""
 
-    def __init__(self, dataset, seed: int, rank: int):
+    def __init__(self, dataset, seed: int, rank: int, batched: bool = False):
         self.dataset, self.seed, self.rank = dataset, int(seed), int(rank)
+        # batched: the collate is fastload's (fastload/data/batch.py), so a whole batch of
+        # keys goes to the dataset's `load_batch` when it has one (one call per batch; raw
+        # crops resized straight into the batch's slot).
+        self.load_batch = getattr(dataset, "load_batch", None) if batched else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -86,6 +90,8 @@ class WorkerSeeding(torch.utils.data.Dataset):
             np.random.seed(s)
             random.seed(s)
             torch.manual_seed(s)
+        if self.load_batch is not None:
+            return self.load_batch(keys)
         return [self.dataset[k] for k in keys]
 
     def __getitem__(self, key):
