@@ -18,6 +18,7 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from test_backends import MIN_PSNR_DB, epoch_counts, psnr
 
@@ -192,3 +193,38 @@ def test_roi_counts_reach_the_batches_through_worker_processes(layouts):
     assert totals["decode_roi"] == 2 * len(layouts)
     assert totals["decode_roi_fallback_progressive"] == 3
     assert totals["decode_roi_fallback_error"] == totals["decode_roi_fallback_no_library"] == 0
+
+
+def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, monkeypatch):
+    """The loader's batch path over JPEGs (`load_batch`): ROI-decoded samples come back as
+    the region (`PendingCrop`) that collate resizes into the batch slot; the batch equals the
+    per-item samples collated, bit for bit, fallbacks (progressive) included."""
+    from test_backends import BytesStorage
+
+    from fastload.data.batch import collate
+    from fastload.data.dataset import ImageDataset, PendingCrop
+    from fastload.loaders import batch_ring
+
+    progressive = jpeg(render_image(0, 0, 3, 11, 200, 240), progressive=True)
+    items_in = list(layouts.items()) + [("progressive", progressive)]
+    ds = ImageDataset(
+        BytesStorage(items_in), TurboBackend(roi="on"), RandomResizedCropFlip(40), seed=3
+    )
+    keys = [(e, i) for e in (1, 2) for i in range(len(items_in))]
+    items = [ds[k] for k in keys]
+    lazy = ds.load_batch(keys)
+    kinds = [type(s[0]).__name__ for s in lazy]
+    assert kinds.count("PendingCrop") == 2 * len(layouts)  # the progressive ones: finished
+    assert not isinstance(lazy[len(layouts)][0], PendingCrop)
+    want = collate(items)
+    assert torch.equal(collate(lazy)["image"], want["image"])
+    ring = batch_ring.BatchRing(1, 1, len(keys) * 3 * 40 * 40)
+    monkeypatch.setattr(batch_ring, "get_worker_info", lambda: type("W", (), {"id": 0}))
+    slot = collate(ds.load_batch(keys), ring=ring)["image"]
+    monkeypatch.undo()
+    assert isinstance(slot, batch_ring.RingSlot)
+    assert torch.equal(ring.resolve(slot), want["image"])
+    counts = collate(ds.load_batch(keys))["counts"]
+    assert (
+        counts["decode_roi"] == 2 * len(layouts) and counts["decode_roi_fallback_progressive"] == 2
+    )

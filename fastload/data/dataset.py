@@ -76,9 +76,9 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def load_batch(self, keys: list) -> list:
         """A batch's samples for fastload's `collate` (fastload/data/batch.py), the loader's
-        path: raw-pixel records come back as `PendingCrop`s (box drawn, pixels a view of the
-        record) that collate resizes straight into the batch's reused slot; everything else
-        as `__getitem__` gives it."""
+        path: raw-pixel records and ROI-decoded JPEGs come back as `PendingCrop`s (box drawn;
+        pixels a view of the record, or the decoded region) that collate resizes straight
+        into the batch's reused slot; everything else as `__getitem__` gives it."""
         pending = self.crops_in_place
         return [self._load(k, pending) for k in keys]
 
@@ -92,12 +92,12 @@ class ImageDataset(torch.utils.data.Dataset):
                 pixels = rawimage.pixels(data)
                 if pending:
                     box, flip = self.transform.sample(pixels.shape[1], pixels.shape[0], rng)
-                    image = PendingCrop(pixels, box, flip, self.transform.size, self.backend)
-                    counts = self.backend.pop_counts()
-                    if self.item_cost_ms > 0:
-                        busy_wait(self.item_cost_ms / 1000)
-                    return (image, target, counts) if counts else (image, target)
-                pixels = self.backend.load_pixels(pixels, self.transform, rng)
+                    pixels = (pixels, box, flip)
+                else:
+                    pixels = self.backend.load_pixels(pixels, self.transform, rng)
+            elif pending and hasattr(self.backend, "decode_region"):
+                # ROI-decoded JPEGs (backend=turbo): the region, resized in collate too
+                pixels = self.backend.decode_region(data, self.transform, rng)
             else:
                 pixels = self.backend.load(data, self.transform, rng)
         except Exception as exc:  # any decoder's failure on bad bytes
@@ -105,7 +105,9 @@ class ImageDataset(torch.utils.data.Dataset):
         counts = self.backend.pop_counts()
         if self.item_cost_ms > 0:
             busy_wait(self.item_cost_ms / 1000)
-        if isinstance(pixels, np.ndarray):
+        if isinstance(pixels, tuple):  # (pixels, box, flip): collate crops into the slot
+            image = PendingCrop(*pixels, self.transform.size, self.backend)
+        elif isinstance(pixels, np.ndarray):
             image = torch.from_numpy(pixels).permute(2, 0, 1)  # CHW view of HWC uint8
             if self.normalize is not None:
                 image = self.normalize(image)
@@ -117,7 +119,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
 
 class PendingCrop(PendingImage):
-    """A raw-pixel sample's crop, drawn but not resized: collate has the backend resize it
+    """A raw-pixel sample's (or an ROI-decoded JPEG's) crop, drawn but not resized: collate has the backend resize it
     into the sample's place in the batch (`crop_pixels(..., out=)`), the same pixels as
     `load_pixels` with the same draw."""
 

@@ -52,6 +52,8 @@ from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
     Counts,
     dct_scale,
+    fallback_reason,
+    jpeg_info,
 )
 from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
@@ -229,6 +231,11 @@ class TurboBackend(JpegOnlyBackend):
     def _load_roi(self, data: bytes, info, box, flip: bool, size: int, s: int) -> np.ndarray:
         """Decode only the region the crop samples (at 1/s), then the same crop as the
         whole-image path: identical pixels (the region's margin absorbs its edge effects)."""
+        pixels, local_box = self._decode_roi(data, info, box, size, s)
+        return self._resized_crop(pixels, local_box, size, flip)
+
+    def _decode_roi(self, data: bytes, info, box, size: int, s: int):
+        """(the decoded region, `box` mapped into it); RoiDecodeError when TurboJPEG refuses."""
         width, height, subsamp = self.roi.header(data)
         if (width, height) != (info.width, info.height) or not 0 <= subsamp < len(tj3.MCU_WIDTH):
             raise tj3.RoiDecodeError(f"header {width}x{height} subsampling {subsamp}")
@@ -237,7 +244,24 @@ class TurboBackend(JpegOnlyBackend):
         pixels = self.roi.decode(data, s, region)
         self.counts.add("decode_roi")
         self.counts.add("decode_dct_scaled", int(s > 1))
-        return self._resized_crop(pixels, local_box, size, flip)
+        return pixels, local_box
+
+    def decode_region(self, data: bytes, transform, rng: np.random.Generator):
+        """`load` without its last step where it can: a JPEG decoded through ROI comes back
+        as (region pixels, box in them, flip) for the loader's collate to resize straight
+        into the batch slot (`crop_pixels(..., out=)`: no 150 KB array per sample and no
+        copy); anything else as `load`'s finished crop. Same box, same pixels as `load`."""
+        info = jpeg_info(data)
+        if self.roi is None or info is None or fallback_reason(info) or info.progressive:
+            return self.load(data, transform, rng)
+        box, flip = transform.sample(info.width, info.height, rng)
+        s = dct_scale(box, transform.size) if self.dct_scale else 1
+        try:
+            pixels, local_box = self._decode_roi(data, info, box, transform.size, s)
+        except tj3.RoiDecodeError:
+            self.counts.add("decode_roi_fallback_error")
+            return self._load_whole(data, info, box, flip, transform, s)
+        return pixels, local_box, flip
 
     def _load_whole(self, data: bytes, info, box, flip: bool, transform, s: int) -> np.ndarray:
         try:
