@@ -200,10 +200,10 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     the region (`PendingCrop`) that collate resizes into the batch slot; the batch equals the
     per-item samples collated, bit for bit, fallbacks (progressive) included."""
     from test_backends import BytesStorage
+    from test_storage import collate_in_worker_slot
 
     from fastload.data.batch import collate
     from fastload.data.dataset import ImageDataset, PendingCrop
-    from fastload.loaders import batch_ring
 
     progressive = jpeg(render_image(0, 0, 3, 11, 200, 240), progressive=True)
     items_in = list(layouts.items()) + [("progressive", progressive)]
@@ -218,12 +218,7 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     assert not isinstance(lazy[len(layouts)][0], PendingCrop)
     want = collate(items)
     assert torch.equal(collate(lazy)["image"], want["image"])
-    ring = batch_ring.BatchRing(1, 1, len(keys) * 3 * 40 * 40)
-    monkeypatch.setattr(batch_ring, "get_worker_info", lambda: type("W", (), {"id": 0}))
-    slot = collate(ds.load_batch(keys), ring=ring)["image"]
-    monkeypatch.undo()
-    assert isinstance(slot, batch_ring.RingSlot)
-    assert torch.equal(ring.resolve(slot), want["image"])
+    assert torch.equal(collate_in_worker_slot(ds.load_batch(keys), monkeypatch), want["image"])
     counts = collate(ds.load_batch(keys))["counts"]
     assert (
         counts["decode_roi"] == 2 * len(layouts) and counts["decode_roi_fallback_progressive"] == 2

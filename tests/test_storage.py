@@ -117,6 +117,20 @@ def test_raw_records_are_cropped_by_the_backends_own_resize(tiny_folder, packs):
     assert len(calls) == 3
 
 
+def collate_in_worker_slot(samples, monkeypatch) -> torch.Tensor:
+    """Collate `samples` as a DataLoader worker with a reused batch slot does; asserts the
+    batch went into the slot and returns the slot's image tensor."""
+    from fastload.loaders import batch_ring
+
+    nbytes = sum(int(np.prod(s[0].shape)) for s in samples)
+    ring = batch_ring.BatchRing(1, 1, nbytes)
+    monkeypatch.setattr(batch_ring, "get_worker_info", lambda: type("W", (), {"id": 0}))
+    slot = collate(samples, ring=ring)["image"]
+    monkeypatch.undo()
+    assert isinstance(slot, batch_ring.RingSlot)
+    return ring.resolve(slot)
+
+
 def test_raw_batches_resize_into_the_batch_slot_with_the_items_pixels(
     tiny_folder, packs, monkeypatch
 ):
@@ -126,7 +140,6 @@ def test_raw_batches_resize_into_the_batch_slot_with_the_items_pixels(
     per-item samples."""
     from fastload.data.dataset import PendingCrop
     from fastload.decode.turbo import TurboBackend
-    from fastload.loaders import batch_ring
 
     raw = open_store("sr", tiny_folder, "train", packs)
     tf = RandomResizedCropFlip(24)  # 96x72 records: boxes from 7 to 96 px, some averaged first
@@ -145,12 +158,7 @@ def test_raw_batches_resize_into_the_batch_slot_with_the_items_pixels(
         assert torch.equal(got["image"], want["image"]), type(backend).__name__
         assert torch.equal(got["target"], want["target"])
         # In a worker with a reused slot: written into the slot, same pixels.
-        ring = batch_ring.BatchRing(1, 1, len(keys) * 3 * 24 * 24)
-        monkeypatch.setattr(batch_ring, "get_worker_info", lambda: type("W", (), {"id": 0}))
-        slot = collate(ds.load_batch(keys), ring=ring)["image"]
-        monkeypatch.undo()
-        assert isinstance(slot, batch_ring.RingSlot)
-        assert torch.equal(ring.resolve(slot), want["image"])
+        assert torch.equal(collate_in_worker_slot(ds.load_batch(keys), monkeypatch), want["image"])
     # A normalising dataset (float batches) keeps the per-item path.
     norm = ImageDataset(raw, PILBackend(), tf, seed=3, normalize=lambda x: x.float())
     assert not norm.crops_in_place and torch.is_tensor(norm.load_batch(keys[:2])[0][0])
