@@ -223,3 +223,16 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     assert (
         counts["decode_roi"] == 2 * len(layouts) and counts["decode_roi_fallback_progressive"] == 2
     )
+
+
+def test_region_decode_never_uses_merged_upsampling(layouts):
+    """backend.fastupsample stays off on the region path: merged upsampling with a cropping
+    region segfaulted the bundled libjpeg-turbo 3.0 beta on real photos (a whole worker lost).
+    The region crops with fastupsample=true are the accurate-upsampling ones."""
+    fast = TurboBackend(roi="on", fastupsample=True)
+    accurate = TurboBackend(roi="on")
+    for seed in range(6):
+        t = RandomResizedCropFlip(64)
+        got = fast.load(layouts["420"], t, sample_rng(0, 0, seed))
+        assert np.array_equal(got, accurate.load(layouts["420"], t, sample_rng(0, 0, seed)))
+    assert fast.pop_counts()["decode_roi"] == 6

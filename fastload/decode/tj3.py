@@ -153,7 +153,11 @@ class RoiDecoder:
             if not h:
                 raise RoiDecodeError("tj3Init failed")
             self.lib.tj3Set(h, TJPARAM_FASTDCT, int(self.fastdct))
-            self.lib.tj3Set(h, TJPARAM_FASTUPSAMPLE, int(self.fastupsample))
+            # Never TJPARAM_FASTUPSAMPLE: merged (fast) upsampling with a cropping region
+            # segfaults in the bundled libjpeg-turbo 3.0 beta (2.1.92) on some real photos
+            # (found by bench backends on the photo set); the region path always upsamples
+            # the accurate way, whatever backend.fastupsample says.
+            self.lib.tj3Set(h, TJPARAM_FASTUPSAMPLE, 0)
             self._local.handle = h
         return h
 
