@@ -287,22 +287,27 @@ def measure_store(name: str, root: Path, args) -> list[dict]:
 
 
 def print_targets(rows: list[dict], args) -> None:
-    """The targets compare whole epochs (epoch_img_s), as FFCV's loop reports them."""
+    """The targets compare whole epochs (epoch_img_s), as FFCV's loop reports them: issue 16's
+    (shards-raw and the disk JPEG path each >= 2x FFCV's raw / full-size JPEG path) and issue
+    5's (shards-jpeg >= 1.5x FFCV full-size JPEG)."""
     warm = {r["storage"]: r["epoch_img_s"] for r in rows if r["cache"] == "warm"}
     for store, ref, factor, label in (
-        ("shards-raw", warm.get(f"ffcv-raw-{args.raw_size}"), 1.0, "FFCV raw"),
-        ("shards-jpeg", warm.get("ffcv-jpeg-full"), 1.5, "1.5 x FFCV full-size JPEG"),
+        ("shards-raw", warm.get(f"ffcv-raw-{args.raw_size}"), 2.0, "FFCV raw"),
+        ("disk", warm.get("ffcv-jpeg-full"), 2.0, "FFCV full-size JPEG"),
+        ("shards-jpeg", warm.get("ffcv-jpeg-full"), 1.5, "FFCV full-size JPEG"),
     ):
         if store not in warm:
             continue
         measured = ref is not None
         if ref is None:
+            if store == "disk":
+                continue  # no reference figure without FFCV in the run
             ref = FFCV_RAW if store == "shards-raw" else FFCV_JPEG
-        goal = factor * ref
+        ratio = warm[store] / ref
         print(
-            f"{store} {warm[store]:,.0f} img/s vs {label} {goal:,.0f} "
+            f"{store} {warm[store]:,.0f} img/s vs {label} {ref:,.0f} "
             f"({'measured in this run' if measured else 'the issue reference figure'}): "
-            f"{warm[store] / goal:.2f}x, target {'met' if warm[store] >= goal else 'NOT met'}"
+            f"{ratio:.2f}x, target >= {factor:g}x {'met' if ratio >= factor else 'NOT met'}"
         )
 
 
