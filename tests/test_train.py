@@ -9,6 +9,8 @@ import pytest
 import torch
 from conftest import make_image_folder, run_torchrun, run_train, tiny_overrides
 
+from fastload.decode import tj3
+
 EPOCH_KEYS = {
     "epoch",
     "train_loss",
@@ -66,7 +68,12 @@ def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
     assert rows[0]["gpu_util_mean"] is None  # trainer.device=cpu: null, not a made-up number
     # two workers share most pages with the main process: PSS counts them once
     assert 100 < rows[0]["peak_pss_mib"] < rows[0]["peak_rss_sum_mib"]
-    assert rows[0]["decoder"].startswith("simplejpeg")  # backend=turbo, the default
+    # backend=turbo, the default: ROI decode where libturbojpeg 3 loads (the turbojpeg wheel)
+    if tj3.load() is not None:
+        assert rows[0]["decoder"].startswith("libturbojpeg-3 ROI"), rows[0]["decoder"]
+        assert all(r["decode_roi"] > 0 for r in rows), [r.get("decode_roi") for r in rows]
+    else:
+        assert rows[0]["decoder"].startswith("simplejpeg"), rows[0]["decoder"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 4 and summary["best_acc1"] == max(r["val_acc1"] for r in rows)
     assert (run_dir / ".hydra" / "config.yaml").is_file()
