@@ -3,9 +3,9 @@
     python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q | --kind raw --size S|full]
                                            [--compression lz4]
     python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S|full]
-    python -m fastload.pack {lmdb,shards} DST --source coco \
+    python -m fastload.pack {lmdb,shards,webdataset} DST --source coco \
         --annotations instances_train2017.json --images DIR      # -> DST/train2017/
-    python -m fastload.pack {lmdb,shards} DST --source div2k \
+    python -m fastload.pack {lmdb,shards,webdataset} DST --source div2k \
         --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
     python -m fastload.pack webdataset SRC DST [--max-side N --quality Q] [--shard-mb M]
                                            [--shard-samples N]   # tar shards + manifest.json
@@ -15,7 +15,7 @@ COCO: one record per image (by image id), target = image id, plus its boxes [x, 
 (float32, scaled with the image when re-encoded) and category ids (int64). DIV2K: one record
 per HR image (by name), target = position, plus the paired LR image when --lr is given (same
 kind; re-encoded/raw pairs are resized to max_side / scale, size / scale). See
-fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store}.py.
+fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store,webdataset}.py.
 
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
 folder; DST gets one pack per split (DST/<split>/), in the same sample order as storage=disk.
@@ -64,11 +64,6 @@ def make_storage(args):
     if args.compression:
         raise StorageError("--compression is an LMDB option (shards stay uncompressed).")
     if args.format == "webdataset":
-        if args.source != "imagefolder":
-            raise StorageError(
-                f"webdataset --source {args.source}: only ImageFolder sources are written to "
-                f"tar shards so far; use shards or lmdb for COCO and DIV2K."
-            )
         shard = {"shard_mb": args.shard_mb, "shard_samples": args.shard_samples}
         return WebDatasetStorage(
             kind=args.kind, max_side=args.max_side, quality=args.quality, **shard

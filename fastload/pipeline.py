@@ -158,7 +158,11 @@ def build_loader(
         dataset = task.dataset(cfg, split, reader, backend, normalize if where == "cpu" else None)
         collate_fn = collate_fn or task.collate
     shard_sizes = getattr(getattr(dataset, "reader", None), "shard_sizes", None)
-    if shard_sizes is not None:  # a store read shard by shard (storage=webdataset)
+    # A store read shard by shard (storage=webdataset), when the dataset's index is the
+    # reader's: a dataset that leaves samples out (detection train: images without boxes)
+    # or repeats them (super-resolution patches) is sampled map-style, reading its shards
+    # in place or through the node cache.
+    if shard_sizes is not None and len(dataset) == int(shard_sizes.sum()):
         sampler = ShardStreamSampler(
             shard_sizes,
             rank=rank,

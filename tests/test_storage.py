@@ -27,6 +27,7 @@ from fastload.storage.disk import DiskStorage
 from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.packing import pack_split
 from fastload.storage.shards import ShardStorage
+from fastload.storage.webdataset import WebDatasetStorage
 
 
 @pytest.fixture(scope="module")
@@ -632,10 +633,12 @@ def make_coco(root, sizes=((120, 80), (64, 48), (90, 150))):
 def open_pack(fmt, path, split):
     if fmt == "lmdb":
         return LmdbStorage(path=path, auto_pack=False).open(None, split)
+    if fmt == "webdataset":
+        return WebDatasetStorage(path=path, auto_pack=False).open(None, split)
     return ShardStorage(path=path, auto_pack=False).open(None, split)
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+@pytest.mark.parametrize("fmt", ["lmdb", "shards", "webdataset"])
 def test_coco_pack_keeps_bytes_ids_and_boxes(tmp_path, fmt):
     ann, images = make_coco(tmp_path / "coco")
     out = tmp_path / "pack"
@@ -657,10 +660,11 @@ def test_coco_pack_keeps_bytes_ids_and_boxes(tmp_path, fmt):
         assert boxes.dtype == np.float32 and labels.dtype == np.int64
         assert np.array_equal(boxes, np.array(want[image_id][0], np.float32).reshape(-1, 4))
         assert labels.tolist() == want[image_id][1]
-    assert f"{7:012d}.jpg" in store.describe(2)
+    if fmt != "webdataset":  # webdataset names the shard and sample (it keeps no paths)
+        assert f"{7:012d}.jpg" in store.describe(2)
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+@pytest.mark.parametrize("fmt", ["lmdb", "shards", "webdataset"])
 def test_coco_boxes_scale_with_reencoded_pixels(tmp_path, fmt):
     ann, images = make_coco(tmp_path / "coco")
     out = tmp_path / "pack"
@@ -713,7 +717,7 @@ def make_div2k(root, n=3, scale=2):
     return hr, lr
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+@pytest.mark.parametrize("fmt", ["lmdb", "shards", "webdataset"])
 def test_div2k_pack_keeps_hr_and_lr_pairs(tmp_path, fmt):
     hr, lr = make_div2k(tmp_path / "div2k")
     out = tmp_path / "pack"

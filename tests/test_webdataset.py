@@ -457,3 +457,110 @@ def test_two_process_ddp_over_http_equal_batches(data, tmp_path):
     assert all(r["train_images"] == 2 * 11 for r in rows), rows[0]
     # both ranks x epochs x the train and val splits: each shard fetched once on this node
     assert all(n == 1 for p, n in requests.items() if p.endswith(".tar")), requests
+
+
+# -- COCO detection targets and DIV2K pairs ----------------------------------------------
+
+
+def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
+    """<key>.json members: every sample's boxes (bit for bit) and category ids equal
+    storage=disk's, the pack keeps the category ids and dropped counts, and one train.py
+    epoch of dataset=coco runs on the shards."""
+    from fastload.data.detection import category_ids, dropped_counts
+    from fastload.data.layouts import CocoLayout
+    from fastload.data.synthetic_coco import ensure_synthetic_coco
+
+    root = ensure_synthetic_coco(
+        tmp_path / "coco", train_images=12, val_images=6, workers=1, progress=False
+    )
+    layout = CocoLayout(str(root))
+    store = WebDatasetStorage(
+        path=str(tmp_path / "wds"), shard_samples=4, cache_dir=str(tmp_path / "cache")
+    )
+    store.prepare(layout, ["train", "val"])
+    for split in ("train", "val"):
+        want, got = DiskStorage().open(layout, split), store.open(layout, split)
+        assert len(got) == len(want) and np.array_equal(got.targets, want.targets)
+        assert len(got.shard_sizes) > 1 and not got.has_pairs
+        assert category_ids(got).tolist() == category_ids(want).tolist()
+        assert dropped_counts(got) == dropped_counts(want) != {}
+        n_boxes = 0
+        for i in range(len(want)):
+            (gb, gl), (wb, wl) = got.boxes(i), want.boxes(i)
+            assert gb.dtype == np.float32 and gl.dtype == np.int64
+            np.testing.assert_array_equal(gb, wb)
+            np.testing.assert_array_equal(gl, wl)
+            assert got.read(i) == want.read(i)
+            n_boxes += len(gl)
+        assert n_boxes > 0 and any(not len(got.boxes(i)[1]) for i in range(len(got)))
+    shard = tmp_path / "wds" / "train" / "shard-000000.tar"
+    with tarfile.open(shard) as tf:
+        names = tf.getnames()
+    assert names[:3] == ["00000000.jpg", "00000000.cls", "00000000.json"]
+
+    run_dir = tmp_path / "run"
+    out = run_train(
+        [
+            "dataset=coco",
+            "model=fcos_tiny",
+            "debug=fast",
+            f"dataset.root={root}",
+            "dataset.prepare=null",
+            "trainer.device=cpu",
+            "trainer.progress=false",
+            "trainer.epochs=1",
+            "storage=webdataset",
+            f"storage.path={tmp_path / 'wds'}",
+            f"storage.cache_dir={tmp_path / 'cache'}",
+            f"hydra.run.dir={run_dir}",
+            f"output_root={tmp_path}",
+        ]
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["train_images"] == 8  # 11 images with boxes, drop_last
+    assert 0 <= rows[0]["val_map"] <= 100 and rows[0]["dropped_crowd"] == 1
+
+
+def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
+    """<key>.lr.png members: every HR record and LR pair equal storage=disk's bytes; the
+    pair dataset gives the same patches; a pack without --lr has no pairs and says so."""
+    from fastload.data.layouts import Div2kLayout
+    from fastload.data.pairs import PairDataset
+    from fastload.data.synthetic_div2k import ensure_synthetic_div2k
+    from fastload.decode.pil import PILBackend
+
+    root = ensure_synthetic_div2k(
+        tmp_path / "div2k", train_count=4, val_count=2, min_long_side=96, max_long_side=128,
+        workers=1, progress=False,
+    )  # fmt: skip
+    layout = Div2kLayout(str(root), lr="DIV2K_{split}_LR_bicubic/X{scale}")
+    store = WebDatasetStorage(
+        path=str(tmp_path / "wds"), shard_samples=3, cache_dir=str(tmp_path / "cache")
+    )
+    store.prepare(layout, ["train", "valid"])
+    for split in ("train", "valid"):
+        want, got = DiskStorage().open(layout, split), store.open(layout, split)
+        assert got.has_pairs and len(got) == len(want)
+        assert np.array_equal(got.targets, want.targets)
+        for i in range(len(want)):
+            assert got.read(i)[0] == want.read(i)[0]
+            assert got.read_pair(i) == want.read_pair(i)
+            assert ".lr image of" in got.describe_pair(i) and "shard-" in got.describe_pair(i)
+        sets = [
+            PairDataset(r, PILBackend(), scale=2, patch_size=16, train=True, seed=0, repeat=2)
+            for r in (want, got)
+        ]
+        for key in [(0, i) for i in range(len(sets[0]))]:
+            a, b = sets[0][key], sets[1][key]
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), key
+    with tarfile.open(tmp_path / "wds" / "train" / "shard-000000.tar") as tf:
+        assert "00000000.lr.png" in tf.getnames()
+    hr = root / "DIV2K_train_HR"
+    assert (
+        pack_main(["webdataset", str(tmp_path / "solo"), "--source", "div2k", "--hr", str(hr)]) == 0
+    )
+    solo = WebDatasetStorage(path=str(tmp_path / "solo"), auto_pack=False).open(None, hr.name)
+    assert not solo.has_pairs and solo.read(0)[0] == (hr / "0001.png").read_bytes()
+    with pytest.raises(StorageError, match="--lr"):
+        solo.read_pair(0)

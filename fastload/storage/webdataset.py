@@ -5,9 +5,15 @@ Shards (`python -m fastload.pack webdataset SRC DST` writes DST/<split>/):
 
     shard-000000.tar   tar members keyed by basename, the WebDataset convention:
     shard-000001.tar     00000000.jpg (or .png: the source file's bytes, or re-encoded
-                         with --max-side) and 00000000.cls (the class index, ASCII)
-    manifest.json      format, version, count, classes, pack params, and per shard: file,
-                       count, bytes, xxh3_64 of the whole file, targets. Written last: a
+                         with --max-side) and 00000000.cls (the target, ASCII: the class
+                         index; COCO: the image id; DIV2K: the position); COCO adds
+                         00000000.json ({"boxes": [[x, y, w, h], ...] in pixels of the
+                         stored image, "labels": [category id, ...]}, written for every
+                         image, even with zero boxes), DIV2K with --lr adds 00000000.lr.png
+                         (the paired LR image)
+    manifest.json      format, version, count, classes, pack params (COCO: category ids),
+                       boxes / pairs (whether the .json / .lr.* members are there), and per
+                       shard: file, count, bytes, xxh3_64 of the whole file, targets. Written last: a
                        folder without it is not a pack. Training knows the epoch length and
                        every target from it, without listing the bucket.
 
@@ -75,6 +81,8 @@ FORMAT = "fastload-webdataset"
 VERSION = 1
 MANIFEST = "manifest.json"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+BOXES_EXT = "json"  # <key>.json: {"boxes": [[x, y, w, h], ...], "labels": [id, ...]}
+PAIR_EXTS = tuple(f"lr.{e}" for e in IMAGE_EXTS)  # <key>.lr.png: the paired (LR) image
 
 
 def shard_name(k: int) -> str:
@@ -149,6 +157,7 @@ class WdsWriter:
         self.count = 0
         self._tar = None
         self._cur: dict | None = None
+        self.has_boxes = self.has_pairs = False
 
     def _roll(self) -> None:
         self._finish()
@@ -175,15 +184,28 @@ class WdsWriter:
         self._tar.addfile(info, io.BytesIO(data))
         self._cur["bytes"] += 512 + -(-len(data) // 512) * 512
 
-    def add(self, record, target: int, *, path: str = "", boxes=None, pair=None, **_) -> None:
-        if boxes is not None or pair is not None:
-            raise StorageError(
-                f"{path}: storage=webdataset packs classification samples (.jpg/.png + .cls) "
-                f"only; COCO boxes and DIV2K pairs are not written to tar shards yet. Use "
-                f"storage=shards or storage=lmdb for those."
-            )
+    def add(
+        self, record, target: int, *, path: str = "", boxes=None, labels=None, pair=None, **_
+    ) -> None:
+        """One sample: its image and .cls; `boxes` (n, 4) x, y, w, h with `labels` (n,)
+        category ids (COCO) as <key>.json; `pair` the paired image's bytes (DIV2K LR) as
+        <key>.lr.<png|jpg>, in the same shard."""
+        if self.count and (boxes is not None) != self.has_boxes:
+            raise ValueError(f"{path}: a detection pack needs boxes for every record")
+        if self.count and (pair is not None) != self.has_pairs:
+            raise ValueError(f"{path}: a paired pack needs a pair for every record")
+        extra = None
+        if boxes is not None:
+            boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
+            labels = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels)
+            if labels.shape != (len(boxes),):
+                raise ValueError(f"{path}: {len(boxes)} boxes but labels of shape {labels.shape}")
+            # float32 -> Python float -> float32 is exact, so the boxes read back bit for bit.
+            doc = {"boxes": boxes.tolist(), "labels": labels.astype(np.int64).tolist()}
+            extra = json.dumps(doc, separators=(",", ":")).encode()
+        need = len(record) + (len(pair) if pair is not None else 0) + len(extra or b"")
         full = self._cur is not None and (
-            (self._cur["count"] and self._cur["bytes"] + len(record) + 1536 > self.shard_bytes)
+            (self._cur["count"] and self._cur["bytes"] + need + 2560 > self.shard_bytes)
             or (self.shard_samples and self._cur["count"] >= self.shard_samples)
         )
         if self._tar is None or full:
@@ -191,6 +213,11 @@ class WdsWriter:
         key = f"{self.count:08d}"
         self._member(f"{key}.{_image_ext(record)}", bytes(record))
         self._member(f"{key}.cls", str(int(target)).encode())
+        if extra is not None:
+            self._member(f"{key}.{BOXES_EXT}", extra)
+        if pair is not None:
+            self._member(f"{key}.lr.{_image_ext(pair)}", bytes(pair))
+        self.has_boxes, self.has_pairs = boxes is not None, pair is not None
         self._cur["count"] += 1
         self._cur["targets"].append(int(target))
         self.count += 1
@@ -203,6 +230,8 @@ class WdsWriter:
             "count": self.count,
             "classes": list(classes),
             "params": params,
+            "boxes": self.has_boxes,
+            "pairs": self.has_pairs,
             "source": source,
             "shards": self.shards,
             "total_bytes": sum(s["bytes"] for s in self.shards),
@@ -217,12 +246,13 @@ class WdsWriter:
 
 
 def tar_index(path, name: str = "") -> tuple[list[str], np.ndarray, np.ndarray, dict]:
-    """(keys, image offsets, image lengths, {key: cls bytes' (offset, length)}) of a tar
-    shard, from its headers only, in the order the samples appear. Damaged or cut headers
+    """(keys, image offsets, image lengths, {ext: {key: (offset, length)}}) of a tar shard,
+    from its headers only, in the order the samples appear; the dict holds the other
+    members (cls, json, lr.png, ...) by extension. Damaged or cut headers
     and members cut by the end of the file raise StorageError naming the shard."""
     name = name or str(path)
     size = os.path.getsize(path)
-    keys, offs, lens, cls = [], [], [], {}
+    keys, offs, lens, extra = [], [], [], {}
     try:
         with tarfile.open(path, "r:") as tf:
             for m in tf:
@@ -238,19 +268,21 @@ def tar_index(path, name: str = "") -> tuple[list[str], np.ndarray, np.ndarray, 
                     keys.append(key)
                     offs.append(m.offset_data)
                     lens.append(m.size)
-                elif ext == "cls":
-                    cls[key] = (m.offset_data, m.size)
+                else:
+                    extra.setdefault(ext, {})[key] = (m.offset_data, m.size)
     except tarfile.TarError as exc:
         raise CorruptShard(
             f"corrupt shard {name}: not a readable tar file ({exc}), damaged or cut. Re-write "
             f"it, or set dataset.skip_corrupt=true to skip and count its samples."
         ) from None
-    return keys, np.asarray(offs, np.int64), np.asarray(lens, np.int64), cls
+    return keys, np.asarray(offs, np.int64), np.asarray(lens, np.int64), extra
 
 
 def scan_shard(path, name: str) -> dict:
-    """A manifest entry for a shard written by another tool: its samples and .cls targets."""
-    keys, _, _, cls = tar_index(path, name)
+    """A manifest entry for a shard written by another tool: its samples and .cls targets
+    (and whether it has .json boxes / .lr.* pairs)."""
+    keys, _, _, extra = tar_index(path, name)
+    cls = extra.get("cls", {})
     targets = []
     with open(path, "rb") as f:
         for key in keys:
@@ -258,7 +290,14 @@ def scan_shard(path, name: str) -> dict:
                 raise StorageError(f"shard {name}: sample {key} has no .cls member (its class).")
             f.seek(cls[key][0])
             targets.append(int(f.read(cls[key][1]).decode().strip()))
-    return {"file": name, "count": len(keys), "bytes": os.path.getsize(path), "targets": targets}
+    return {
+        "file": name,
+        "count": len(keys),
+        "bytes": os.path.getsize(path),
+        "targets": targets,
+        "boxes": BOXES_EXT in extra,
+        "pairs": any(e in extra for e in PAIR_EXTS),
+    }
 
 
 class WdsReader(Reader):
@@ -368,7 +407,8 @@ class WdsReader(Reader):
         return path
 
     def _open(self, k: int):
-        """(memory map, image offsets, lengths) of shard k, opened once per process."""
+        """(memory map, image offsets, lengths, {"json"|"lr": (offsets, lengths)}) of shard k,
+        opened once per process; -1 where a sample has no such member."""
         if self._maps is None:
             self._maps, self._verified, self._bad = collections.OrderedDict(), set(), {}
         got = self._maps.get(k)
@@ -378,7 +418,7 @@ class WdsReader(Reader):
         for attempt in (0, 1):
             try:
                 path = self.local_path(k)
-                keys, offs, lens, _ = tar_index(path, self.urls[k])
+                keys, offs, lens, extra = tar_index(path, self.urls[k])
                 fh = open(path, "rb")  # noqa: SIM115
                 break
             except FileNotFoundError:  # evicted by another process between fill and open
@@ -391,29 +431,98 @@ class WdsReader(Reader):
             )
         with fh:
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self._maps[k] = got = (mm, offs, lens)
+        members = {}
+        for name, exts in (("json", (BOXES_EXT,)), ("lr", PAIR_EXTS)):
+            found = {key: v for e in exts for key, v in extra.get(e, {}).items()}
+            if found:
+                at = [found.get(key, (-1, -1)) for key in keys]
+                members[name] = (np.asarray([a[0] for a in at]), np.asarray([a[1] for a in at]))
+        self._maps[k] = got = (mm, offs, lens, members)
         while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
             self._maps.popitem(last=False)[1][0].close()
         return got
 
-    def read(self, i: int) -> tuple[bytes, int]:
-        t0 = time.perf_counter()
-        k, j = self.locate(i)
-        target = int(self._targets[i])
+    def _shard(self, k: int):
+        """`_open(k)`, or None for a corrupt shard skipped under skip_corrupt."""
         if self._bad and k in self._bad:
-            return b"", target  # skip_corrupt: undecodable, counted under describe(i)
+            return None
         try:
-            mm, offs, lens = self._open(k)
+            return self._open(k)
         except CorruptShard as exc:
             if not self.skip_corrupt:
                 raise
             log.warning("skipping the samples of %s (dataset.skip_corrupt): %s", self.urls[k], exc)
             self._bad[k] = str(exc)
-            return b"", target
+            return None
+
+    def read(self, i: int) -> tuple[bytes, int]:
+        t0 = time.perf_counter()
+        k, j = self.locate(i)
+        target = int(self._targets[i])
+        got = self._shard(k)
+        if got is None:
+            return b"", target  # skip_corrupt: undecodable, counted under describe(i)
+        mm, offs, lens, _ = got
         off, n = int(offs[j]), int(lens[j])
         data = mm[off : off + n]
         self._account(n, t0)
         return data, target
+
+    def _extra(self, i: int, name: str) -> bytes | None:
+        """Sample i's .json ("json") or .lr.* ("lr") member; None when it has none, b"" when
+        its shard is corrupt and skipped."""
+        k, j = self.locate(i)
+        got = self._shard(k)
+        if got is None:
+            return b""
+        mm, members = got[0], got[3]
+        if name not in members or int(members[name][0][j]) < 0:
+            return None
+        off, n = int(members[name][0][j]), int(members[name][1][j])
+        return mm[off : off + n]
+
+    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's boxes (n, 4) float32 x, y, w, h in pixels of the stored image and their
+        category ids (n,) int64, from its <key>.json; n = 0 when it has none (or the pack
+        has no boxes at all, or its shard is corrupt and skipped)."""
+        none = np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
+        if not self.meta.get("boxes"):
+            return none
+        raw = self._extra(i, "json")
+        if not raw:
+            return none
+        try:
+            doc = json.loads(raw)
+            boxes = np.asarray(doc["boxes"], np.float32).reshape(-1, 4)
+            labels = np.asarray(doc["labels"], np.int64).reshape(-1)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StorageError(f"unreadable boxes (.json) of {self.describe(i)}: {exc}") from None
+        if len(labels) != len(boxes):
+            raise StorageError(
+                f"boxes (.json) of {self.describe(i)}: {len(boxes)} boxes, {len(labels)} labels"
+            )
+        return boxes, labels
+
+    @property
+    def has_pairs(self) -> bool:
+        return bool(self.meta.get("pairs"))
+
+    def read_pair(self, i: int) -> bytes:
+        """The paired record of sample i (DIV2K: the LR image, <key>.lr.png)."""
+        if not self.has_pairs:
+            raise StorageError(
+                f"{self.base} has no paired records (.lr.* members); pack the source with "
+                f"pairs (python -m fastload.pack webdataset DST --source div2k --hr .. --lr ..)."
+            )
+        t0 = time.perf_counter()
+        data = self._extra(i, "lr")
+        if data is None:
+            raise StorageError(f"{self.describe(i)} has no paired (.lr.*) member; re-pack.")
+        self._account(len(data), t0)
+        return data
+
+    def describe_pair(self, i: int) -> str:
+        return f"the .lr image of {self.describe(i)}"
 
     def _evict(self) -> None:
         """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
@@ -638,6 +747,8 @@ class WebDatasetStorage(PackedStorage):
                 "count": sum(s["count"] for s in shards),
                 "classes": [str(c) for c in range(top + 1)],
                 "params": {"derived_from": pattern},
+                "boxes": any(s.pop("boxes") for s in shards),
+                "pairs": any(s.pop("pairs") for s in shards),
                 "shards": shards,
             }
             derived.write_text(json.dumps(manifest), encoding="utf-8")
