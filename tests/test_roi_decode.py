@@ -85,7 +85,8 @@ def compare(backend, whole, data, box, flip, size):
     """(ROI crop, whole-image crop, PIL reference crop) for one box."""
     info = jpeg_info(data)
     s = dct_scale(box, size)
-    got = backend._load_roi(data, info, box, flip, size, s)
+    region, local_box = backend._decode_roi(data, info, box, size, s)
+    got = backend._resized_crop(region, local_box, size, flip)
     t = RandomResizedCropFlip(size)
     want = whole._load_whole(data, info, box, flip, t, s)
     pil = np.asarray(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)

@@ -123,13 +123,17 @@ class JpegOnlyBackend(DecodeBackend):
     counts: Counts
 
     def load(self, data: bytes, transform, rng: np.random.Generator):
+        return self.load_with(self.load_jpeg, data, transform, rng)
+
+    def load_with(self, load_jpeg, data: bytes, transform, rng: np.random.Generator):
+        """`load`'s front with another `load_jpeg` behind it (turbo's `decode_region`)."""
         info = jpeg_info(data)
         reason = fallback_reason(info)
         if reason is not None:
             self.counts.add(f"decode_fallback_{reason}")
             return reference_load(data, transform, rng)
         box, flip = transform.sample(info.width, info.height, rng)
-        return self.load_jpeg(data, info, box, flip, transform)
+        return load_jpeg(data, info, box, flip, transform)
 
     def decode_rgb(self, data) -> np.ndarray:
         """Whole-image decode: the subclass's `decode_jpeg_rgb` for the JPEGs it handles,

@@ -52,8 +52,6 @@ from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
     Counts,
     dct_scale,
-    fallback_reason,
-    jpeg_info,
 )
 from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
@@ -213,10 +211,26 @@ class TurboBackend(JpegOnlyBackend):
         }
 
     def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
+        got = self._region_or_crop(data, info, box, flip, transform)
+        if isinstance(got, tuple):
+            pixels, local_box, flip = got
+            return self._resized_crop(pixels, local_box, transform.size, flip)
+        return got
+
+    def decode_region(self, data: bytes, transform, rng: np.random.Generator):
+        """`load` without its last step where it can: a JPEG decoded through ROI comes back
+        as (region pixels, box in them, flip) for the loader's collate to resize straight
+        into the batch slot (`crop_pixels(..., out=)`: no 150 KB array per sample and no
+        copy); anything else as `load`'s finished crop. Same box, same pixels as `load`."""
+        return self.load_with(self._region_or_crop, data, transform, rng)
+
+    def _region_or_crop(self, data: bytes, info, box, flip: bool, transform):
+        """(the decoded region at 1/s, `box` mapped into it, flip) when ROI decode takes this
+        JPEG; else the whole-image path's finished crop, the reason counted."""
         s = dct_scale(box, transform.size) if self.dct_scale else 1
         if self.roi is not None and not info.progressive:
             try:
-                return self._load_roi(data, info, box, flip, transform.size, s)
+                return (*self._decode_roi(data, info, box, transform.size, s), flip)
             except tj3.RoiDecodeError:
                 self.counts.add("decode_roi_fallback_error")
         elif self.roi is not None:
@@ -228,14 +242,10 @@ class TurboBackend(JpegOnlyBackend):
             self.counts.add("decode_roi_fallback_no_library")
         return self._load_whole(data, info, box, flip, transform, s)
 
-    def _load_roi(self, data: bytes, info, box, flip: bool, size: int, s: int) -> np.ndarray:
-        """Decode only the region the crop samples (at 1/s), then the same crop as the
-        whole-image path: identical pixels (the region's margin absorbs its edge effects)."""
-        pixels, local_box = self._decode_roi(data, info, box, size, s)
-        return self._resized_crop(pixels, local_box, size, flip)
-
     def _decode_roi(self, data: bytes, info, box, size: int, s: int):
-        """(the decoded region, `box` mapped into it); RoiDecodeError when TurboJPEG refuses."""
+        """(the decoded region, `box` mapped into it); RoiDecodeError when TurboJPEG refuses.
+        The region's margin absorbs its edge effects: the crop of it is the whole-image
+        path's crop."""
         width, height, subsamp = self.roi.header(data)
         if (width, height) != (info.width, info.height) or not 0 <= subsamp < len(tj3.MCU_WIDTH):
             raise tj3.RoiDecodeError(f"header {width}x{height} subsampling {subsamp}")
@@ -245,23 +255,6 @@ class TurboBackend(JpegOnlyBackend):
         self.counts.add("decode_roi")
         self.counts.add("decode_dct_scaled", int(s > 1))
         return pixels, local_box
-
-    def decode_region(self, data: bytes, transform, rng: np.random.Generator):
-        """`load` without its last step where it can: a JPEG decoded through ROI comes back
-        as (region pixels, box in them, flip) for the loader's collate to resize straight
-        into the batch slot (`crop_pixels(..., out=)`: no 150 KB array per sample and no
-        copy); anything else as `load`'s finished crop. Same box, same pixels as `load`."""
-        info = jpeg_info(data)
-        if self.roi is None or info is None or fallback_reason(info) or info.progressive:
-            return self.load(data, transform, rng)
-        box, flip = transform.sample(info.width, info.height, rng)
-        s = dct_scale(box, transform.size) if self.dct_scale else 1
-        try:
-            pixels, local_box = self._decode_roi(data, info, box, transform.size, s)
-        except tj3.RoiDecodeError:
-            self.counts.add("decode_roi_fallback_error")
-            return self._load_whole(data, info, box, flip, transform, s)
-        return pixels, local_box, flip
 
     def _load_whole(self, data: bytes, info, box, flip: bool, transform, s: int) -> np.ndarray:
         try:
