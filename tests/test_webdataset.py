@@ -466,6 +466,8 @@ def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
     """<key>.json members: every sample's boxes (bit for bit) and category ids equal
     storage=disk's, the pack keeps the category ids and dropped counts, and one train.py
     epoch of dataset=coco runs on the shards."""
+    from test_detection import coco_run_args, read_jsonl
+
     from fastload.data.detection import category_ids, dropped_counts
     from fastload.data.layouts import CocoLayout
     from fastload.data.synthetic_coco import ensure_synthetic_coco
@@ -500,24 +502,17 @@ def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
 
     run_dir = tmp_path / "run"
     out = run_train(
-        [
-            "dataset=coco",
-            "model=fcos_tiny",
-            "debug=fast",
-            f"dataset.root={root}",
-            "dataset.prepare=null",
-            "trainer.device=cpu",
-            "trainer.progress=false",
+        coco_run_args(
+            root,
+            run_dir,
             "trainer.epochs=1",
             "storage=webdataset",
             f"storage.path={tmp_path / 'wds'}",
             f"storage.cache_dir={tmp_path / 'cache'}",
-            f"hydra.run.dir={run_dir}",
-            f"output_root={tmp_path}",
-        ]
+        )
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 1 and rows[0]["train_images"] == 8  # 11 images with boxes, drop_last
     assert 0 <= rows[0]["val_map"] <= 100 and rows[0]["dropped_crowd"] == 1
 

@@ -68,6 +68,7 @@ from fastload.storage.packing import KINDS, PackedStorage
 from fastload.storage.wds_cache import (
     CorruptShard,
     ShardCache,
+    fetch,
     file_xxh3,
     filesystem,
     is_remote,
@@ -370,12 +371,7 @@ class WdsReader(Reader):
 
     def _fetch(self, url: str, dst: Path) -> None:
         if is_remote(url):
-            opts = self.storage_options
-
-            def once():
-                filesystem(url, opts).get_file(url, str(dst))
-
-            with_retries("fetch shard", url, once, self.retries, self.retry_backoff_s)
+            fetch(url, dst, self.storage_options, self.retries, self.retry_backoff_s)
         else:
             raise StorageError(f"{url}: a local shard is read in place, not fetched")
 
