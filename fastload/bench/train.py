@@ -169,13 +169,19 @@ def epoch_rows(rows: list[dict], ceiling: list[dict]) -> list[dict]:
                 "images_per_s": r["train_images"] / r["wall_s"],
                 "data_wait_share": r["data_wait_share"],
                 "vs_ceiling": c["wall_s"] / r["wall_s"],
+                "ceiling_wall_s": c["wall_s"],
+                "ceiling_train_s": c["epoch_time_s"],
             }
         )
     return out
 
 
-def summarize(rows, total_s, ceiling_s, steps: int, val_batches: int, args) -> dict:
+def summarize(rows, total_s, ceiling_s, steps: int, val_batches: int, args, ceiling=()) -> dict:
     images = sum(r["train_images"] for r in rows)
+    # Epochs >= 2 alone: epoch 1 holds torch.compile's compilation (a minute for ResNet-50,
+    # not the same in the two loops: the second hits the compile caches) and the workers' start.
+    later = sum(r["wall_s"] for r in rows[1:])
+    later_ceiling = sum(c["wall_s"] for c in ceiling[1:])
     out = {
         "epochs": len(rows),
         "wall_s": total_s,
@@ -185,6 +191,7 @@ def summarize(rows, total_s, ceiling_s, steps: int, val_batches: int, args) -> d
         "vs_ceiling": ceiling_s / total_s,
         "data_wait_share": sum(r["data_wait_s"] for r in rows) / total_s,
         "data_wait_share_epochs_2_on": max((r["data_wait_share"] for r in rows[1:]), default=None),
+        "vs_ceiling_epochs_2_on": later_ceiling / later if later and later_ceiling else None,
     }
     if not args.model:  # the CPU proxy: every step at its fixed cost, nothing else
         evals = sum(1 for r in rows if "eval_time_s" in r)
@@ -255,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         data.close()
     per_epoch = epoch_rows(rows, ceiling)
-    summary = summarize(rows, total, ceiling_total, len(data.train), len(data.val), args)
+    summary = summarize(
+        rows, total, ceiling_total, len(data.train), len(data.val), args, ceiling=ceiling
+    )
     step = f"model {args.model}" if args.model else f"fixed step {args.step_ms:g} ms"
     print(
         f"\nbench train: {args.epochs} epochs x {args.steps_per_epoch} steps, batch "
@@ -282,6 +291,8 @@ def print_targets(summary: dict, args) -> None:
         verdict = "met" if r >= 0.95 else "NOT met"
         print(f"whole run: steps x step time / wall = {r:.3f} (target >= 0.95): {verdict}")
     else:
-        r = summary["vs_ceiling"]
-        verdict = "met" if r >= 0.95 else "NOT met"
-        print(f"whole run vs the GPU-resident ceiling: {r:.3f} (target >= 0.95): {verdict}")
+        for key, what in (("vs_ceiling", "whole run"), ("vs_ceiling_epochs_2_on", "epochs >= 2")):
+            r = summary[key]
+            if r is not None:
+                verdict = "met" if r >= 0.95 else "NOT met"
+                print(f"{what} vs the GPU-resident ceiling: {r:.3f} (target >= 0.95): {verdict}")
