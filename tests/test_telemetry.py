@@ -195,6 +195,30 @@ def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread(monkeypatc
     sampler.stop()  # idempotent
 
 
+def test_snapshot_leaves_memory_sampling_to_the_thread(monkeypatch):
+    """Reading PSS walks every process's page tables (0.1-0.4 s for a tree of workers): the
+    training thread's snapshot between epochs must not wait for it, and every window still
+    gets a PSS sample (the thread takes one at its start)."""
+    callers = []
+    real = ResourceSampler._tree_memory
+
+    def recording(self, pss):
+        callers.append((threading.current_thread().name, pss))
+        return real(self, pss)
+
+    monkeypatch.setattr(ResourceSampler, "_tree_memory", recording)
+    with ResourceSampler(gpu_index=None, interval_s=0.05, pss_interval_s=60) as sampler:
+        for _ in range(2):
+            sampler.reset()
+            time.sleep(0.2)
+            before = len(callers)
+            snap = sampler.snapshot()
+            assert len(callers) == before  # nothing sampled on this thread
+            assert snap["peak_pss_mib"] > 10 and snap["peak_rss_sum_mib"] > 10
+    assert {name for name, _ in callers} == {"fastload-resource-sampler"}
+    assert sum(pss for _, pss in callers) >= 2  # once per window, though pss_interval_s=60
+
+
 def test_percentile_matches_numpy():
     xs = [float(x) for x in np.random.default_rng(0).uniform(0, 100, 37)]
     assert percentile(xs, 10) == pytest.approx(float(np.percentile(xs, 10)))
