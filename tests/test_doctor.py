@@ -134,6 +134,11 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     assert gpu.status == "fatal" and "--gpus all" in gpu.fix
     nvml = checks(["trainer.device=auto"], gpus=["NVIDIA H100"], nvml=None)["GPU"]
     assert nvml.status == "warn" and "nvidia-ml-py" in nvml.fix
+    ranks = checks(["trainer.device=auto"], ranks=2, gpus=["NVIDIA H100"], nvml="driver 550")
+    assert ranks["GPU"].status == "fatal" and "--nproc_per_node=1" in ranks["GPU"].fix
+    # trainer.device=cpu on a GPU box (gloo DDP, the CPU tests): the GPUs do not count
+    cpu = checks(["trainer.device=cpu"], ranks=2, gpus=["NVIDIA H100"], nvml=None)["GPU"]
+    assert cpu.status == "ok" and "unused" in cpu.message
     pinned = checks(
         ["trainer.device=auto", "loader.pin_memory=true", "loader.pin_memory_max_mb=10",
          "trainer.batch_size=256", "dataset.train_transform.size=224"],
@@ -201,7 +206,10 @@ def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
     assert disk.bound["stage"] == "storage", disk.bound
     costs = disk.measured["costs_ms"]
     assert costs["storage read"] > 5 * costs["decode"]
-    assert disk.advice[0][0] in ("storage=tmpfs", "storage=shards"), disk.advice
+    # among the largest expected gains (a many-core box also ties loader.num_workers=<cores>)
+    best = max(gain for _, gain, _ in disk.advice)
+    top = {change for change, gain, _ in disk.advice if gain == best}
+    assert top & {"storage=tmpfs", "storage=shards"}, disk.advice
     # the rows the table and the chart show
     stages = [r["stage"] for r in disk.stages]
     for name in ("storage read", "decode", "augment", "collate", "transfer + device prep",

@@ -377,6 +377,8 @@ def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         return Check(name, OK, "no CUDA device visible: training on the CPU")
     gpus = ", ".join(sorted(set(facts.gpus)))
     msg = f"{len(facts.gpus)} x {gpus}"
+    if device == "cpu":  # the GPUs are not used: neither the rank count nor NVML matters
+        return Check(name, OK, f"{msg}, unused: trainer.device=cpu")
     if facts.nvml is None:
         return Check(name, WARN, f"{msg}; NVML unavailable ({facts.nvml_error or 'no driver'}): "
                      "GPU utilisation will not be recorded",
