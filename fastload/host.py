@@ -101,10 +101,22 @@ def size_text(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def ignore_sigint() -> None:
-    """Pool initializer: Ctrl-C reaches every process of the terminal's group; the parent
-    handles it (one line, exit 130) and stops the pool, so its children ignore it instead of
-    each printing a traceback."""
+def spawn_pool(workers: int):
+    """A spawn multiprocessing Pool whose children ignore Ctrl-C from birth. Ctrl-C reaches
+    every process of the terminal's group; the parent handles it (one line, exit 130) and
+    stops the pool. An initializer that ignores SIGINT comes too late: a child still
+    importing the main module (train.py imports torch: seconds) dies of it with a traceback,
+    which a 16-core box showed. An ignored signal stays ignored across exec, and Python
+    leaves an inherited SIG_IGN alone, so the parent ignores it while the pool starts."""
+    import multiprocessing
     import signal
+    import threading
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = multiprocessing.get_context("spawn")
+    if threading.current_thread() is not threading.main_thread():
+        return ctx.Pool(workers)  # signal.signal works in the main thread only
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return ctx.Pool(workers)  # its processes start here, inheriting SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -6,7 +6,6 @@ into a folder that is not ours, and built under a temporary name renamed into pl
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from fastload.atomic import AlreadyBuilt, building
 from fastload.errors import DatasetError
-from fastload.host import ignore_sigint
+from fastload.host import spawn_pool
 
 
 @dataclass(frozen=True)
@@ -112,5 +111,5 @@ def run_tasks(fn, tasks: list, workers: int | None, progress: bool, desc: str, u
               disable=not progress) as bar:  # fmt: skip
         if workers == 1:
             return [bar.update() or fn(t) for t in tasks]
-        with multiprocessing.get_context("spawn").Pool(workers, initializer=ignore_sigint) as pool:
+        with spawn_pool(workers) as pool:
             return [bar.update() or r for r in pool.imap(fn, tasks, chunksize=chunksize)]

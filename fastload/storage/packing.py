@@ -21,7 +21,6 @@ import functools
 import io
 import json
 import logging
-import multiprocessing
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ from fastload.data.layouts import as_layout
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
 from fastload.errors import DatasetError, StorageError
-from fastload.host import ignore_sigint, usable_cores
+from fastload.host import spawn_pool, usable_cores
 from fastload.storage.base import Reader, Storage
 
 log = logging.getLogger("fastload")
@@ -150,8 +149,7 @@ def _records(tasks, workers: int):
     if workers <= 1 or all(not t[0][2] and t[0][1] == "jpeg" for t in tasks[:1]):
         yield from map(make_item, tasks)
         return
-    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads or CUDA
-    with ctx.Pool(workers, initializer=ignore_sigint) as pool:
+    with spawn_pool(workers) as pool:  # spawn: the caller may hold threads or CUDA
         yield from pool.imap(make_item, tasks, chunksize=16)
 
 
