@@ -163,7 +163,8 @@ def test_torchs_pin_thread_resolves_ring_slots_through_their_hook():
 def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
     """With pin_memory the slot is copied into pinned memory (the pin thread's copy) and is
     free again before the consumer sees the batch."""
-    loader = build(folder, "loader.pin_memory=true")
+    # one stream per epoch: with cross_epoch the next epoch's first batches would count too
+    loader = build(folder, "loader.pin_memory=true", "loader.cross_epoch=false")
     loader.set_epoch(0)
     got = []
     for b in loader.host_batches():
