@@ -10,6 +10,9 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# `python -m fastload.report` from a checkout that was not pip-installed (train.py finds the
+# package beside it; -m needs it on the path)
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python}
 
 parse_size() {  # SIZE -> sets SIZE and REPEATS, or prints the usage and exits 2
