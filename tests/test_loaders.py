@@ -593,3 +593,37 @@ def test_bench_train_cli_smoke(tiny_folder, tmp_path, capsys):
     run = rows[-1]
     assert run["epochs"] == 3 and run["wall_s"] > 3 * 3 * 0.005
     assert run["steps_time_s"] == pytest.approx(3 * 3 * 0.005 + 3 * 3 * 0.005 / 3)  # 9 val imgs
+
+
+def _refault_pages(keep: bool, queue) -> None:
+    """In a fresh process: (optionally) a DataLoader worker's start, then two rounds of a
+    batch's worth of 1 MB buffers; the page faults of the second round go to `queue`."""
+    import resource
+
+    from fastload.loaders.workers import worker_init
+
+    if keep:
+        worker_init(0)
+    for _round in range(2):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        bufs = [np.ones(2**20, np.uint8) for _ in range(24)]  # every page written
+        del bufs
+    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_workers_keep_freed_batch_buffers_instead_of_refaulting_them():
+    """worker_init's malloc setting: a batch's freed buffers serve the next batch (glibc
+    otherwise returns them and every page faults again: 4-15 faults per sample measured)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a fresh heap, not this process's
+    faults = {}
+    for keep in (False, True):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_refault_pages, args=(keep, queue))
+        proc.start()
+        faults[keep] = queue.get(timeout=60)
+        proc.join(30)
+    assert faults[False] > 24 * 2**20 // 4096 // 2, faults  # most pages faulted again
+    assert faults[True] < faults[False] // 10, faults
