@@ -76,11 +76,11 @@ def keep_freed_memory() -> bool:
     """In a worker: glibc keeps freed batch buffers for the next batch. False where the C
     library is not glibc (musl, macOS) or refuses; nothing changes there."""
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # The process's own symbols (libc among them): ctypes.util.find_library would run
+        # ldconfig in a subprocess at every worker's start.
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
