@@ -80,9 +80,8 @@ class Facts:
     nvml_error: str = ""
     decoders: dict = field(default_factory=dict)  # module -> installed (bool)
     pillow: str = "pillow"  # pillow | pillow-simd (the loaded PIL)
-    roi_decode: str | None = (
-        None  # backend=turbo's ROI decode: "" usable, else why not; None: unknown
-    )
+    # backend=turbo's ROI decode: "" usable, else why not; None: unknown
+    roi_decode: str | None = None
 
 
 def cpu_flags() -> frozenset[str] | None:
