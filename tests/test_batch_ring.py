@@ -159,6 +159,27 @@ def test_torchs_pin_thread_resolves_ring_slots_through_their_hook():
     assert ref.pin_memory() is ref  # its ring is gone: nothing to resolve against
 
 
+def test_worker_targets_travel_inline_not_as_shared_tensors():
+    """A worker's batch with a ring carries its targets as an InlineArray: pickled as bytes,
+    with no shared-memory segment (torch passes a tensor's fd over a new connection per
+    tensor, ~350 us of CPU per batch), and the host stage turns it back into int64 targets."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the reductions workers use)
+
+    from fastload.data.batch import TARGET, InlineArray, collate
+
+    ring = ring_mod.BatchRing(num_workers=1, slots=1, slot_bytes=64)
+    samples = [(torch.zeros(3, 2, 2, dtype=torch.uint8), t) for t in (3, 1, 4)]
+    batch = collate(samples, ring=ring)
+    assert isinstance(batch[TARGET], InlineArray)
+    assert b"rebuild_storage" not in bytes(ForkingPickler.dumps(batch[TARGET]))
+    assert b"rebuild_storage" in bytes(ForkingPickler.dumps(torch.tensor([3, 1, 4])))
+    got = ring.resolve_batch(batch)[TARGET]
+    assert got.dtype == torch.int64 and got.tolist() == [3, 1, 4]
+    assert collate(samples)[TARGET].tolist() == [3, 1, 4]  # no ring (main process): a tensor
+
+
 @pytest.mark.cuda
 def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
     """With pin_memory the slot is copied into pinned memory (the pin thread's copy) and is
@@ -171,7 +192,7 @@ def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
         ring = loader.batch_ring
         assert ring.slots == loader.prefetch_factor + 1
         x = b["image"]
-        assert x.is_pinned()
+        assert x.is_pinned() and b["target"].is_pinned()  # the targets' InlineArray hook too
         assert all(x.untyped_storage().data_ptr() != s.data_ptr() for s in ring.storages)
         assert int((ring.state == ring_mod.CONSUMER).sum()) == 0
         got.append((x.clone(), b["target"]))

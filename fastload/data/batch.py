@@ -28,7 +28,8 @@ in the workers, a `RingSlot` while it travels through a reused batch slot; after
 the model's input (float or loader.input_dtype, normalised, in the model's memory format).
 None when every sample of the batch was skipped."""
 TARGET = "target"
-"""int64 (N,) on the same device as the image; None when every sample was skipped."""
+"""int64 (N,) on the same device as the image; None when every sample was skipped. An
+`InlineArray` while it travels from a worker that stacks into a reused slot."""
 SKIPPED = "skipped"
 """int: samples of this batch dropped as corrupt (dataset.skip_corrupt=true)."""
 COUNTS = "counts"
@@ -69,13 +70,33 @@ class PendingImage(abc.ABC):
         return torch.from_numpy(hwc).permute(2, 0, 1)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class InlineArray:
+    """A small array a worker sends inside the batch's pickle (bytes through the pipe) rather
+    than as a tensor. torch sends every tensor a worker returns as a new shared-memory
+    segment whose file descriptor the main process fetches over a new connection to the
+    worker (authenticated, then the fd passed): ~150 us of main-process and ~200 us of worker
+    CPU per tensor on 2 cores, far more than 64 int64 targets are worth; the image slot
+    already travels as a `RingSlot`, so this was the batch's last tensor. The loader's host
+    stage makes it a tensor again (`BatchRing.resolve_batch`); the DataLoader's pin thread
+    calls `pin_memory`."""
+
+    array: np.ndarray
+
+    def tensor(self) -> torch.Tensor:
+        return torch.from_numpy(self.array)
+
+    def pin_memory(self, device=None) -> torch.Tensor:
+        return self.tensor().pin_memory()
+
+
 def collate(samples: list, ring=None) -> dict:
     """Samples -> one batch dict with the keys above; skipped (corrupt) samples, `None`, are
     dropped and counted.
 
     With a `BatchRing` (in a DataLoader worker), the images are stacked into a reused
-    shared-memory slot and IMAGE is the slot's `RingSlot`; the loader's host stage swaps it
-    for the tensor (fastload/loaders/batch_ring.py)."""
+    shared-memory slot and IMAGE is the slot's `RingSlot`, TARGET an `InlineArray`; the
+    loader's host stage swaps them for tensors (fastload/loaders/batch_ring.py)."""
     kept = [s for s in samples if s is not None and not isinstance(s, Skipped)]
     gone = [s.where for s in samples if isinstance(s, Skipped)]
     counts: dict[str, int] = {}
@@ -88,7 +109,11 @@ def collate(samples: list, ring=None) -> dict:
         ready = [i for i, s in enumerate(kept) if is_image(s[0])]
         deferred = [i for i, s in enumerate(kept) if not is_image(s[0])]
         images = stack_images([kept[i][0] for i in ready], ring) if ready else None
-        targets = torch.tensor([s[1] for s in kept], dtype=torch.int64)
+        labels = [s[1] for s in kept]
+        if ring is None:
+            targets = torch.tensor(labels, dtype=torch.int64)
+        else:  # a worker stacking into reused slots: no shared segment for the targets either
+            targets = InlineArray(np.array(labels, dtype=np.int64))
         batch = {IMAGE: images, TARGET: targets, SKIPPED: len(samples) - len(kept)}
         if deferred:
             encoded = [kept[i][0] for i in deferred]

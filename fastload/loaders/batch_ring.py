@@ -50,6 +50,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastload.data.batch import InlineArray
 from fastload.host import MB, SHM, shm_bytes
 from fastload.loaders.checks import SHM_FIX
 from fastload.torch_internals import has_use_count, new_shared_storage, use_count
@@ -180,12 +181,15 @@ class BatchRing:
         return view
 
     def resolve_batch(self, batch, pin_memory: bool = False):
-        """A collated batch dict with every `RingSlot` value replaced by its tensor."""
+        """A collated batch dict with every `RingSlot` and `InlineArray` value replaced by its
+        tensor (pinned ones already are, by the DataLoader's pin thread)."""
         self.reclaim()
         if isinstance(batch, dict):
             for key, value in batch.items():
                 if isinstance(value, RingSlot):
                     batch[key] = self.resolve(value, pin_memory)
+                elif isinstance(value, InlineArray):
+                    batch[key] = value.pin_memory() if pin_memory else value.tensor()
         return batch
 
     def stats(self) -> dict:
