@@ -91,6 +91,7 @@ def test_backends_rows_of_an_adequate_set(tmp_path, capsys):
     out = tmp_path / "backends.json"
     argv = ["backends", "--root", str(root), "--workers", "1", "--batch-size", "4"]
     argv += ["--backends", "pil,nvjpeg", "--repeats", "1", "--size", "16", "--json", str(out)]
+    argv += ["--rounds", "2"]  # the DataLoader row (and FFCV's, when asked) timed twice
     assert main(argv) == 0
     assert "x textbook" in capsys.readouterr().out
     doc = json.loads(out.read_text())
@@ -101,6 +102,8 @@ def test_backends_rows_of_an_adequate_set(tmp_path, capsys):
         "fastload DataLoader, backend=pil",
     ]
     assert all(r["1 cores img/s"] > 0 for r in loader_rows)
+    ours = loader_rows[1]
+    assert len(ours["rounds_img_s"]) == 2 and min(ours["rounds_img_s"]) <= ours["1 cores img/s"]
     assert rows["backend=pil"]["1 core img/s"] > 0
     if not torch.cuda.is_available():  # GPU decode: refused here, reported as such
         assert rows["backend=nvjpeg"]["kind"] == "unavailable"
@@ -126,3 +129,35 @@ def test_dataloader_rows_time_whole_epochs_after_an_untimed_one():
 def test_every_bench_writes_under_outputs_bench(suite):
     module = importlib.import_module(f"fastload.bench.{suite}")
     assert module.parse([]).json == f"outputs/bench/{suite}.json"
+
+
+def test_storage_targets_take_each_rounds_ratio_then_the_median():
+    """--rounds: a target's ratio is taken within each round (FFCV beside fastload), the
+    verdict on the median; the table's rows are each figure's median over the rounds."""
+    from fastload.bench import storage
+
+    def round_rows(raw, ffcv_raw, disk, ffcv_jpeg):
+        def row(name, rate):
+            return {"storage": name, "cache": "warm", "epoch_img_s": rate, "epochs_img_s": [rate]}
+
+        return [
+            row("disk", disk),
+            {**row("disk", disk / 2), "cache": "cold"},
+            row("shards-raw", raw),
+            row("ffcv-raw-256", ffcv_raw),
+            row("ffcv-jpeg-full", ffcv_jpeg),
+        ]
+
+    # the machine slows down by half in round 2: both sides do, the ratio holds
+    rounds = [round_rows(21, 10, 30, 20), round_rows(11, 5, 14, 10), round_rows(19, 10, 40, 20)]
+    args = storage.parse(["--rounds", "3"])
+    targets = {t["store"]: t for t in storage.target_ratios(rounds, args)}
+    assert targets["shards-raw"]["ratios"] == [2.1, 2.2, 1.9]
+    assert targets["shards-raw"]["median_ratio"] == 2.1 and targets["shards-raw"]["met"]
+    assert targets["disk"]["ratios"] == [1.5, 1.4, 2.0] and not targets["disk"]["met"]
+    rows = {(r["storage"], r["cache"]): r for r in storage.combine_rounds(rounds)}
+    assert rows[("shards-raw", "warm")]["epoch_img_s"] == 19
+    assert rows[("shards-raw", "warm")]["rounds_epoch_img_s"] == [21, 11, 19]
+    assert rows[("disk", "cold")]["epochs_img_s"] == [15, 7, 20]
+    with pytest.raises(SystemExit):
+        storage.parse(["--rounds", "0"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -256,6 +257,11 @@ def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 64) -> tuple |
     return max(run(False) for _ in range(2)), max(run(True) for _ in range(2))
 
 
+def both_rates(got: dict) -> bool:
+    """A round with both of the target's figures."""
+    return bool(got.get("ours")) and bool(got.get("ffcv", {}).get("images_per_s"))
+
+
 def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m fastload.bench backends",
@@ -274,11 +280,18 @@ def parse(argv):
     p.add_argument("--repeats", type=int, default=2, help="passes per figure; best is kept")
     p.add_argument("--no-loaders", action="store_true", help="skip the DataLoader rows")
     p.add_argument("--ffcv-python", help="python of an env with ffcv (scripts/bench_ffcv.py)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the fastload DataLoader and FFCV rows this many times in turn; the "
+        "target is judged on the median of the same-round ratios",
+    )
     p.add_argument("--json", default="outputs/bench/backends.json", help="where to write JSON")
     args = p.parse_args(argv)
     args.backends = ",".join(pick_names(p, "--backends", args.backends, list(backend_names())))
-    if args.workers < 0 or args.batch_size < 1 or args.repeats < 1:
-        p.error("--workers must be >= 0, --batch-size and --repeats >= 1")
+    if args.workers < 0 or args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
+        p.error("--workers must be >= 0, --batch-size, --repeats and --rounds >= 1")
     check_root(p, args.root)
     if args.root and not args.no_loaders:
         check_loader_set(p, Path(args.root), args.workers, args.batch_size)
@@ -390,16 +403,38 @@ def main(argv: list[str]) -> int:
     if gpu is not None:
         row("nvjpeg batched decode (GPU, full size)", "gpu", None, gpu[0])
         row(f"nvjpeg batched decode + batched crop to {args.size} (GPU)", "gpu", None, gpu[1])
+    timing = (args.size, w, args.batch_size, args.repeats)
     if not args.no_loaders:
-        timing = (args.size, w, args.batch_size, args.repeats)
         rate = textbook_rate(root, *timing)
         row("textbook: ImageFolder+ToTensor+Normalize", "loader", None, rate)
-        if best_backend is not None:
-            rate = fastload_loader_rate(root, best_backend, *timing)
-            row(f"fastload DataLoader, backend={best_name}", "loader", None, rate)
-    if args.ffcv_python:
-        res = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
-        row("ffcv JPEG: RRC decoder + flip", "loader", None, res.get("images_per_s"), ffcv=res)
+    # The target's two rows, in turn, --rounds times: this machine's speed drifts by +-30 %
+    # over minutes, so each round's ratio is taken within the round, the verdict on the median.
+    ours_name = f"fastload DataLoader, backend={best_name}"
+    rounds = []
+    for r in range(args.rounds):
+        got = {}
+        if not args.no_loaders and best_backend is not None:
+            got["ours"] = fastload_loader_rate(root, best_backend, *timing)
+        if args.ffcv_python:
+            got["ffcv"] = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
+        if args.rounds > 1:
+            shown = {k: v if k == "ours" else v.get("images_per_s") for k, v in got.items()}
+            print(f"  round {r + 1}: {shown}", file=sys.stderr)
+        rounds.append(got)
+    mine = [g["ours"] for g in rounds if g.get("ours")]
+    theirs = [g["ffcv"].get("images_per_s") for g in rounds if "ffcv" in g]
+    if mine:
+        row(ours_name, "loader", None, statistics.median(mine), rounds_img_s=mine)
+    if theirs:
+        ffcv_rate = statistics.median([t for t in theirs if t] or [0]) or None
+        row(
+            "ffcv JPEG: RRC decoder + flip",
+            "loader",
+            None,
+            ffcv_rate,
+            ffcv=rounds[-1]["ffcv"],
+            rounds_img_s=theirs,
+        )
 
     ref = next((r for r in rows if r["pipeline"].startswith("textbook")), None)
     for r in rows:
@@ -408,15 +443,21 @@ def main(argv: list[str]) -> int:
             r["x textbook"] = rate / ref[f"{w} cores img/s"]
     columns = ["pipeline", "1 core img/s", f"{w} cores img/s", "x textbook"]
     print(format_table(rows, columns))
-    ours = next((r for r in rows if r["pipeline"].startswith("fastload DataLoader")), None)
-    ffcv = next((r for r in rows if r["pipeline"].startswith("ffcv")), None)
-    if ours and ffcv and ours.get(f"{w} cores img/s") and ffcv.get(f"{w} cores img/s"):
-        ratio = ours[f"{w} cores img/s"] / ffcv[f"{w} cores img/s"]
-        print(f"target: fastload DataLoader >= 2x FFCV JPEG: {ratio:.2f}x")
+    ratios = [g["ours"] / g["ffcv"]["images_per_s"] for g in rounds if both_rates(g)]
+    target = None
+    if ratios:
+        target = {"ratios": ratios, "median_ratio": statistics.median(ratios), "factor": 2.0}
+        per = ", ".join(f"{x:.2f}x" for x in ratios)
+        many = f" (rounds: {per}; median)" if len(ratios) > 1 else ""
+        verdict = "met" if target["median_ratio"] >= 2 else "NOT met"
+        print(
+            f"target: fastload DataLoader >= 2x FFCV JPEG: {target['median_ratio']:.2f}x{many}, {verdict}"
+        )
     if gpu is not None:
         ratio = gpu[1] / gpu[0]
         verdict = "met" if ratio >= 0.85 else "NOT met"
         print(f"target: nvJPEG decode + crop >= 0.85 of decode alone: {ratio:.2f} ({verdict})")
     params = {**vars(args), "images": n, "root": str(root), "machine_note": machine()["cpu"]}
+    params["target"] = target
     print(f"wrote {write_json(args.json, 'backends', params, rows)}", file=sys.stderr)
     return 0
