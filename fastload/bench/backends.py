@@ -363,6 +363,56 @@ def measure_backends(names: list[str], n: int, w: int, repeats: int, row):
     return best_name, best_backend
 
 
+def target_rounds(args, root: Path, best_name, best_backend, timing, row) -> list[dict]:
+    """The target's two rows (the fastload DataLoader and FFCV), in turn, --rounds times:
+    this machine's speed drifts by +-30 % over minutes, so each round's ratio is taken within
+    the round, the verdict on the median (`print_target`). Adds both rows (their medians)."""
+    w = args.workers
+    rounds = []
+    for r in range(args.rounds):
+        got = {}
+        if not args.no_loaders and best_backend is not None:
+            got["ours"] = fastload_loader_rate(root, best_backend, *timing)
+        if args.ffcv_python:
+            got["ffcv"] = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
+        if args.rounds > 1:
+            shown = {k: v if k == "ours" else v.get("images_per_s") for k, v in got.items()}
+            print(f"  round {r + 1}: {shown}", file=sys.stderr)
+        rounds.append(got)
+    mine = [g["ours"] for g in rounds if g.get("ours")]
+    theirs = [g["ffcv"].get("images_per_s") for g in rounds if "ffcv" in g]
+    if mine:
+        name = f"fastload DataLoader, backend={best_name}"
+        row(name, "loader", None, statistics.median(mine), rounds_img_s=mine)
+    if theirs:
+        ffcv_rate = statistics.median([t for t in theirs if t] or [0]) or None
+        last = rounds[-1]["ffcv"]
+        row(
+            "ffcv JPEG: RRC decoder + flip",
+            "loader",
+            None,
+            ffcv_rate,
+            ffcv=last,
+            rounds_img_s=theirs,
+        )
+    return rounds
+
+
+def print_target(rounds: list[dict]) -> dict | None:
+    """Issue 16's target line (DataLoader >= 2x FFCV JPEG) on the median same-round ratio."""
+    ratios = [g["ours"] / g["ffcv"]["images_per_s"] for g in rounds if both_rates(g)]
+    if not ratios:
+        return None
+    target = {"ratios": ratios, "median_ratio": statistics.median(ratios), "factor": 2.0}
+    per = ", ".join(f"{x:.2f}x" for x in ratios)
+    many = f" (rounds: {per}; median)" if len(ratios) > 1 else ""
+    verdict = "met" if target["median_ratio"] >= 2 else "NOT met"
+    print(
+        f"target: fastload DataLoader >= 2x FFCV JPEG: {target['median_ratio']:.2f}x{many}, {verdict}"
+    )
+    return target
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     from fastload.data.transforms import RandomResizedCropFlip
@@ -407,34 +457,7 @@ def main(argv: list[str]) -> int:
     if not args.no_loaders:
         rate = textbook_rate(root, *timing)
         row("textbook: ImageFolder+ToTensor+Normalize", "loader", None, rate)
-    # The target's two rows, in turn, --rounds times: this machine's speed drifts by +-30 %
-    # over minutes, so each round's ratio is taken within the round, the verdict on the median.
-    ours_name = f"fastload DataLoader, backend={best_name}"
-    rounds = []
-    for r in range(args.rounds):
-        got = {}
-        if not args.no_loaders and best_backend is not None:
-            got["ours"] = fastload_loader_rate(root, best_backend, *timing)
-        if args.ffcv_python:
-            got["ffcv"] = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
-        if args.rounds > 1:
-            shown = {k: v if k == "ours" else v.get("images_per_s") for k, v in got.items()}
-            print(f"  round {r + 1}: {shown}", file=sys.stderr)
-        rounds.append(got)
-    mine = [g["ours"] for g in rounds if g.get("ours")]
-    theirs = [g["ffcv"].get("images_per_s") for g in rounds if "ffcv" in g]
-    if mine:
-        row(ours_name, "loader", None, statistics.median(mine), rounds_img_s=mine)
-    if theirs:
-        ffcv_rate = statistics.median([t for t in theirs if t] or [0]) or None
-        row(
-            "ffcv JPEG: RRC decoder + flip",
-            "loader",
-            None,
-            ffcv_rate,
-            ffcv=rounds[-1]["ffcv"],
-            rounds_img_s=theirs,
-        )
+    rounds = target_rounds(args, root, best_name, best_backend, timing, row)
 
     ref = next((r for r in rows if r["pipeline"].startswith("textbook")), None)
     for r in rows:
@@ -443,16 +466,7 @@ def main(argv: list[str]) -> int:
             r["x textbook"] = rate / ref[f"{w} cores img/s"]
     columns = ["pipeline", "1 core img/s", f"{w} cores img/s", "x textbook"]
     print(format_table(rows, columns))
-    ratios = [g["ours"] / g["ffcv"]["images_per_s"] for g in rounds if both_rates(g)]
-    target = None
-    if ratios:
-        target = {"ratios": ratios, "median_ratio": statistics.median(ratios), "factor": 2.0}
-        per = ", ".join(f"{x:.2f}x" for x in ratios)
-        many = f" (rounds: {per}; median)" if len(ratios) > 1 else ""
-        verdict = "met" if target["median_ratio"] >= 2 else "NOT met"
-        print(
-            f"target: fastload DataLoader >= 2x FFCV JPEG: {target['median_ratio']:.2f}x{many}, {verdict}"
-        )
+    target = print_target(rounds)
     if gpu is not None:
         ratio = gpu[1] / gpu[0]
         verdict = "met" if ratio >= 0.85 else "NOT met"
