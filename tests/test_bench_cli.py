@@ -50,6 +50,13 @@ def test_the_config_names_users_know_are_accepted():
     strategies = ",".join(sorted(f.stem for f in (CONF / "loader").glob("*.yaml")))
     assert loaders.parse(["--strategies", strategies]).strategies == strategies
     assert storage.parse(["--stores", "lmdb,disk"]).stores == "lmdb,disk"
+    # bench storage takes the same backend names, variants included (their overrides)
+    assert storage.parse(["--backend", "turbo+cv2+fast"]).backend == "turbo+cv2+fast"
+    assert storage.backend_overrides("turbo+cv2+fast") == [
+        "backend=turbo",
+        *backends.VARIANTS["turbo+cv2+fast"][1],
+    ]
+    assert storage.backend_overrides("pil") == ["backend=pil"]
     # the variants are config names plus overrides, built through the Hydra config
     draft = backends.build("pil+draft")
     assert isinstance(draft, PILBackend) and draft.draft

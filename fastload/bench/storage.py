@@ -44,10 +44,10 @@ from pathlib import Path
 
 import torch
 
+from fastload.bench.backends import backend_names
 from fastload.bench.common import (
     check_root,
     compose,
-    config_names,
     data_overrides,
     default_dataset,
     format_table,
@@ -106,6 +106,13 @@ def store_overrides(name: str, args) -> list[str]:
     return options[name] + ["storage.cold_cache=true"]
 
 
+def backend_overrides(name: str) -> list[str]:
+    """--backend: a conf/backend/ name, or one of bench backends' variants (e.g.
+    turbo+cv2+fast: backend=turbo with fast IDCT, as FFCV's decoder uses TJFLAG_FASTDCT)."""
+    group, overrides = backend_names()[name]
+    return [f"backend={group}", *overrides]
+
+
 def open_store(name: str, root: Path, args):
     """(config of this row, its storage object, the split's folder for the size column,
     seconds spent staging / packing it in this run)."""
@@ -115,7 +122,7 @@ def open_store(name: str, root: Path, args):
         data_overrides(root, split=args.split, crop=args.crop, batch_size=args.batch_size)
         + store_overrides(name, args)
         + [
-            f"backend={args.backend}",
+            *backend_overrides(args.backend),
             f"loader.num_workers={args.workers}",
             "loader.drop_last=false",
             f"loader.reuse_batch_memory={not args.no_reuse}",
@@ -237,7 +244,10 @@ def parse(argv):
     p.add_argument("--workers", type=int, default=usable_cores())
     p.add_argument("--crop", type=int, default=224)
     p.add_argument(
-        "--backend", default="pil", help="decode backend (conf/backend/*.yaml): pil, turbo, ..."
+        "--backend",
+        default="pil",
+        help="decode backend: conf/backend/*.yaml (pil, turbo, ...) or a bench backends "
+        "variant (turbo+cv2+fast, ...)",
     )
     p.add_argument("--max-side", type=int, default=256, help="shards-jpeg: re-encode side")
     p.add_argument("--quality", type=int, default=90)
@@ -259,7 +269,7 @@ def parse(argv):
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: measure at least one round")
     args.stores = ",".join(pick_names(p, "--stores", args.stores, STORES))
-    pick_names(p, "--backend", args.backend, config_names("backend"))
+    pick_names(p, "--backend", args.backend, list(backend_names()))
     check_root(p, args.root, args.split)
     return args
 
