@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -187,6 +188,33 @@ def host_epoch(loader, epoch: int) -> dict:
         "epoch_img_s": n / (t1 - t0),
         "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
     }
+
+
+def same_round_target(ours: list[float], refs: list[float], factor: float) -> dict:
+    """A target judged on same-round ratios (`--rounds`): this machine's speed drifts by
+    +-30 % over minutes, so each ratio is of two figures taken in the same round, and the
+    verdict is on their median."""
+    ratios = [a / b for a, b in zip(ours, refs, strict=True)]
+    median = statistics.median(ratios)
+    return {
+        "factor": factor,
+        "img_s": ours,
+        "reference_img_s": refs,
+        "ratios": ratios,
+        "median_ratio": median,
+        "met": median >= factor,
+    }
+
+
+def target_text(t: dict) -> str:
+    """`same_round_target`'s figures per round, their median, the verdict: one line's end."""
+    per = ", ".join(
+        f"{a:,.0f} vs {b:,.0f} = {r:.2f}x"
+        for a, b, r in zip(t["img_s"], t["reference_img_s"], t["ratios"], strict=True)
+    )
+    n = len(t["ratios"])
+    many = f"; median of {n} rounds {t['median_ratio']:.2f}x" if n > 1 else ""
+    return f"{per}{many}, target >= {t['factor']:g}x {'met' if t['met'] else 'NOT met'}"
 
 
 def run_ffcv(

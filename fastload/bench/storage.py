@@ -55,6 +55,8 @@ from fastload.bench.common import (
     pick_names,
     product_loader,
     run_ffcv,
+    same_round_target,
+    target_text,
     write_json,
 )
 from fastload.host import fs_type, usable_cores
@@ -344,7 +346,7 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
         ("disk", "ffcv-jpeg-full", 2.0, "FFCV full-size JPEG"),
         ("shards-jpeg", "ffcv-jpeg-full", 1.5, "FFCV full-size JPEG"),
     ):
-        ratios, ours, refs = [], [], []
+        ours, refs = [], []
         for rows in rounds:
             warm = {r["storage"]: r["epoch_img_s"] for r in rows if r["cache"] == "warm"}
             if store not in warm:
@@ -357,40 +359,16 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
                 ref = FFCV_RAW if store == "shards-raw" else FFCV_JPEG
             ours.append(warm[store])
             refs.append(ref)
-            ratios.append(warm[store] / ref)
-        if ratios:
-            out.append(
-                {
-                    "store": store,
-                    "reference": label,
-                    "measured": measured,
-                    "factor": factor,
-                    "ratios": ratios,
-                    "median_ratio": statistics.median(ratios),
-                    "img_s": ours,
-                    "reference_img_s": refs,
-                    "met": statistics.median(ratios) >= factor,
-                }
-            )
+        if ours:
+            target = same_round_target(ours, refs, factor)
+            out.append({"store": store, "reference": label, "measured": measured, **target})
     return out
 
 
 def print_targets(targets: list[dict]) -> None:
     for t in targets:
         where = "measured in the same round" if t["measured"] else "the issue reference figure"
-        per = ", ".join(
-            f"{a:,.0f} vs {b:,.0f} = {r:.2f}x"
-            for a, b, r in zip(t["img_s"], t["reference_img_s"], t["ratios"], strict=True)
-        )
-        many = (
-            f"; median of {len(t['ratios'])} rounds {t['median_ratio']:.2f}x"
-            if len(t["ratios"]) > 1
-            else ""
-        )
-        print(
-            f"{t['store']} vs {t['reference']} ({where}): {per}{many}, "
-            f"target >= {t['factor']:g}x {'met' if t['met'] else 'NOT met'}"
-        )
+        print(f"{t['store']} vs {t['reference']} ({where}): {target_text(t)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ Every sample draws its augmentation from its own generator, a function of (seed,
 index) only (why: fastload/data/transforms.py), numpy's `default_rng((seed, epoch, index))`.
 Building one costs ~7-15 us (SeedSequence hashing in Python-level Cython, a PCG64, a
 Generator): ~10 % of a raw-pixel sample's whole CPU time. `BatchRngs` gives the very same
-streams for a batch of keys at ~1.5 us each: the SeedSequence hash of all keys at once in
+streams for a batch of keys at ~3 us each: the SeedSequence hash of all keys at once in
 numpy (uint32 arithmetic, vectorised over the batch), PCG64's seeding in Python integers,
 and one reused Generator whose state is set per sample.
 
@@ -44,9 +44,10 @@ def _hash_consts(init: int, mult: int, n: int) -> list[int]:
 
 
 # hashmix XORs with the constant, then multiplies by the constant times MULT_A: the first
-# is _A[k], the second _A[k + 1]. mix_entropy makes 4 + 12 hashmix calls.
-_A = _hash_consts(_INIT_A, _MULT_A, 17)
-_B = _hash_consts(_INIT_B, _MULT_B, 9)
+# is _A[k], the second _A[k + 1]. mix_entropy makes 4 + 12 hashmix calls. Columns, to
+# broadcast over a batch's keys.
+_A = np.array(_hash_consts(_INIT_A, _MULT_A, 17), np.uint32)[:, None]
+_B = np.array(_hash_consts(_INIT_B, _MULT_B, 9), np.uint32)[:, None]
 
 
 def seed_words(seed: int, epochs, indices) -> np.ndarray:
@@ -57,7 +58,7 @@ def seed_words(seed: int, epochs, indices) -> np.ndarray:
     u32, shift = np.uint32, np.uint32(_XSHIFT)
     pool = np.empty((_POOL, n), u32)
     pool[0], pool[1], pool[2], pool[3] = seed, epochs, indices, 0  # entropy padded with a 0
-    a = np.array(_A, u32)[:, None]
+    a, b = _A, _B
     with np.errstate(over="ignore"):
         # hashmix k: (value ^ A[k]) * A[k + 1], then xor-shift. Calls 0-3 hash the entropy.
         pool = (pool ^ a[0:4]) * a[1:5]
@@ -70,7 +71,6 @@ def seed_words(seed: int, epochs, indices) -> np.ndarray:
             k += 3
             r = u32(_MIX_MULT_L) * pool[dst] - u32(_MIX_MULT_R) * h  # the 3 mixes are
             pool[dst] = r ^ (r >> shift)  # independent: each reads its own word and pool[src]
-        b = np.array(_B, u32)[:, None]
         words = (pool[[0, 1, 2, 3, 0, 1, 2, 3]] ^ b[0:8]) * b[1:9]  # generate_state(8)
         words ^= words >> shift
     words = words.astype(np.uint64)

@@ -48,7 +48,6 @@ class ImageFolderSource:
 
     def __init__(self, split_dir):
         self.index = index_image_folder(split_dir)
-        self._folder = str(self.index.root)
         self.root = str(Path(split_dir).absolute())
         self.name = Path(split_dir).absolute().name
         self.classes = self.index.classes
@@ -60,7 +59,7 @@ class ImageFolderSource:
     def path(self, i: int) -> str:
         # str(index.path(i)) as a string join: a pathlib Path per read was ~3 % of a worker's
         # time on JPEGs (the index root is a normalised Path, the names are plain relative).
-        return os.path.join(self._folder, str(self.index.paths[i]))
+        return os.path.join(self.index.root, str(self.index.paths[i]))
 
     def pair(self, i: int) -> str | None:
         return None
