@@ -512,6 +512,25 @@ def test_psnr_threshold_catches_geometry_bugs(kinds):
                 assert psnr(got, want) < MIN_PSNR_DB, (bug, size, seed, psnr(got, want))
 
 
+def test_linear_resize_in_16_bits_is_opencvs_bilinear(photo):
+    """resize_linear (OpenCV's bilinear on a uint16 copy: faster than its uint8 path) gives
+    OpenCV's uint8 bilinear pixels to within one level (that path's 11-bit fixed point),
+    from strided views, up and down, into a given output."""
+    import cv2
+
+    from fastload.decode import turbo
+
+    pixels = np.asarray(photo)
+    for (top, left, h, w), size in [((10, 20, 150, 200), 224), ((0, 0, 300, 400), 48), ((5, 7, 9, 13), 32)]:  # fmt: skip
+        src = pixels[top : top + h, left : left + w]
+        want = cv2.resize(src, (size, size), interpolation=cv2.INTER_LINEAR).astype(int)
+        slot = np.zeros((2, size, size, 3), np.uint8)
+        got = turbo.resize_linear(cv2, src, size, out=slot[1])
+        assert np.shares_memory(got, slot[1]) and not slot[0].any()
+        assert np.abs(got.astype(int) - want).max() <= 1, (h, w, size)
+        assert np.mean(got == want) > 0.75  # the same filter: the rest one rounding apart
+
+
 def test_cv2_crop_written_into_a_batch_slot_is_the_same_crop(photo):
     """cv2_resized_crop(out=...) writes the crop into the given view (a sample's place in a
     batch) with the pixels it returns without one: whole-pixel, sub-pixel (DCT-mapped) and
