@@ -627,3 +627,114 @@ def test_workers_keep_freed_batch_buffers_instead_of_refaulting_them():
         proc.join(30)
     assert faults[False] > 24 * 2**20 // 4096 // 2, faults  # most pages faulted again
     assert faults[True] < faults[False] // 10, faults
+
+
+# -- the stream's tail cut across the workers (loader.balanced_tail) ------------------------
+
+
+def round_robin_load(items, workers: int) -> list[int]:
+    """Samples each worker builds when the DataLoader hands `items` out in turn."""
+    load = [0] * workers
+    for i, keys in enumerate(items):
+        load[i % workers] += len(keys)
+    return load
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch", "drop_last", "workers", "cut"),
+    [
+        (2000, 64, True, 2, 1),  # 31 batches: the odd one cut in two
+        (2000, 64, False, 2, 2),  # 32 batches, the last one short: the whole last round
+        (1000, 64, True, 4, 3),  # 15 batches over 4 workers: the last 3, in 4 parts each
+        (2000, 64, False, 8, 8),
+        (2048, 64, True, 2, 0),  # 32 full batches on 2 workers: nothing to balance
+    ],
+)
+def test_the_stream_tail_is_cut_so_every_worker_builds_the_same_share(
+    samples, batch, drop_last, workers, cut
+):
+    from fastload.data.batch import BatchPart
+    from fastload.data.sampling import EpochBatches, EpochSampler
+
+    sampler = EpochSampler(samples, rank=0, world_size=1, shuffle=True, seed=0)
+    whole = EpochBatches(sampler, batch, drop_last)
+    cuts = EpochBatches(sampler, batch, drop_last, tail_workers=workers)
+    for eb in (whole, cuts):
+        eb.plan = [(3, 0, whole.epoch_batches())]
+    want, got = list(whole), list(cuts)
+    parts = [x for x in got if isinstance(x, BatchPart)]
+    assert len(got) == len(cuts) and len(want) == len(whole) == whole.epoch_batches()
+    assert sum(1 for p in parts if p.part == 0) == cut
+    assert all(p.parts == workers for p in parts)
+    assert got[len(got) - len(parts) :] == parts  # only the last batches
+    # The same keys in the same order, and the parts of a batch make exactly that batch.
+    joined, pending = [], []
+    for x in got:
+        pending.append(x)
+        if not isinstance(x, BatchPart) or len(pending) == x.parts:
+            joined.append([k for p in pending for k in p])
+            pending = []
+    assert joined == [list(x) for x in want]
+    load, before = round_robin_load(got, workers), round_robin_load(want, workers)
+    assert max(load) - min(load) <= 1, load
+    assert cut == 0 or max(before) - min(before) >= 16, before
+
+
+def test_only_the_last_epoch_of_a_pipelined_stream_is_cut():
+    """Across an epoch boundary the workers go on into the next epoch: nothing to balance
+    there; the stream's end (3 x 31 batches on 2 workers) is."""
+    from fastload.data.batch import BatchPart
+    from fastload.data.sampling import EpochBatches, EpochSampler
+
+    sampler = EpochSampler(2000, rank=0, world_size=1, shuffle=True, seed=0)
+    eb = EpochBatches(sampler, 64, True, tail_workers=2)
+    eb.plan = [(e, 0, 31) for e in range(3)]
+    got = list(eb)
+    parts = [x for x in got if isinstance(x, BatchPart)]
+    assert len(got) == len(eb) == 3 * 31 + 1 and len(parts) == 2
+    assert {k[0] for p in parts for k in p} == {2} and got[-2:] == parts
+    eb.plan = [(e, 0, 31) for e in range(2)]  # 62 batches: whole rounds, nothing cut
+    assert not any(isinstance(x, BatchPart) for x in eb) and len(eb) == 62
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "bg"])
+def test_cut_tail_batches_are_joined_into_the_same_batches(folder, strategy):
+    """Training (18 images, batch 5: 3 batches, the third cut in two) and evaluation (3
+    images: one short batch cut in two): the same batches as whole batches, and the cut
+    batches really went through the join."""
+    opts = [f"loader={strategy}", "loader.num_workers=2", "loader.cross_epoch=false"]
+    for split in ("train", "val"):
+        plain = build_test_loader(*opts, "loader.balanced_tail=false", split=split, folder=folder,
+                                  batch_size=5)  # fmt: skip
+        cut = build_test_loader(*opts, split=split, folder=folder, batch_size=5)
+        for e in (0, 1):
+            want, got = run_epochs(plain, [e]), run_epochs(cut, [e])
+            assert len(got) == len(want) == (3 if split == "train" else 1)
+            for (_, t, x), (_, wt, wx) in zip(got, want, strict=True):
+                assert torch.equal(t, wt) and torch.equal(x, wx)
+        assert plain.joined_batches == 0 and cut.joined_batches == 2
+        plain.close()
+        cut.close()
+
+
+def test_joined_images_fill_the_first_parts_slot_when_it_has_room():
+    from fastload.data.batch import join_images
+
+    rng = torch.Generator().manual_seed(0)
+    whole = torch.randint(0, 255, (5, 3, 4, 6), dtype=torch.uint8, generator=rng)
+    nchw = whole.contiguous(memory_format=torch.channels_last)
+    slot = torch.empty(5 * 3 * 4 * 6, dtype=torch.uint8)  # a reused slot: room for a batch
+    first = torch.empty(0, dtype=torch.uint8).set_(
+        slot.untyped_storage(), 0, (3, 3, 4, 6), nchw.stride()
+    )
+    first.copy_(nchw[:3])
+    got = join_images([first, nchw[3:].clone(memory_format=torch.channels_last)])
+    assert got.data_ptr() == slot.data_ptr() and torch.equal(got, whole)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    # A first part without room after it (a pinned copy, a fresh segment): a new tensor.
+    alone = nchw[:3].clone(memory_format=torch.channels_last)
+    got = join_images([alone, nchw[3:]])
+    assert got.data_ptr() != alone.data_ptr() and torch.equal(got, whole)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    flat = join_images([whole[:2].contiguous(), whole[2:].contiguous()])
+    assert torch.equal(flat, whole) and flat.is_contiguous()

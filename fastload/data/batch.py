@@ -42,6 +42,24 @@ ENCODED = "encoded"
 """optional dict: samples whose decode is deferred to device prep (backend=nvjpeg), batched by
 their class's `collate`; IMAGE then holds only the samples decoded in the workers. Device
 prep replaces both with the decoded IMAGE."""
+PART = "part"
+"""(k, n) on a batch built from a `BatchPart` of keys: the k-th of n consecutive parts of one
+batch, which the loader's host stage joins (`merge_parts`) before anything else sees it."""
+
+
+class BatchPart(list):
+    """The keys (in a worker: the samples) of one part of a batch that the batch sampler cut
+    across the workers (fastload/data/sampling.py: `EpochBatches`, the stream's tail): a
+    list, so a dataset and a fetcher use it as any batch of keys, that remembers which part
+    it is. `collate` copies the mark onto the batch as PART."""
+
+    def __init__(self, items, part: int, parts: int):
+        super().__init__(items)
+        self.part, self.parts = part, parts
+
+    def like(self, items) -> BatchPart:
+        """`items` (this part's samples) with this part's mark."""
+        return BatchPart(items, self.part, self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +140,67 @@ def collate(samples: list, ring=None) -> dict:
         batch[COUNTS] = counts
     if gone:
         batch[SKIPPED_FILES] = gone
+    if isinstance(samples, BatchPart):
+        batch[PART] = (samples.part, samples.parts)
     return batch
+
+
+def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
+    """The batch that `parts` (collated `BatchPart`s of one batch, in order, their tensors
+    already out of their slots) were cut from: the same dict `collate` gives for the whole
+    batch. The images are copied into one new tensor (pinned when `pin_memory`), in the
+    first part's memory format; a batch's deferred (ENCODED) samples cannot be joined, so
+    the sampler never cuts a batch for a backend that defers its decode."""
+    if any(ENCODED in p for p in parts):
+        raise ValueError("merge_parts: parts with deferred (encoded) samples cannot be joined")
+    images = [p[IMAGE] for p in parts if p[IMAGE] is not None]
+    targets = [p[TARGET] for p in parts if p[TARGET] is not None]
+    batch = {IMAGE: None, TARGET: None, SKIPPED: sum(p[SKIPPED] for p in parts)}
+    if images:
+        batch[IMAGE] = join_images(images, pin_memory)
+        batch[TARGET] = torch.cat(targets)
+        if pin_memory:
+            batch[TARGET] = batch[TARGET].pin_memory()
+    counts: dict[str, int] = {}
+    for p in parts:
+        for k, v in p.get(COUNTS, {}).items():
+            counts[k] = counts.get(k, 0) + int(v)
+    if counts:
+        batch[COUNTS] = counts
+    gone = [w for p in parts for w in p.get(SKIPPED_FILES, [])]
+    if gone:
+        batch[SKIPPED_FILES] = gone
+    return batch
+
+
+def join_images(images: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
+    """The images of consecutive parts as one batch tensor with the first part's strides.
+
+    Where the first part sits at the start of a storage with room for the whole batch (a
+    reused slot: sized for a batch, and the consumer's until the batch is dropped), the
+    other parts are copied in after it and the batch is that storage: no new memory (a new
+    ~10 MB tensor costs more in page faults than the copy), a copy of the other parts only.
+    Else (pinned copies, fresh segments) a new tensor, pinned when `pin_memory`."""
+    first = images[0]
+    shape = (sum(len(x) for x in images), *first.shape[1:])
+    per_sample = math.prod(first.shape[1:])
+    dense = first.is_contiguous() or (
+        first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last)
+    )
+    storage = first.untyped_storage()
+    room = storage.nbytes() >= math.prod(shape) * first.element_size()
+    if dense and first.storage_offset() == 0 and first.stride(0) == per_sample and room:
+        out = torch.empty(0, dtype=first.dtype).set_(storage, 0, shape, first.stride())
+    else:
+        nhwc = first.dim() == 4 and not first.is_contiguous()
+        fmt = torch.channels_last if nhwc else torch.contiguous_format
+        out = torch.empty(shape, dtype=first.dtype, memory_format=fmt, pin_memory=pin_memory)
+        out[: len(first)].copy_(first)
+    at = len(first)
+    for x in images[1:]:
+        out[at : at + len(x)].copy_(x)
+        at += len(x)
+    return out
 
 
 def is_image(x) -> bool:

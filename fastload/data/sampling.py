@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
+from fastload.data.batch import BatchPart
+
 log = logging.getLogger("fastload")
 
 
@@ -90,26 +92,83 @@ class EpochBatches(torch.utils.data.Sampler):
     """Batch sampler over a plan of epochs: `plan` is a list of (epoch, skip_batches,
     n_batches); it yields epoch e's batches skip .. skip + n in order, then the next epoch's.
     Set `plan` before each DataLoader iterator is created (a persistent-worker iterator
-    reads it again at every reset)."""
+    reads it again at every reset).
 
-    def __init__(self, sampler, batch_size: int, drop_last: bool):
+    `tail_workers` (the loader's worker count; 0 or 1: off) balances the stream's end. The
+    DataLoader hands batches to its workers in turn, so when a stream's batch count is not a
+    multiple of the workers, the last round leaves workers idle while the others build one
+    more batch each: on 2 workers and an odd count, one core idles for a whole batch time
+    (~3 % of a 2,000-image epoch; FFCV, whose threads share every batch, has no such tail).
+    The batches of that last round (`tail_batch_count`) are yielded as `BatchPart`s instead,
+    each cut into one near-equal part per worker, so every worker builds the same share of
+    them; the loader's host stage joins the parts again (`merge_parts`): the batches,
+    their samples and order are exactly those of the uncut stream."""
+
+    def __init__(self, sampler, batch_size: int, drop_last: bool, tail_workers: int = 0):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), drop_last
+        self.tail_workers = int(tail_workers)
         self.plan: list[tuple[int, int, int]] = []
 
     def epoch_batches(self) -> int:
         """Batches in one whole epoch."""
         return epoch_batch_count(len(self.sampler.epoch_keys(0)), self.batch_size, self.drop_last)
 
+    def _batches(self, epoch: int, skip: int, n: int) -> list[list]:
+        keys, bs = self.sampler.epoch_keys(epoch), self.batch_size
+        total = epoch_batch_count(len(keys), bs, self.drop_last)
+        return [keys[b * bs : (b + 1) * bs] for b in range(skip, min(total, skip + n))]
+
+    def _cut(self, before: int, batches: list[list]) -> int:
+        """How many of the plan's last batches are cut (`before`: the batches ahead of them)."""
+        if not batches:
+            return 0
+        n, last = before + len(batches), len(batches[-1])
+        return min(tail_batch_count(n, last, self.batch_size, self.tail_workers), len(batches))
+
     def __iter__(self):
-        bs = self.batch_size
-        for epoch, skip, n in self.plan:
-            keys = self.sampler.epoch_keys(epoch)
-            total = epoch_batch_count(len(keys), bs, self.drop_last)
-            for b in range(skip, min(total, skip + n)):
-                yield keys[b * bs : (b + 1) * bs]
+        before = 0
+        for i, entry in enumerate(self.plan):
+            batches = self._batches(*entry)
+            k = self._cut(before, batches) if i == len(self.plan) - 1 else 0
+            yield from batches[: len(batches) - k]
+            for batch in batches[len(batches) - k :]:
+                yield from cut_batch(batch, self.tail_workers)
+            before += len(batches)
 
     def __len__(self) -> int:
-        return sum(n for _, _, n in self.plan)
+        """Items this sampler yields: batches, a cut batch counting once per part."""
+        n = sum(n for _, _, n in self.plan)
+        if not self.plan or self.tail_workers < 2:
+            return n
+        batches = self._batches(*self.plan[-1])
+        k = self._cut(n - len(batches), batches)
+        return n + sum(
+            len(cut_batch(b, self.tail_workers)) - 1 for b in batches[len(batches) - k :]
+        )
+
+
+def tail_batch_count(n_batches: int, last_size: int, batch_size: int, workers: int) -> int:
+    """How many of a stream's last batches `EpochBatches` cuts across `workers`: those of
+    the last, incomplete round of workers (n_batches mod workers); when the rounds are
+    complete but the last batch is short (drop_last off), the whole last round, so the
+    worker with the short batch does not sit idle while the others finish theirs."""
+    if workers < 2 or n_batches == 0:
+        return 0
+    k = n_batches % workers
+    if k == 0 and last_size < batch_size:
+        k = workers
+    return min(k, n_batches)
+
+
+def cut_batch(keys: list, workers: int) -> list[BatchPart]:
+    """`keys` as `workers` consecutive parts of near-equal size (empty parts left out)."""
+    q, r = divmod(len(keys), workers)
+    sizes = [q + (j < r) for j in range(workers) if q + (j < r) > 0]
+    starts = [sum(sizes[:j]) for j in range(len(sizes))]
+    return [
+        BatchPart(keys[a : a + m], j, len(sizes))
+        for j, (a, m) in enumerate(zip(starts, sizes, strict=True))
+    ]
 
 
 def shard_stream_order(

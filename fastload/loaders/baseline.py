@@ -39,7 +39,7 @@ import weakref
 import torch
 from torch.utils.data import DataLoader
 
-from fastload.data.batch import collate
+from fastload.data.batch import PART, collate, merge_parts
 from fastload.data.sampling import EpochBatches
 from fastload.errors import ConfigError
 from fastload.loaders import checks, watchdog
@@ -96,6 +96,7 @@ class BaselineLoader:
         timeout: float = 0,
         reuse_batch_memory: bool = True,
         cross_epoch: bool = True,
+        balanced_tail: bool = True,
         epochs: int | None = None,
         max_batches: int | None = None,
         collate_fn=None,
@@ -116,13 +117,19 @@ class BaselineLoader:
         self.seed, self.rank = seed, rank
         self.generator = torch.Generator()
         self._checked_first_batch = False
+        self.joined_batches = 0  # batches cut across the workers and joined (all streams)
         workers = self.num_workers > 0
         self.prefetch_factor = (prefetch_factor or 2) if workers else 0
         self.collate = collate_fn or collate
         self.slots = None
         if workers and reuse_batch_memory and collate_fn is None and sample_bytes:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
-        self.batches = EpochBatches(sampler, batch_size, drop_last and train)
+        # Cut the stream's last round of batches across the workers (EpochBatches): only
+        # with fastload's collate (it marks the parts) and no deferred decode (whose encoded
+        # samples cannot be joined); the host stage joins the parts again.
+        cut = balanced_tail and collate_fn is None and device_prep.decoder is None
+        tail_workers = self.num_workers if cut else 0
+        self.batches = EpochBatches(sampler, batch_size, drop_last and train, tail_workers)
         self.dataloader = DataLoader(
             WorkerSeeding(dataset, seed, rank, batched=collate_fn is None),
             batch_sampler=self.batches,
@@ -306,6 +313,20 @@ class _DataLoaderBatches:
             raise StopIteration from None
 
     def _next(self, loader):
+        batch = self._fetch(loader)
+        if PART in batch:  # the first part of a batch cut across the workers: join them
+            parts = [batch]
+            while len(parts) < batch[PART][1]:
+                parts.append(self._fetch(loader))
+            batch = merge_parts(parts, loader.pin_memory)
+            loader.joined_batches += 1
+        if not loader._checked_first_batch:
+            loader._checked_first_batch = True
+            loader._check_first_batch(batch)
+        return batch
+
+    def _fetch(self, loader):
+        """The DataLoader's next batch (or part), out of its reused slot."""
         try:
             with watchdog.main_process_batch(0 if loader.num_workers else loader.timeout):
                 batch = next(self.it)
@@ -322,9 +343,6 @@ class _DataLoaderBatches:
             loader.first_batch_s = time.perf_counter() - self.t0
         if self.ring is not None:
             batch = self.ring.resolve_batch(batch, loader.pin_memory)
-        if not loader._checked_first_batch:
-            loader._checked_first_batch = True
-            loader._check_first_batch(batch)
         return batch
 
     def close(self) -> None:

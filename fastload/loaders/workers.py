@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
+from fastload.data.batch import BatchPart
 from fastload.errors import ConfigError
 from fastload.host import usable_cores
 
@@ -124,9 +125,13 @@ class WorkerSeeding(torch.utils.data.Dataset):
             # a worker (CUDA never initialised there) formats the call stack every batch
             # (~2 % of a JPEG worker's time); a loader worker must not use CUDA anyway.
             torch.default_generator.manual_seed(s)
-        if self.load_batch is not None:
-            return self.load_batch(keys)
-        return [self.dataset[k] for k in keys]
+        samples = (
+            self.load_batch(keys)
+            if self.load_batch is not None
+            else [self.dataset[k] for k in keys]
+        )
+        # A part of a cut batch (EpochBatches' stream tail) keeps its mark for collate.
+        return keys.like(samples) if isinstance(keys, BatchPart) else samples
 
     def __getitem__(self, key):
         return self.__getitems__([key])[0]
