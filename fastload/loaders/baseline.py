@@ -314,7 +314,7 @@ class _DataLoaderBatches:
 
     def _next(self, loader):
         batch = self._fetch(loader)
-        if PART in batch:  # the first part of a batch cut across the workers: join them
+        if isinstance(batch, dict) and PART in batch:  # a cut batch's first part: join them
             parts = [batch]
             while len(parts) < batch[PART][1]:
                 parts.append(self._fetch(loader))
