@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
+from pathlib import Path
 
 import pytest
 from conftest import CONF, make_image_folder
@@ -168,3 +169,41 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median():
     assert rows[("disk", "cold")]["epochs_img_s"] == [15, 7, 20]
     with pytest.raises(SystemExit):
         storage.parse(["--rounds", "0"])
+
+
+def test_rounds_take_turns_at_going_first(monkeypatch):
+    """--rounds: fastload's rows run first in even rounds and FFCV's in odd ones (a drift
+    within a round then favours each side in turn); the rows come back in the same order."""
+    from fastload.bench import backends, storage
+
+    calls = []
+
+    def store(name, root, args):
+        calls.append(name)
+        return [{"storage": name, "cache": "warm", "epoch_img_s": 1.0}]
+
+    def ffcv(args, root):
+        calls.append("ffcv")
+        return [{"storage": "ffcv-jpeg-full", "cache": "warm", "epoch_img_s": 1.0}]
+
+    monkeypatch.setattr(storage, "measure_store", store)
+    monkeypatch.setattr(storage, "ffcv_rates", ffcv)
+    args = storage.parse(["--stores", "disk,shards-raw", "--ffcv-python", "python"])
+    rows = [storage.round_rows(r, Path("."), args) for r in range(3)]
+    order = ["disk", "shards-raw", "ffcv", "ffcv", "disk", "shards-raw", "disk", "shards-raw"]
+    assert calls == [*order, "ffcv"]
+    assert all(
+        [r["storage"] for r in rr] == ["disk", "shards-raw", "ffcv-jpeg-full"] for rr in rows
+    )
+
+    calls.clear()
+    monkeypatch.setattr(backends, "fastload_loader_rate", lambda *a: calls.append("ours") or 2.0)
+    monkeypatch.setattr(
+        backends, "run_ffcv", lambda *a, **k: calls.append("ffcv") or {"images_per_s": 1.0}
+    )
+    args = backends.parse(["--rounds", "3", "--ffcv-python", "python"])
+    got = backends.target_rounds(
+        args, Path("."), "pil", object(), (224, 2, 64, 1), lambda *a, **k: None
+    )
+    assert calls == ["ours", "ffcv", "ffcv", "ours", "ours", "ffcv"]
+    assert [g["ours"] for g in got] == [2.0] * 3

@@ -373,10 +373,12 @@ def target_rounds(args, root: Path, best_name, best_backend, timing, row) -> lis
     rounds = []
     for r in range(args.rounds):
         got = {}
-        if not args.no_loaders and best_backend is not None:
-            got["ours"] = fastload_loader_rate(root, best_backend, *timing)
-        if args.ffcv_python:
-            got["ffcv"] = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
+        # Odd rounds run FFCV first: a drift within a round then favours each side in turn.
+        for side in ("ffcv", "ours") if r % 2 else ("ours", "ffcv"):
+            if side == "ours" and not args.no_loaders and best_backend is not None:
+                got["ours"] = fastload_loader_rate(root, best_backend, *timing)
+            elif side == "ffcv" and args.ffcv_python:
+                got["ffcv"] = run_ffcv(args.ffcv_python, root, args.size, w, timeout=900)
         if args.rounds > 1:
             shown = {k: v if k == "ours" else v.get("images_per_s") for k, v in got.items()}
             print(f"  round {r + 1}: {shown}", file=sys.stderr)

@@ -310,6 +310,18 @@ def measure_store(name: str, root: Path, args) -> list[dict]:
     return rows
 
 
+def round_rows(r: int, root: Path, args) -> list[dict]:
+    """Round r's rows: the stores', then FFCV's; in odd rounds FFCV's first. The two sides of
+    a target ratio run minutes apart, and this machine's speed drifts over minutes: taking
+    turns at going first keeps a drift from favouring the same side in every round."""
+    ffcv_first = r % 2 == 1
+    theirs = ffcv_rates(args, root) if args.ffcv_python and ffcv_first else []
+    ours = [row for name in args.stores.split(",") for row in measure_store(name, root, args)]
+    if args.ffcv_python and not ffcv_first:
+        theirs = ffcv_rates(args, root)
+    return ours + theirs
+
+
 def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
     """One row per (storage, cache) over --rounds: the median of each round's figures, every
     epoch kept (epochs_img_s) and each round's epoch_img_s (rounds_epoch_img_s)."""
@@ -382,12 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             if args.rounds > 1:
                 print(f"round {r + 1} of {args.rounds}", flush=True)
-            rows = []
-            for name in args.stores.split(","):
-                rows += measure_store(name, root, args)
-            if args.ffcv_python:
-                rows += ffcv_rates(args, root)
-            rounds.append(rows)
+            rounds.append(round_rows(r, root, args))
     if not args.keep_tmpfs and "tmpfs" in args.stores:
         shutil.rmtree(args.tmpfs_dir, ignore_errors=True)
     rows = combine_rounds(rounds)
