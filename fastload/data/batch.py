@@ -148,9 +148,9 @@ def collate(samples: list, ring=None) -> dict:
 def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
     """The batch that `parts` (collated `BatchPart`s of one batch, in order, their tensors
     already out of their slots) were cut from: the same dict `collate` gives for the whole
-    batch. The images are copied into one new tensor (pinned when `pin_memory`), in the
-    first part's memory format; a batch's deferred (ENCODED) samples cannot be joined, so
-    the sampler never cuts a batch for a backend that defers its decode."""
+    batch. The images are joined by `join_images` (pinned when `pin_memory`), the targets,
+    counts and skipped files concatenated or summed; a batch's deferred (ENCODED) samples
+    cannot be joined, so the loader never cuts batches for a backend that defers its decode."""
     if any(ENCODED in p for p in parts):
         raise ValueError("merge_parts: parts with deferred (encoded) samples cannot be joined")
     images = [p[IMAGE] for p in parts if p[IMAGE] is not None]
@@ -188,7 +188,7 @@ def join_images(images: list[torch.Tensor], pin_memory: bool = False) -> torch.T
         first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last)
     )
     storage = first.untyped_storage()
-    room = storage.nbytes() >= math.prod(shape) * first.element_size()
+    room = storage.nbytes() >= math.prod(shape) * first.element_size() and not pin_memory
     if dense and first.storage_offset() == 0 and first.stride(0) == per_sample and room:
         out = torch.empty(0, dtype=first.dtype).set_(storage, 0, shape, first.stride())
     else:
