@@ -146,7 +146,13 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median():
 
     def round_rows(raw, ffcv_raw, disk, ffcv_jpeg):
         def row(name, rate):
-            return {"storage": name, "cache": "warm", "epoch_img_s": rate, "epochs_img_s": [rate]}
+            return {
+                "storage": name,
+                "cache": "warm",
+                "epoch_img_s": rate,
+                "epochs_img_s": [rate],
+                "images": 18,
+            }
 
         return [
             row("disk", disk),
@@ -167,6 +173,10 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median():
     assert rows[("shards-raw", "warm")]["epoch_img_s"] == 19
     assert rows[("shards-raw", "warm")]["rounds_epoch_img_s"] == [21, 11, 19]
     assert rows[("disk", "cold")]["epochs_img_s"] == [15, 7, 20]
+    # an even number of rounds: figures take the middle two's mean, counts stay counts
+    even = storage.combine_rounds([*rounds, round_rows(20, 10, 30, 20)])
+    assert even[2]["epoch_img_s"] == 19.5 and even[2]["images"] == 18
+    assert isinstance(even[2]["images"], int)
     with pytest.raises(SystemExit):
         storage.parse(["--rounds", "0"])
 

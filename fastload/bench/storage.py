@@ -337,7 +337,9 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
         ]
         row = dict(first)
         for k, v in first.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and k != "prep_s":
+            if not isinstance(v, int | float) or isinstance(v, bool) or k == "prep_s":
+                continue
+            if any(r[k] != v for r in same):  # a figure; the image count stays what it is
                 row[k] = statistics.median(r[k] or 0 for r in same)
         row["epochs_img_s"] = [e for r in same for e in r.get("epochs_img_s", [])]
         row["rounds_epoch_img_s"] = [r["epoch_img_s"] for r in same]
