@@ -717,6 +717,26 @@ def test_cut_tail_batches_are_joined_into_the_same_batches(folder, strategy):
         cut.close()
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cut_tail_batches_joined_under_pinned_memory_on_cuda(folder, strategy):
+    """Pinned host batches (the pin thread copies each part out of its slot): the joined
+    batch is pinned, reaches the GPU, and equals the whole-batch loader's."""
+    opts = [f"loader={strategy}", "loader.num_workers=2", "loader.cross_epoch=false"]
+    kw = {"folder": folder, "batch_size": 5, "device": "cuda"}
+    plain = build_test_loader(*opts, "loader.balanced_tail=false", **kw)
+    cut = build_test_loader(*opts, **kw)
+    assert cut.pin_memory
+    cut.set_epoch(0)
+    host = list(cut.host_batches())
+    assert host[-1]["image"].is_pinned() and host[-1]["target"].is_pinned()
+    want, got = run_epochs(plain, [1]), run_epochs(cut, [1])
+    assert cut.joined_batches == 2 and len(got) == len(want) == 3
+    for (_, t, x), (_, wt, wx) in zip(got, want, strict=True):
+        assert x.is_cuda and torch.equal(t, wt)
+        torch.testing.assert_close(x, wx, rtol=0, atol=0)
+
+
 def test_joined_images_fill_the_first_parts_slot_when_it_has_room():
     from fastload.data.batch import join_images
 
