@@ -117,10 +117,7 @@ def collate(samples: list, ring=None) -> dict:
     loader's host stage swaps them for tensors (fastload/loaders/batch_ring.py)."""
     kept = [s for s in samples if s is not None and not isinstance(s, Skipped)]
     gone = [s.where for s in samples if isinstance(s, Skipped)]
-    counts: dict[str, int] = {}
-    for s in kept:
-        for k, v in (s[2] if len(s) > 2 else {}).items():
-            counts[k] = counts.get(k, 0) + int(v)
+    counts = sum_counts(s[2] for s in kept if len(s) > 2)
     if not kept:
         batch = {IMAGE: None, TARGET: None, SKIPPED: len(samples)}
     else:
@@ -145,6 +142,15 @@ def collate(samples: list, ring=None) -> dict:
     return batch
 
 
+def sum_counts(many) -> dict[str, int]:
+    """Per-sample (or per-part) COUNTS dicts summed key by key, for one batch's COUNTS."""
+    total: dict[str, int] = {}
+    for counts in many:
+        for k, v in counts.items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
 def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
     """The batch that `parts` (collated `BatchPart`s of one batch, in order, their tensors
     already out of their slots) were cut from: the same dict `collate` gives for the whole
@@ -161,10 +167,7 @@ def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
         batch[TARGET] = torch.cat(targets)
         if pin_memory:
             batch[TARGET] = batch[TARGET].pin_memory()
-    counts: dict[str, int] = {}
-    for p in parts:
-        for k, v in p.get(COUNTS, {}).items():
-            counts[k] = counts.get(k, 0) + int(v)
+    counts = sum_counts(p.get(COUNTS, {}) for p in parts)
     if counts:
         batch[COUNTS] = counts
     gone = [w for p in parts for w in p.get(SKIPPED_FILES, [])]

@@ -20,7 +20,15 @@ import torch
 from PIL import Image
 
 from fastload.data import rawimage
-from fastload.data.batch import COUNTS, IMAGE, SKIPPED, SKIPPED_FILES, TARGET, Skipped
+from fastload.data.batch import (
+    COUNTS,
+    IMAGE,
+    SKIPPED,
+    SKIPPED_FILES,
+    TARGET,
+    Skipped,
+    sum_counts,
+)
 from fastload.data.dataset import sample_rng, undecodable
 from fastload.errors import DatasetError
 
@@ -164,10 +172,7 @@ def collate_detection(samples: list) -> dict:
         TARGET: [s[1] for s in kept] or None,
         SKIPPED: len(samples) - len(kept),
     }
-    counts: dict[str, int] = {}
-    for s in kept:
-        for k, v in (s[2] if len(s) > 2 else {}).items():
-            counts[k] = counts.get(k, 0) + int(v)
+    counts = sum_counts(s[2] for s in kept if len(s) > 2)
     if counts:
         batch[COUNTS] = counts
     if gone:

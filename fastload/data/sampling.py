@@ -142,9 +142,8 @@ class EpochBatches(torch.utils.data.Sampler):
             return n
         batches = self._batches(*self.plan[-1])
         k = self._cut(n - len(batches), batches)
-        return n + sum(
-            len(cut_batch(b, self.tail_workers)) - 1 for b in batches[len(batches) - k :]
-        )
+        # a cut batch is min(its size, workers) parts (cut_batch leaves empty parts out)
+        return n + sum(min(len(b), self.tail_workers) - 1 for b in batches[len(batches) - k :])
 
 
 def tail_batch_count(n_batches: int, last_size: int, batch_size: int, workers: int) -> int:
