@@ -283,6 +283,9 @@ def test_ctrl_c_during_generation_is_one_line_and_exit_130(tmp_path, when):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches it
+        # SIGINT at its default, as from a terminal: a suite started in the background of a
+        # non-interactive shell (`make test &`) ignores SIGINT, and children inherit that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
     def started() -> bool:  # the cache folder comes just before the pool starts
