@@ -133,10 +133,7 @@ def collate(samples: list, ring=None) -> dict:
         if deferred:
             encoded = [kept[i][0] for i in deferred]
             batch[ENCODED] = type(encoded[0]).collate(encoded, deferred)
-    if counts:
-        batch[COUNTS] = counts
-    if gone:
-        batch[SKIPPED_FILES] = gone
+    put_optional(batch, counts, gone)
     if isinstance(samples, BatchPart):
         batch[PART] = (samples.part, samples.parts)
     return batch
@@ -149,6 +146,15 @@ def sum_counts(many) -> dict[str, int]:
         for k, v in counts.items():
             total[k] = total.get(k, 0) + int(v)
     return total
+
+
+def put_optional(batch: dict, counts: dict[str, int], gone: list[str]) -> None:
+    """The optional COUNTS and SKIPPED_FILES keys of a batch, set only when non-empty (every
+    collate and `merge_parts` end with this)."""
+    if counts:
+        batch[COUNTS] = counts
+    if gone:
+        batch[SKIPPED_FILES] = gone
 
 
 def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
@@ -168,11 +174,7 @@ def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
         if pin_memory:
             batch[TARGET] = batch[TARGET].pin_memory()
     counts = sum_counts(p.get(COUNTS, {}) for p in parts)
-    if counts:
-        batch[COUNTS] = counts
-    gone = [w for p in parts for w in p.get(SKIPPED_FILES, [])]
-    if gone:
-        batch[SKIPPED_FILES] = gone
+    put_optional(batch, counts, [w for p in parts for w in p.get(SKIPPED_FILES, [])])
     return batch
 
 

@@ -20,15 +20,7 @@ import torch
 from PIL import Image
 
 from fastload.data import rawimage
-from fastload.data.batch import (
-    COUNTS,
-    IMAGE,
-    SKIPPED,
-    SKIPPED_FILES,
-    TARGET,
-    Skipped,
-    sum_counts,
-)
+from fastload.data.batch import IMAGE, SKIPPED, TARGET, Skipped, put_optional, sum_counts
 from fastload.data.dataset import sample_rng, undecodable
 from fastload.errors import DatasetError
 
@@ -172,9 +164,5 @@ def collate_detection(samples: list) -> dict:
         TARGET: [s[1] for s in kept] or None,
         SKIPPED: len(samples) - len(kept),
     }
-    counts = sum_counts(s[2] for s in kept if len(s) > 2)
-    if counts:
-        batch[COUNTS] = counts
-    if gone:
-        batch[SKIPPED_FILES] = gone
+    put_optional(batch, sum_counts(s[2] for s in kept if len(s) > 2), gone)
     return batch

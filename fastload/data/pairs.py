@@ -25,14 +25,20 @@ N x 3 x ps x ps, uint8), keeping the batch contract of fastload/data/batch.py.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import torch
 from PIL import Image
 
 from fastload.data import rawimage
-from fastload.data.batch import COUNTS, IMAGE, SKIPPED, SKIPPED_FILES, TARGET, Skipped, stack_images
+from fastload.data.batch import (
+    IMAGE,
+    SKIPPED,
+    TARGET,
+    Skipped,
+    put_optional,
+    stack_images,
+    sum_counts,
+)
 from fastload.data.dataset import sample_rng
 from fastload.errors import CorruptImageError, DatasetError
 
@@ -171,13 +177,7 @@ def collate_pairs(samples: list) -> dict:
     kept = [s for s in samples if isinstance(s, tuple)]
     batch = {SKIPPED: len(samples) - len(kept), IMAGE: None, TARGET: None}
     gone = [s.where for s in samples if isinstance(s, Skipped)]
-    if gone:
-        batch[SKIPPED_FILES] = gone
-    counts = Counter()
-    for s in kept:
-        counts.update(s[2] if len(s) > 2 else {})
-    if counts:
-        batch[COUNTS] = dict(counts)
+    put_optional(batch, sum_counts(s[2] for s in kept if len(s) > 2), gone)
     if kept:
         # stack_images stacks straight into shared memory inside a worker (no extra copy)
         batch[IMAGE] = stack_images([s[0] for s in kept])
