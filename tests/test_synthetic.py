@@ -275,3 +275,46 @@ def test_classes_are_learnable_by_a_crude_classifier(tmp_path):
     pred = np.abs(xva[:, None, :] - centroids[None]).sum(axis=2).argmin(axis=1)
     accuracy = (pred == yva).mean()
     assert accuracy >= 0.6, accuracy  # chance is 0.25
+
+
+def _generate_kind(kind: str, root: Path, workers: int) -> dict:
+    """Each built-in generator as users run it (progress bar on), tiny; returns its manifest."""
+    from fastload.data import synthetic_coco, synthetic_div2k
+
+    if kind == "imagenet":
+        ensure_synthetic_imagenet(root, **{**TINY, "progress": True}, workers=workers)
+        manifest = root / MANIFEST_NAME
+    elif kind == "coco":
+        synthetic_coco.ensure_synthetic_coco(root, train_images=5, val_images=3, min_long_side=64,
+                                             max_long_side=80, workers=workers, progress=True)  # fmt: skip
+        manifest = root / synthetic_coco.MANIFEST_NAME
+    else:
+        synthetic_div2k.ensure_synthetic_div2k(root, train_count=4, val_count=2, min_long_side=64,
+                                               max_long_side=80, workers=workers, progress=True)  # fmt: skip
+        manifest = root / synthetic_div2k.MANIFEST_NAME
+    return json.loads(manifest.read_text())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("kind", ["imagenet", "coco", "div2k"])
+def test_generators_write_everything_their_manifest_counts(tmp_path, monkeypatch, kind, workers):
+    """With the progress bar redrawing on every image (as it does on a slow machine), every
+    image is written and the manifest's counts and byte totals are those of the files."""
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # tqdm reads TQDM_* overrides: redraw always
+    root = tmp_path / kind
+    manifest = _generate_kind(kind, root, workers)
+    images = sorted(p for p in root.rglob("*") if p.suffix in (".jpg", ".png"))
+    on_disk = sum(p.stat().st_size for p in images)
+    if kind == "imagenet":
+        assert manifest["num_files"] == len(images) == 3 * (4 + 2)
+        assert manifest["total_bytes"] == on_disk
+    elif kind == "div2k":
+        assert manifest["files"] == len(images) == 2 * (4 + 2)
+        assert manifest["total_bytes"] == on_disk
+    else:
+        listed = []
+        for split, n in (("train", 5), ("val", 3)):
+            coco = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+            assert len(coco["images"]) == manifest["splits"][split] == n
+            listed += [root / split / im["file_name"] for im in coco["images"]]
+        assert sorted(listed) == images

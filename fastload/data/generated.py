@@ -107,9 +107,20 @@ def run_tasks(fn, tasks: list, workers: int | None, progress: bool, desc: str, u
     from tqdm import tqdm
 
     workers = max(1, min(workers or os.cpu_count() or 1, len(tasks)))
+    results = []
     with tqdm(total=len(tasks), desc=desc, unit=unit, file=sys.stderr,
               disable=not progress) as bar:  # fmt: skip
+        # Plain loops, each result kept before the bar moves: the bar's update() returns
+        # whether it redrew, so it cannot be folded into an expression that yields the result.
         if workers == 1:
-            return [bar.update() or fn(t) for t in tasks]
-        with spawn_pool(workers) as pool:
-            return [bar.update() or r for r in pool.imap(fn, tasks, chunksize=chunksize)]
+            for t in tasks:
+                results.append(fn(t))
+                bar.update()
+        else:
+            with spawn_pool(workers) as pool:
+                for r in pool.imap(fn, tasks, chunksize=chunksize):
+                    results.append(r)
+                    bar.update()
+    if len(results) != len(tasks):  # a generator that under-delivers must never look complete
+        raise RuntimeError(f"{desc}: {len(results)} of {len(tasks)} results came back")
+    return results
