@@ -45,6 +45,40 @@ def test_bad_roots_name_the_folder(tmp_path, layout):
     assert str(split) in str(err.value) and "dataset.root" in str(err.value)
 
 
+def test_symlinks_are_followed_but_no_folder_twice(tmp_path, caplog):
+    """A link back up the tree (`ln -s .. cat/loop`) would repeat the split ~40 levels deep
+    under one class; a link into another class would label its images twice. Both are
+    skipped and named; a link to a folder outside the split is followed, as torchvision does."""
+    root = make_image_folder(tmp_path / "d", classes=("cat", "dog"), per_split=(3, 1))
+    split = root / "train"
+    extra = make_image_folder(tmp_path / "extra", classes=("x",), per_split=(2, 1))
+    (split / "cat" / "loop").symlink_to("..")
+    (split / "cat" / "dogs").symlink_to(split / "dog")
+    (split / "dog" / "more").symlink_to(extra / "train" / "x")
+    with caplog.at_level("WARNING", logger="fastload"):
+        index = index_image_folder(split)
+    labels = {str(index.paths[i]): int(index.targets[i]) for i in range(len(index))}
+    assert len(index) == 3 + 3 + 2
+    assert sum(1 for t in labels.values() if t == 0) == 3  # cat: its own 3 images only
+    assert [p for p in labels if p.startswith("dog/more/")] == ["dog/more/x_000.jpg",
+                                                                 "dog/more/x_001.jpg"]  # fmt: skip
+    assert sorted(index.skipped) == [str(split / "cat" / "dogs"), str(split / "cat" / "loop")]
+    assert "skipped 2 linked folder(s)" in caplog.text and "cat/loop" in caplog.text
+
+
+def test_tmpfs_staging_copies_a_symlink_loop_once(tmp_path):
+    from fastload.storage import tmpfs
+
+    root = make_image_folder(tmp_path / "d", classes=("cat", "dog"), per_split=(2, 1))
+    (root / "train" / "cat" / "loop").symlink_to("..")
+    staged = tmpfs.stage(root, ["train", "val"], tmp_path / "shm", threads=1, reserve_gb=0,
+                         progress=False)  # fmt: skip
+    copied = sorted(str(p.relative_to(staged)) for p in staged.rglob("*.jpg"))
+    assert len(copied) == 2 * 2 + 2 * 1 and not any("loop" in p for p in copied)
+    index = index_image_folder(staged / "train")
+    assert index.targets.tolist() == [0, 0, 1, 1]
+
+
 def test_crop_boxes_follow_random_resized_crop_rules():
     rng = np.random.default_rng(0)
     areas, ratios = [], []

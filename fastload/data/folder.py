@@ -2,13 +2,16 @@
 
 Rules (torchvision.datasets.ImageFolder): classes are the sub-folders of the split folder,
 sorted by name, class_to_idx = their position; samples are the files with an image
-extension, walked in sorted order, following symlinks. Paths are stored as one fixed-width
-numpy string array (not a list of str) so that DataLoader workers do not copy the whole list
-page by page through reference counting (pytorch#13246).
+extension, walked in sorted order, following symlinks -- but never into a folder already
+indexed (by real path: a link loop or a second path to the same images is skipped and named
+in a warning). Paths are stored as one fixed-width numpy string array (not a list of str) so
+that DataLoader workers do not copy the whole list page by page through reference counting
+(pytorch#13246).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from fastload.errors import DatasetError
+
+log = logging.getLogger("fastload")
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
@@ -26,6 +31,7 @@ class FolderIndex:
     classes: tuple[str, ...]
     paths: np.ndarray  # relative paths, dtype '<U…'
     targets: np.ndarray  # int64
+    skipped: tuple[str, ...] = ()  # linked folders not followed (already indexed elsewhere)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -36,6 +42,33 @@ class FolderIndex:
 
     def path(self, i: int) -> Path:
         return self.root / str(self.paths[i])
+
+
+def walk_once(top, seen: set[str], skipped: list[str]):
+    """os.walk(top, followlinks=True) in sorted order that never enters a folder whose real
+    path is in `seen` (adding each one it enters): without it a link back up the tree
+    (`ln -s .. class0/loop`) repeats the tree ~40 levels deep until the kernel's ELOOP, and a
+    second link to a folder indexes its files twice. The links not followed go to `skipped`."""
+    seen.add(os.path.realpath(top))
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+        for name in sorted(dirnames):
+            real = os.path.realpath(os.path.join(dirpath, name))
+            if real in seen:
+                dirnames.remove(name)
+                skipped.append(os.path.join(dirpath, name))
+            seen.add(real)
+        dirnames.sort()
+        yield dirpath, dirnames, filenames
+
+
+def warn_skipped(where, skipped: list[str]) -> None:
+    if skipped:
+        shown = ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")
+        log.warning(
+            "%s: skipped %d linked folder(s) that lead to a folder already indexed (a symlink "
+            "loop or a second path to the same images): %s",
+            where, len(skipped), shown,
+        )  # fmt: skip
 
 
 def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
@@ -53,9 +86,22 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
         )
     paths: list[str] = []
     targets: list[int] = []
-    for idx, cls in enumerate(classes):
-        for dirpath, dirnames, filenames in os.walk(split_dir / cls, followlinks=True):
-            dirnames.sort()
+    # The split folder and every class folder count as seen from the start, so a link back up
+    # the tree (`ln -s .. class0/loop`) or into another class is what gets skipped; a class
+    # folder that is a link to another class keeps its index and gets no images.
+    seen = {os.path.realpath(split_dir)}
+    skipped: list[str] = []
+    class_dirs = []
+    for cls in classes:
+        real = os.path.realpath(split_dir / cls)
+        class_dirs.append(None if real in seen else split_dir / cls)
+        if real in seen:
+            skipped.append(str(split_dir / cls))
+        seen.add(real)
+    for idx, class_dir in enumerate(class_dirs):
+        if class_dir is None:
+            continue
+        for dirpath, _, filenames in walk_once(class_dir, seen, skipped):
             rel = os.path.relpath(dirpath, split_dir)
             for name in sorted(filenames):
                 if name.lower().endswith(IMG_EXTENSIONS):
@@ -66,4 +112,7 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
             f"{split_dir} has class folders ({', '.join(classes[:5])}…) but no image files "
             f"with extensions {', '.join(IMG_EXTENSIONS)}; check dataset.root."
         )
-    return FolderIndex(split_dir, tuple(classes), np.array(paths), np.array(targets, np.int64))
+    warn_skipped(split_dir, skipped)
+    return FolderIndex(
+        split_dir, tuple(classes), np.array(paths), np.array(targets, np.int64), tuple(skipped)
+    )

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastload.atomic import building, is_disk_full, no_space_message
+from fastload.data.folder import walk_once, warn_skipped
 from fastload.data.layouts import as_layout
 from fastload.errors import StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
@@ -56,6 +57,7 @@ def build_manifest(layout, splits) -> dict:
     with size and modification time: a changed source never matches an old staging."""
     root = Path(layout.root).absolute()
     files = []
+    seen, skipped = {os.path.realpath(root)}, []
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
@@ -67,12 +69,12 @@ def build_manifest(layout, splits) -> dict:
                 f"cannot stage {base}: no such folder or file. Point dataset.root at the "
                 f"dataset (for dataset=imagenet: a folder holding '<split>/<class>/<image>')."
             )
-        for dirpath, dirnames, names in os.walk(base, followlinks=True):
-            dirnames.sort()
+        for dirpath, _, names in walk_once(base, seen, skipped):  # a link loop: once
             for n in sorted(names):
                 p = os.path.join(dirpath, n)
                 st = os.stat(p)
                 files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
+    warn_skipped(root, skipped)
     return {"source": str(root), "splits": list(dict.fromkeys(splits)), "files": files}
 
 
