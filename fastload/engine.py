@@ -28,12 +28,21 @@ from fastload import dist
 from fastload.doctor.autotune import tune
 from fastload.doctor.env import preflight
 from fastload.errors import CheckpointError, ConfigError, FastloadError
+from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
 from fastload.tasks.base import build_task
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
 from fastload.telemetry.timer import StepTimer
+from fastload.train_checks import (
+    LossWatch,
+    SkipBudget,
+    TrainingDiverged,
+    checked_share,
+    diverged_message,
+    weights_finite,
+)
 from fastload.train_state import TrainState
 
 log = logging.getLogger("fastload")
@@ -94,16 +103,29 @@ class EpochSpan:
     max_steps: int
 
 
-def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, hooks=None):
+@dataclass
+class EpochResult:
+    steps: int  # the epoch's steps done (span.first_step included)
+    timing: object  # this rank's StepTimer result
+    metrics: dict  # train_*, skipped_corrupt and the backend's counters, over all ranks
+    skipped_files: list[str]  # undecodable samples skipped, on every rank
+    trained: int  # samples trained on, all ranks
+    nonfinite: tuple[int, float] | None  # this rank's first non-finite (step, loss)
+    diverged: bool  # a non-finite loss on any rank
+
+
+def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, watch,
+                    budget, hooks=None) -> EpochResult:  # fmt: skip
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
-    step k (the evaluation loader's warm start). Returns (steps done, timing, metrics, the
-    files skipped as undecodable on every rank)."""
+    step k (the evaluation loader's warm start). It ends early, on every rank at the same
+    step, on a signal, a non-finite loss (`watch`) or too many skipped samples (`budget`)."""
     totals = None  # the step's sums (loss sum, ..., count), on the device: no host sync
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
     skipped_files: list[str] = []
     bar = ProgressBar(span.max_steps, enabled=progress and ctx.is_main, desc=f"epoch {span.epoch}")
     bar.update(n=steps) if steps else None
     step.train_mode()
+    watch.start(span.first_step)
     timer.start()
     for batch in timer.iter(loader):
         if steps >= span.max_steps:
@@ -116,50 +138,62 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
             counts[k] = counts.get(k, 0) + v
         if batch["image"] is not None:
             sums = step.train(batch)
+            watch.add(sums)
             totals = sums if totals is None else totals + sums
             timer.add_samples(len(batch["target"]))
         step.after_step()
         steps += 1
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
-        if stop_agreed(stopper, ctx, steps, span.max_steps):
+        if stop_agreed(stopper, ctx, steps, span.max_steps, watch, budget.exceeded_early(skipped)):
             break
     bar.close()
     timing = timer.stop()
     keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
     n = step.train_sums
     sums = totals.tolist() if totals is not None else [0.0] * n
-    reduced = dist.all_reduce(sums + [skipped] + [counts[k] for k in keys], ctx)
-    return (
-        steps,
-        timing,
-        {
-            **step.train_metrics(reduced[:n]),
-            "skipped_corrupt": int(reduced[n]),
-            **{k: int(v) for k, v in zip(keys, reduced[n + 1 :], strict=True)},
-        },
-        dist.gather_lists(skipped_files, ctx),
-    )
+    nonfinite = watch.first_bad(wait=True)
+    overflow = step.scaler_skips() if hasattr(step, "scaler_skips") else None
+    extra = [skipped, timing.samples, float(nonfinite is not None), overflow or 0.0]
+    reduced = dist.all_reduce(sums + extra + [counts[k] for k in keys], ctx)
+    metrics = {
+        **step.train_metrics(reduced[:n]),
+        "skipped_corrupt": int(reduced[n]),
+        **{k: int(v) for k, v in zip(keys, reduced[n + 4 :], strict=True)},
+    }
+    if overflow is not None:  # fp16: steps that trained nothing, counted, not hidden
+        metrics["scaler_skipped_steps"] = int(reduced[n + 3])
+    return EpochResult(steps, timing, metrics, dist.gather_lists(skipped_files, ctx),
+                       int(reduced[n + 1]), nonfinite, reduced[n + 2] > 0)  # fmt: skip
 
 
-def stop_agreed(stopper, ctx, steps: int, max_steps: int) -> bool:
-    """Whether every rank stops now. Under DDP the ranks must stop at the same step: a small
-    collective every 10 steps instead of every step (each one is a host sync on the GPU)."""
+def stop_agreed(stopper, ctx, steps: int, max_steps: int, watch, over_budget: bool) -> bool:
+    """Whether every rank stops now: a signal, a non-finite loss or too many skipped samples
+    on any rank. Under DDP the ranks must stop at the same step: a small collective every 10
+    steps instead of every step (each one is a host sync on the GPU)."""
     if ctx.distributed and steps % 10 and steps < max_steps:
         return False
-    agreed = dist.all_reduce([float(stopper.signum or 0)], ctx, op="max")[0]
-    if agreed > 0:
-        stopper.signum = stopper.signum or int(agreed)
-    return agreed > 0
+    flags = [float(stopper.signum or 0), float(watch.first_bad() is not None), float(over_budget)]
+    agreed = dist.all_reduce(flags, ctx, op="max")
+    if agreed[0] > 0:
+        stopper.signum = stopper.signum or int(agreed[0])
+    return max(agreed) > 0
 
 
-def evaluate(step, loader, ctx) -> dict:
+def evaluate(step, loader, ctx) -> tuple[dict, int, int, list[str]]:
+    """The val_* metrics, and the samples skipped as undecodable and those evaluated (all
+    ranks), with the skipped ones' files."""
     evaluator = step.evaluator()
     step.eval_mode()
+    skipped, seen, files = 0, 0, []
     with torch.no_grad():
         for batch in loader:
+            skipped += batch["skipped"]
+            files += batch.get("skipped_files", ())
             if batch["image"] is not None:
                 evaluator.add(batch)
-    return evaluator.result(ctx)
+                seen += len(batch["target"])
+    skipped, seen = dist.all_reduce([skipped, seen], ctx)
+    return evaluator.result(ctx), int(skipped), int(seen), dist.gather_lists(files, ctx)
 
 
 def reduce_timing(timing, resources, ctx) -> dict:
@@ -394,6 +428,9 @@ class Epochs:
         self.data, self.record = data, record
         self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
         self.warm = EvalWarmStart()
+        self.watch = LossWatch(ctx.device)
+        epoch_samples = state.steps_per_epoch * cfg.trainer.batch_size * ctx.world_size
+        self.budget = SkipBudget(cfg.dataset.max_skipped_share, epoch_samples)
 
     def run(self) -> None:
         gpu = self.ctx.device.index if self.ctx.device.type == "cuda" else None
@@ -414,19 +451,29 @@ class Epochs:
         sampler.reset()
         span = EpochSpan(epoch, state.step, state.steps_per_epoch)
         hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
-        steps, timing, metrics, skipped = train_one_epoch(
+        done = train_one_epoch(
             self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
-            progress=cfg.trainer.progress, hooks=hooks,
+            progress=cfg.trainer.progress, watch=self.watch, budget=self.budget, hooks=hooks,
         )  # fmt: skip
+        steps, timing, metrics = done.steps, done.timing, done.metrics
+        lr = state.optimizer.param_groups[0]["lr"]
+        if done.diverged or not weights_finite(state.model):  # before evaluating or saving
+            raise TrainingDiverged(
+                diverged_message(epoch, done.nonfinite, lr, state.scaler.is_enabled(), cfg)
+            )
+        self.budget.check(epoch, "training", metrics["skipped_corrupt"], done.trained,
+                          done.skipped_files)  # fmt: skip
         resources = sampler.snapshot()
         if stopper.signum is not None and steps < state.steps_per_epoch:
             state.epoch, state.step = epoch, steps
             self.stop(stopper, f"at epoch {epoch} step {steps}")
         state.epoch, state.step = epoch + 1, 0
-        row = {"epoch": epoch, **metrics, "lr": state.optimizer.param_groups[0]["lr"]}
+        row = {"epoch": epoch, **metrics, "lr": lr}
         if self.evaluates(epoch):
             t0 = time.perf_counter()
-            row.update(evaluate(self.step, data.val, ctx))
+            val, val_skipped, val_seen, val_files = evaluate(self.step, data.val, ctx)
+            self.budget.check(epoch, "validation", val_skipped, val_seen, val_files)
+            row.update(val, val_skipped_corrupt=val_skipped)
             row["eval_time_s"] = time.perf_counter() - t0
             state.best_metric = self.task.best(state.best_metric, row[self.task.metric])
             self.warm.measured(timing, data.val)
@@ -434,7 +481,7 @@ class Epochs:
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
         state.history.append(row)
         self.record.epoch(row)
-        self.record.skipped(epoch, skipped)
+        self.record.skipped(epoch, done.skipped_files)
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
         if every and (last or (epoch + 1) % every == 0):
@@ -461,6 +508,8 @@ class Epochs:
 def fit(cfg: DictConfig) -> dict:
     check_required(cfg)
     check_trainer(cfg)
+    check_optim_options(cfg.optim)
+    checked_share(cfg.dataset.max_skipped_share)
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:

@@ -8,6 +8,28 @@ import math
 import torch
 
 
+def check_options(optim_cfg) -> None:
+    """Numbers the optimiser would reject with a traceback (a negative lr) or, worse, accept
+    and train on to nothing (nan, inf): refused before anything starts, naming the option."""
+    rules = {
+        "base_lr": (lambda v: v > 0, "a finite number > 0 (e.g. 0.1; it is scaled by the "
+                    "global batch / 256)"),
+        "weight_decay": (lambda v: v >= 0, "a finite number >= 0"),
+        "warmup_epochs": (lambda v: v >= 0, "a finite number of epochs >= 0"),
+        "min_lr_ratio": (lambda v: 0 <= v <= 1, "a fraction of base_lr in [0, 1]"),
+        "label_smoothing": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    }  # fmt: skip
+    for key, (ok, use) in rules.items():
+        value = optim_cfg.get(key)
+        if value is None and key == "label_smoothing":
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and ok(value)):
+            from fastload.errors import ConfigError
+
+            raise ConfigError(f"optim.{key}={value!r}: use {use}.")
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float, skip_bn_and_bias: bool) -> list:
     """BatchNorm/LayerNorm scales and all biases are 1-D: decaying them only hurts
     (Goyal et al.; the torchvision and timm recipes exclude them)."""

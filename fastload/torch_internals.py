@@ -15,6 +15,9 @@ decision, not an accident.
     _MultiProcessingDataLoaderIter._workers, ._rcvd_idx, ._task_info
                                        the stall watchdog names the stuck worker (else: "no
                                        single worker could be named")
+    GradScaler._scale                  the fp16 loss scale as a device tensor: steps skipped
+                                       for overflowing gradients are counted without a host
+                                       sync (else: not counted, reported as unknown)
 """
 
 from __future__ import annotations
@@ -43,8 +46,15 @@ def missing() -> list[str]:
             + _MultiProcessingDataLoaderIter._reset.__code__.co_names
             for name in ("_workers", "_rcvd_idx", "_task_info")
         },
+        "GradScaler._scale": "_scale" in torch.amp.GradScaler.__init__.__code__.co_names,
     }
     return [name for name, ok in checks.items() if not ok]
+
+
+def grad_scale(scaler) -> torch.Tensor | None:
+    """An enabled GradScaler's current scale, on the device (None when unknown)."""
+    scale = getattr(scaler, "_scale", None)
+    return scale if torch.is_tensor(scale) else None
 
 
 def has_use_count() -> bool:

@@ -192,10 +192,17 @@ def test_skip_corrupt_counts_and_trains(tmp_path):
     bad = root / "train" / "cat" / "cat_001.jpg"
     bad.write_bytes(b"\xff\xd8 truncated")
     out = run_train(
-        tiny_overrides(root, tmp_path / "run", "dataset.skip_corrupt=true", "trainer.epochs=1")
+        tiny_overrides(
+            root,
+            tmp_path / "run",
+            "dataset.skip_corrupt=true",
+            "trainer.epochs=1",
+            "dataset.max_skipped_share=0.1",
+        )  # 1 of 18  # fmt: skip
     )
     assert out.returncode == 0, out.stderr
-    assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]["skipped_corrupt"] == 1
+    row = read_jsonl(tmp_path / "run" / "metrics.jsonl")[0]
+    assert row["skipped_corrupt"] == 1 and row["val_skipped_corrupt"] == 0
 
 
 @pytest.mark.slow

@@ -41,7 +41,6 @@ from torch.utils.data import DataLoader
 
 from fastload.data.batch import PART, collate, merge_parts
 from fastload.data.sampling import EpochBatches
-from fastload.errors import ConfigError
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
 from fastload.loaders.device_prep import DevicePrep, iter_tensors
@@ -101,8 +100,7 @@ class BaselineLoader:
         max_batches: int | None = None,
         collate_fn=None,
     ):
-        if timeout < 0:
-            raise ConfigError(f"loader.timeout={timeout}: use 0 (wait forever) or seconds > 0.")
+        checks.check_options(timeout, prefetch_factor)
         self.device_prep = device_prep
         self.num_workers = resolve_num_workers(num_workers, local_world_size)
         on_cuda = device_prep.device.type == "cuda"

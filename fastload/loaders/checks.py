@@ -21,6 +21,18 @@ SHM_FIX = (
 )
 
 
+def check_options(timeout, prefetch_factor) -> None:
+    """Values torch's DataLoader would reject with a traceback, named as options instead."""
+    if timeout < 0:
+        raise ConfigError(f"loader.timeout={timeout}: use 0 (wait forever) or seconds > 0.")
+    whole = isinstance(prefetch_factor, int) and not isinstance(prefetch_factor, bool)
+    if prefetch_factor is not None and not (whole and prefetch_factor >= 1):
+        raise ConfigError(
+            f"loader.prefetch_factor={prefetch_factor!r}: use a whole number >= 1 (batches in "
+            f"flight per worker; 2 is torch's default)."
+        )
+
+
 PIN_RAM_SHARE = 0.25
 
 

@@ -25,8 +25,12 @@ A `Step` is what the loop calls on each batch (the benchmarks pass their own):
 
     train_mode(), eval_mode(), after_step()
     train(batch)               one optimisation step -> a 1-D float64 device tensor of sums
-                               (no host sync); `train_metrics(sums)` turns their all-reduced
-                               values into the epoch row's train_* entries
+                               (no host sync): the batch's loss sum first, its sample count
+                               last (the loop stops on a non-finite loss from them);
+                               `train_metrics(sums)` turns their all-reduced values into the
+                               epoch row's train_* entries
+    scaler_skips()             (optional) steps the fp16 loss scaler skipped since the last
+                               call, None without a scaler
     evaluator()                -> an `Evaluator`: `add(batch)` per validation batch,
                                `result(ctx)` -> the val_* entries, the same on every rank
 """
@@ -41,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
 from fastload.errors import ConfigError
+from fastload.torch_internals import grad_scale
 
 
 class Evaluator(abc.ABC):
@@ -141,6 +146,7 @@ class TrainStep(abc.ABC):
         self.model = dist.wrap_ddp(state.model, cfg, ctx)
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
+        self.skipped_by_scaler = torch.zeros((), dtype=torch.float64, device=ctx.device)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
@@ -162,8 +168,23 @@ class TrainStep(abc.ABC):
         s.optimizer.zero_grad(set_to_none=True)
         s.scaler.scale(loss).backward()
         s.scaler.step(s.optimizer)
+        scale = grad_scale(s.scaler) if s.scaler.is_enabled() else None
+        before = None if scale is None else scale.clone()
         s.scaler.update()
+        if before is not None:
+            # update() lowers the scale exactly when this step's gradients overflowed and
+            # step() skipped the optimizer: count it on the device, no host sync.
+            self.skipped_by_scaler += grad_scale(s.scaler) < before
         return sums
+
+    def scaler_skips(self) -> float | None:
+        """Steps the fp16 loss scaler skipped since the last call (they trained nothing);
+        None when no scaler runs. Read once per epoch: a host sync."""
+        if not self.state.scaler.is_enabled():
+            return None
+        n = float(self.skipped_by_scaler)
+        self.skipped_by_scaler.zero_()
+        return n
 
     def after_step(self) -> None:
         self.state.scheduler.step()  # per iteration, skipped batches included

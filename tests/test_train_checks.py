@@ -1,0 +1,116 @@
+"""A run whose numbers would mean nothing ends with an error, not a normal summary: a
+non-finite loss, too many undecodable samples skipped, options that cannot train."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import compose_config, make_image_folder, run_train, tiny_overrides
+from test_train import assert_clean_failure, read_jsonl
+
+from fastload.errors import ConfigError
+from fastload.optim import check_options
+from fastload.train_checks import LossWatch, SkipBudget, TooManySkipped
+
+
+def sums(loss: float, n: int = 4) -> torch.Tensor:
+    return torch.tensor([loss * n, 1.0, n], dtype=torch.float64)
+
+
+def test_loss_watch_names_the_first_non_finite_step():
+    watch = LossWatch(torch.device("cpu"))
+    watch.start(first_step=5)  # a resumed epoch counts from its first step
+    for loss in (2.3, 1.9):
+        watch.add(sums(loss))
+    assert watch.first_bad() is None
+    watch.add(sums(math.inf))
+    watch.add(sums(math.nan))
+    step, loss = watch.first_bad()
+    assert step == 7 and loss == math.inf  # the first one, not the latest
+    watch.start(first_step=0)
+    assert watch.first_bad() is None
+    watch.add(torch.tensor([0.0, 0.0, 0.0], dtype=torch.float64))  # an empty batch is finite
+    assert watch.first_bad() is None
+
+
+def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path):
+    root = make_image_folder(tmp_path / "d")
+    run_dir = tmp_path / "run"
+    out = run_train(tiny_overrides(root, run_dir, "optim.base_lr=1e6", "trainer.epochs=3",
+                                   "trainer.batch_size=2"))  # fmt: skip
+    assert_clean_failure(out, "loss became non-finite at epoch 0 step", "optim.base_lr=1000000.0")
+    assert "fp16" not in out.stderr  # no scaler on the CPU: not a cause to suggest
+    assert out.returncode == 2
+    assert "best top-1" not in out.stdout  # no summary table of a run that learnt nothing
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "metrics.jsonl").exists() or not read_jsonl(run_dir / "metrics.jsonl")
+    assert not (run_dir / "checkpoints" / "last.pt").exists()  # no nan weights kept
+
+
+def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
+    """GradScaler skips the optimizer step of a batch whose gradients overflow; the step
+    counts it on the device (no host sync) and hands the count over once."""
+    from fastload.tasks.classification import ClassificationStep
+
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run"))
+    model = torch.nn.Linear(8, 3)
+    before = model.weight.detach().clone()
+    # A scale just under float32's maximum: the scaled gradients overflow, so the step skips.
+    state = SimpleNamespace(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        scaler=torch.amp.GradScaler("cpu", init_scale=3e38),
+    )
+    ctx = SimpleNamespace(device=torch.device("cpu"), distributed=False)
+    step = ClassificationStep(state, cfg, ctx, amp=None)
+    batch = {"image": torch.randn(4, 8) * 100, "target": torch.tensor([0, 1, 2, 0])}
+    step.train(batch)
+    assert torch.equal(model.weight, before)  # skipped: nothing trained
+    assert step.scaler_skips() == 1
+    assert step.scaler_skips() == 0  # read and reset
+    state.scaler = torch.amp.GradScaler("cpu", enabled=False)
+    assert step.scaler_skips() is None  # no scaler, nothing to count
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
+def test_a_learning_rate_that_cannot_train_is_refused(value):
+    cfg = compose_config([f"optim.base_lr={value}"])
+    with pytest.raises(ConfigError, match=r"optim\.base_lr=.*use a finite number > 0"):
+        check_options(cfg.optim)
+
+
+def test_bad_numbers_are_one_line_naming_the_option(tmp_path):
+    root = make_image_folder(tmp_path / "d")
+    for extra, needle in (
+        (["optim.base_lr=-1"], "optim.base_lr=-1"),
+        (["loader.num_workers=1", "loader.prefetch_factor=0"], "loader.prefetch_factor=0"),
+        (["dataset.max_skipped_share=2"], "dataset.max_skipped_share=2"),
+    ):
+        out = run_train(tiny_overrides(root, tmp_path / "run", *extra))
+        assert_clean_failure(out, needle)
+        assert out.returncode == 2
+
+
+def test_skipping_more_than_the_bound_stops_the_run(tmp_path):
+    """A shard or folder whose samples are all undecodable must not "succeed" with a train
+    loss of 0: dataset.max_skipped_share bounds what skip_corrupt may leave out."""
+    root = make_image_folder(tmp_path / "d")
+    for bad in sorted((root / "train").rglob("*.jpg"))[:10]:  # 10 of 18
+        bad.write_bytes(b"\xff\xd8 truncated")
+    run_dir = tmp_path / "run"
+    out = run_train(tiny_overrides(root, run_dir, "dataset.skip_corrupt=true"))
+    assert_clean_failure(out, "could not be decoded", "dataset.max_skipped_share=0.01")
+    assert "100.0 %" in out.stderr and str(root / "train") in out.stderr  # names the files
+    assert out.returncode == 2 and not (run_dir / "summary.json").exists()
+
+
+def test_the_skip_budget_is_a_share_of_the_epoch():
+    budget = SkipBudget(0.1, epoch_samples=100)
+    assert not budget.exceeded_early(10) and budget.exceeded_early(11)
+    budget.check(0, "training", skipped=1, used=9, files=[])  # 10 %: allowed
+    with pytest.raises(TooManySkipped, match="2 of 10 validation samples .20.0 %"):
+        budget.check(0, "validation", skipped=2, used=8, files=["a.jpg"])
+    SkipBudget(0.0, 10).check(0, "training", skipped=0, used=10, files=[])
