@@ -28,6 +28,7 @@ from fastload import dist
 from fastload.doctor.autotune import tune
 from fastload.doctor.env import preflight
 from fastload.errors import CheckpointError, ConfigError, FastloadError
+from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
 from fastload.tasks.base import build_task
@@ -534,6 +535,11 @@ def fit(cfg: DictConfig) -> dict:
     record = RunRecord(cfg, ctx, run_dir, state.history, task)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
+    except RuntimeError as exc:  # torch's word for a dead worker names only a pid
+        died = dead_worker_error(exc)
+        if died is None:
+            raise
+        raise died from None
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging

@@ -11,6 +11,11 @@ from pathlib import Path
 
 MB = 2**20
 SHM = "/dev/shm"
+SHM_FIX = (
+    "Give the container more shared memory (docker run --shm-size=8g, or in Kubernetes mount "
+    "an emptyDir with medium: Memory at /dev/shm), or lower loader.num_workers / "
+    "loader.prefetch_factor."
+)
 
 
 def usable_cores() -> int:

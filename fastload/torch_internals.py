@@ -22,7 +22,14 @@ decision, not an accident.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+
 import torch
+
+from fastload.errors import ConfigError
+from fastload.host import MB, SHM, SHM_FIX, shm_bytes
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 _new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
@@ -67,10 +74,31 @@ def use_count(storage: torch.UntypedStorage) -> int | None:
 
 
 def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
-    """An untyped storage of `nbytes` in shared memory (what DataLoader workers send)."""
-    if _new_shared is not None:
-        return _new_shared(nbytes)
-    return torch.UntypedStorage(nbytes).share_memory_()
+    """An untyped storage of `nbytes` in shared memory (what DataLoader workers send);
+    ConfigError with the fix when /dev/shm has no room for it."""
+    try:
+        if _new_shared is not None:
+            return _new_shared(nbytes)
+        return torch.UntypedStorage(nbytes).share_memory_()
+    except RuntimeError as exc:
+        if "No space left on device" not in str(exc):
+            raise
+        remove_unfilled_segment(str(exc))
+        shm = shm_bytes()
+        room = f" ({shm[1] / MB:,.0f} MB free of {shm[0] / MB:,.0f} MB)" if shm else ""
+        raise ConfigError(
+            f"{SHM} is full{room}: a batch of {nbytes / MB:,.1f} MB for the loader's workers "
+            f"does not fit. {SHM_FIX}"
+        ) from None
+
+
+def remove_unfilled_segment(message: str) -> None:
+    """torch creates the segment (`/dev/shm/torch_<pid>_...`), fails to fill it, and leaves
+    it behind: remove it when it is this process's (its name starts with our pid)."""
+    found = re.search(r"</?(torch_(\d+)_[\w]+)>", message)
+    if found and int(found.group(2)) == os.getpid():
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM, found.group(1)))
 
 
 def shutdown_workers(it) -> None:

@@ -758,3 +758,62 @@ def test_joined_images_fill_the_first_parts_slot_when_it_has_room():
     assert got.is_contiguous(memory_format=torch.channels_last)
     flat = join_images([whole[:2].contiguous(), whole[2:].contiguous()])
     assert torch.equal(flat, whole) and flat.is_contiguous()
+
+
+@pytest.mark.parametrize("split, owner", [("train", "training"), ("val", "evaluation")])
+def test_a_killed_worker_is_named_with_its_loader_and_the_likely_cause(tiny_folder, split, owner):
+    """torch says only "DataLoader worker (pid N) is killed by signal: Killed"; the run says
+    which loader it served and what usually kills one (the OOM killer: dmesg, fewer workers)."""
+    import signal
+
+    loader = build_test_loader("loader.num_workers=2", "loader.persistent_workers=false",
+                               folder=tiny_folder, split=split, batch_size=1)  # fmt: skip
+    loader.set_epoch(0)
+    before = {p.pid for p in psutil.Process().children()}
+    batches = iter(loader)
+    next(batches)
+    worker = next(p for p in psutil.Process().children() if p.pid not in before)
+    worker.send_signal(signal.SIGKILL)  # not reaped here: torch must see it die
+    with pytest.raises(RuntimeError) as caught:
+        for _ in batches:
+            time.sleep(0.2)  # each step gives torch's SIGCHLD check time to see the death
+    died = workers_mod.dead_worker_error(caught.value)
+    assert died is not None, caught.value
+    text = died.user_message
+    assert f"the {owner} loader's worker (pid {worker.pid})" in text
+    assert "OOM killer" in text and "dmesg" in text and "loader.num_workers" in text
+    loader.close()
+    assert workers_mod.dead_worker_error(RuntimeError("CUDA out of memory")) is None
+    bus = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Bus error. It is ...")
+    assert "docker run --shm-size" in workers_mod.dead_worker_error(bus).user_message
+
+
+def _can_mount_private_tmpfs() -> bool:
+    probe = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs -o size=1m tmpfs /dev/shm"]  # fmt: skip
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_private_tmpfs(), reason="needs unshare -m and mount (root)")
+def test_a_full_dev_shm_is_one_message_and_leaves_no_segment(tmp_path):
+    """/dev/shm (a private 24 MB tmpfs in its own mount namespace, 23 MB taken) with less free
+    room than the workers' batches: with the pre-flight off, the first batch that does not
+    fit stops the run with the fix, and no torch_* segment is left behind."""
+    root = make_image_folder(tmp_path / "d", per_split=(8, 2), size=(256, 256))
+    args = tiny_overrides(root, tmp_path / "run", "trainer.epochs=1", "trainer.batch_size=8",
+                          "dataset.train_transform.size=224", "loader.num_workers=2",
+                          "doctor.preflight=false")  # fmt: skip
+    train = " ".join(f"'{a}'" for a in [sys.executable, str(REPO / "train.py"), *args])
+    script = (
+        "mount -t tmpfs -o size=24m tmpfs /dev/shm && head -c 23000000 /dev/zero > "
+        f"/dev/shm/filler && {train}; rc=$?; ls /dev/shm; exit $rc"
+    )
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "error: /dev/shm is full" in out.stderr and "--shm-size" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert out.stdout.split()[-1:] == ["filler"] and "torch_" not in out.stdout  # ls /dev/shm

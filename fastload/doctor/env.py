@@ -258,7 +258,7 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         parts.append("the tmpfs staging (size not known in time)")
     want = f"needs about {need / MB:,.0f} MB: " + " + ".join(parts) if parts else ""
     fix = SHM_FIX.format(size=shm_size_text(max(need, 256 * MB)))
-    if need and total < need:
+    if need and free < need:  # free, not total: other processes' segments take room too
         return Check(name, FATAL, f"{have}, but the run {want}; workers would die with "
                      "'Bus error' or hang", fix)  # fmt: skip
     if total < 256 * MB or (need and free < 2 * need):

@@ -44,7 +44,12 @@ from fastload.data.sampling import EpochBatches
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
 from fastload.loaders.device_prep import DevicePrep, iter_tensors
-from fastload.loaders.workers import WorkerSeeding, resolve_num_workers, worker_init
+from fastload.loaders.workers import (
+    WorkerSeeding,
+    register_workers,
+    resolve_num_workers,
+    worker_init,
+)
 from fastload.torch_internals import shutdown_workers, stop_persistent_workers
 
 log = logging.getLogger(__name__)
@@ -111,7 +116,7 @@ class BaselineLoader:
         self.pin_memory_max_option = pin_memory_max_mb
         self.pin_memory_max_mb = checks.resolve_pin_cap(pin_memory_max_mb, local_world_size)
         self.timeout = float(timeout)
-        self.dataset, self.sampler = dataset, sampler
+        self.dataset, self.sampler, self.train = dataset, sampler, train
         self.seed, self.rank = seed, rank
         self.generator = torch.Generator()
         self._checked_first_batch = False
@@ -182,7 +187,9 @@ class BaselineLoader:
         ring = self.slots.open(self.dataloader, collate) if self.slots is not None else None
         if ring is not None:
             ring.reset()  # before the iterator exists: no batch of this stream is in flight
-        return _DataLoaderBatches(self, iter(self.dataloader), ring, time.perf_counter())
+        it = iter(self.dataloader)
+        register_workers(it, "training" if self.train else "evaluation")
+        return _DataLoaderBatches(self, it, ring, time.perf_counter())
 
     def _device_batches(self, host_batches):
         for batch in host_batches:

@@ -51,8 +51,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastload.data.batch import InlineArray
-from fastload.host import MB, SHM, shm_bytes
-from fastload.loaders.checks import SHM_FIX
+from fastload.host import MB, SHM, SHM_FIX, shm_bytes
 from fastload.torch_internals import has_use_count, new_shared_storage, use_count
 
 log = logging.getLogger("fastload.loaders")

@@ -9,16 +9,11 @@ import numpy as np
 import torch
 
 from fastload.errors import ConfigError
-from fastload.host import MB, SHM, shm_bytes, total_ram
+from fastload.host import MB, SHM, SHM_FIX, shm_bytes, total_ram
 
 log = logging.getLogger("fastload.loaders")
 
 SHM_FLOOR = 256 * MB  # Docker's default is 64 MB: workers die with "Bus error" well before 256
-SHM_FIX = (
-    "Give the container more shared memory (docker run --shm-size=8g, or in Kubernetes mount "
-    "an emptyDir with medium: Memory at /dev/shm), or lower loader.num_workers / "
-    "loader.prefetch_factor."
-)
 
 
 def check_options(timeout, prefetch_factor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import io
 import random
+import re
 import signal
 import sys
 
@@ -13,8 +14,9 @@ import torch
 from torch.utils.data import get_worker_info
 
 from fastload.data.batch import BatchPart
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, FastloadError
 from fastload.host import usable_cores
+from fastload.torch_internals import stuck_worker
 
 
 def resolve_num_workers(value, local_world_size: int) -> int:
@@ -135,3 +137,55 @@ class WorkerSeeding(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         return self.__getitems__([key])[0]
+
+
+class LoaderWorkerDied(FastloadError):
+    """A DataLoader worker process died (a signal or an exit without a word)."""
+
+
+# pid -> "training" / "evaluation": which loader a worker belonged to, for the message below
+# (torch names only the pid). Filled when a loader starts its workers; pids are not reused
+# while their parent lives, so stale entries do no harm.
+_OWNERS: dict[int, str] = {}
+
+# torch's wordings: "DataLoader worker (pid 123) is killed by signal: Killed." and
+# "DataLoader worker (pid(s) 123, 456) exited unexpectedly".
+_DIED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) "
+                   r"(?:is killed by signal: ([^.]+)|exited unexpectedly)")  # fmt: skip
+
+
+def register_workers(it, owner: str) -> None:
+    """Remember which loader the workers of DataLoader iterator `it` serve."""
+    for process in stuck_worker(it)[0]:
+        if process.pid is not None:
+            _OWNERS[process.pid] = owner
+
+
+def dead_worker_error(exc: BaseException) -> LoaderWorkerDied | None:
+    """The clear error for torch's "DataLoader worker (pid N) is killed by signal" /
+    "exited unexpectedly" RuntimeError: which loader, what usually kills a worker and what to
+    do; None for any other error."""
+    found = _DIED.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None:
+        return None
+    pids = [int(p) for p in found.group(1).replace(",", " ").split()]
+    owners = sorted({_OWNERS.get(p, "") for p in pids} - {""})
+    whose = f"the {' and '.join(owners)} loader's" if owners else "a DataLoader"
+    how = (
+        f"was killed by signal {found.group(2).strip()}"
+        if found.group(2)
+        else "exited unexpectedly"
+    )
+    if found.group(2) and "bus" in found.group(2).lower():
+        likely = ("a full /dev/shm (in Docker: docker run --shm-size=8g; `python -m "
+                  "fastload.doctor env` checks it), or fewer loader.num_workers / a lower "
+                  "loader.prefetch_factor")  # fmt: skip
+    else:
+        likely = ("the kernel's OOM killer (see `dmesg | grep -i -E 'killed process|out of "
+                  "memory'`): use fewer loader.num_workers, a smaller trainer.batch_size or "
+                  "loader.prefetch_factor; else a crash in a native decoder (backend=pil "
+                  "tells), or someone killed it")  # fmt: skip
+    pid_text = ", ".join(str(p) for p in pids)
+    return LoaderWorkerDied(f"{whose} worker (pid {pid_text}) {how}. The most likely cause: "
+                            f"{likely}. resume=auto continues from the newest "
+                            f"checkpoint.")  # fmt: skip
