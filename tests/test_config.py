@@ -85,3 +85,28 @@ def test_default_dataset_folder_is_named_by_generator_version(tmp_path):
 
     cfg = compose_config([f"hydra.run.dir={tmp_path}"], tmp_path)
     assert f"synthetic-imagenet-g{GENERATOR_VERSION}-" in cfg.dataset.root
+
+
+@pytest.mark.parametrize(
+    "dataset, model, optim",
+    [("synthetic", "resnet18", "sgd"), ("coco", "fcos_tiny", "sgd"),
+     ("coco2017", "fasterrcnn_resnet50_fpn", "sgd"), ("div2k", "srcnn", "adam")],
+)  # fmt: skip
+def test_each_workload_trains_its_own_model_unless_one_is_named(dataset, model, optim, tmp_path):
+    """`python train.py dataset=coco` trains a detector instead of stopping to ask for one;
+    a model or optimiser named on the command line (or by an experiment) still wins."""
+    from hydra.core.hydra_config import HydraConfig
+
+    base = [f"dataset={dataset}", "dataset.root=/data/real"]
+    compose_config(base, tmp_path)
+    choices = HydraConfig.get().runtime.choices
+    assert (choices["model"], choices["optim"]) == (model, optim)
+    cfg = compose_config([*base, "model=resnet50", "optim=sgd"], tmp_path)
+    assert HydraConfig.get().runtime.choices["model"] == "resnet50"
+    assert cfg.model.arch == "resnet50"
+
+
+def test_experiments_use_the_cores_this_machine_has():
+    for name in options("experiment"):
+        cfg = compose_config([f"experiment={name}", "dataset.root=/data/real"])
+        assert cfg.loader.num_workers == "auto", name
