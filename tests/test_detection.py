@@ -313,3 +313,28 @@ def test_local_weights_load_or_fail_naming_the_file(tmp_path):
         build_detector("fcos_tiny", 5, weights=str(tmp_path / "w.pth"))
     with pytest.raises(ConfigError, match="no such file"):
         build_detector("fcos_tiny", 3, weights=str(tmp_path / "missing.pth"))
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda a: a["annotations"][0].update(bbox=["a", "b", "c", "d"]), "has bbox ['a'"),
+        (lambda a: a["annotations"][0].update(bbox=[1, 2]), "has bbox [1, 2]"),
+        (lambda a: a["annotations"][0].update(bbox=[float("nan"), 2, 3, 4]), "has bbox [nan"),
+        (lambda a: a.update(categories=[]), "'categories' is empty"),
+        (lambda a: a.pop("categories"), "KeyError: 'categories'"),
+    ],
+)
+def test_a_broken_annotation_file_is_named_not_trained_on(coco_root, tmp_path, change, needle):
+    """Boxes that are not four finite numbers, or no categories: the file is named (a nan
+    box would otherwise be dropped as "degenerate", and no categories advised
+    dataset.num_classes=0)."""
+    from fastload.data.sources import CocoSource
+
+    ann = json.loads((coco_root / "annotations" / "instances_train.json").read_text())
+    change(ann)
+    path = tmp_path / "instances_train.json"
+    path.write_text(json.dumps(ann))
+    with pytest.raises(DatasetError) as err:
+        CocoSource(path, coco_root / "train")
+    assert str(path) in str(err.value) and needle in str(err.value)

@@ -23,6 +23,7 @@ order. Packing never decodes here; the pack workers read and (re-)encode the fil
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,15 +85,29 @@ def _load_coco(ann_path: Path):
             coco = COCO(str(ann_path))
         for im in coco.dataset["images"]:
             int(im["id"]), str(im["file_name"])
+        for c in coco.dataset["categories"]:
+            int(c["id"])
+        if not coco.dataset["categories"]:
+            raise ValueError("'categories' is empty")
         for a in coco.dataset.get("annotations", []):
-            int(a["image_id"]), list(a["bbox"])[:4], int(a["category_id"])
+            int(a["image_id"]), int(a["category_id"])
+            _check_bbox(a)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
         raise DatasetError(
             f"{ann_path} is not a COCO instances file ({type(exc).__name__}: {exc}); it needs "
-            f"'images' (id, file_name), 'annotations' (image_id, bbox, category_id) and "
-            f"'categories' (id, name)."
+            f"'images' (id, file_name), 'annotations' (image_id, bbox [x, y, w, h], "
+            f"category_id) and 'categories' (id, name)."
         ) from None
     return coco
+
+
+def _check_bbox(annotation: dict) -> None:
+    """A box is four finite numbers: anything else is a broken file, not a box to drop."""
+    box = annotation["bbox"]
+    ok = isinstance(box, (list, tuple)) and len(box) == 4
+    ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in box)
+    if not (ok and all(math.isfinite(v) for v in box)):
+        raise ValueError(f"annotation {annotation.get('id')!r} has bbox {box!r}")
 
 
 def _clip_xywh(bbox, width, height) -> tuple[float, float, float, float] | None:
