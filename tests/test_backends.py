@@ -261,6 +261,21 @@ def test_jpeg_header_and_dct_scale(kinds, photo):
     assert all(open_rgb(d).mode == "RGB" for d in kinds.values())
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_grayscale_keeps_its_levels(fmt):
+    """Pillow's convert("RGB") clips 16-bit values above 255 to white: a 16-bit PNG would
+    train as a white image. The reference decode keeps the top 8 bits."""
+    import io
+
+    levels = np.arange(0, 65536, 256, dtype=np.uint16).reshape(16, 16)
+    buf = io.BytesIO()
+    Image.fromarray(levels).save(buf, fmt)
+    rgb = np.asarray(open_rgb(buf.getvalue()))
+    assert rgb.shape == (16, 16, 3)
+    assert np.array_equal(rgb[..., 0], (levels >> 8).astype(np.uint8))
+    assert np.array_equal(rgb[..., 0], rgb[..., 2])
+
+
 @pytest.mark.parametrize("backend_name", ["turbo", "accimage"])
 def test_decode_error_falls_back_with_the_same_box(kinds, backend_name, monkeypatch):
     backend = make_backend(backend_name, monkeypatch)

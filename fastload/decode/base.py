@@ -96,9 +96,13 @@ class DecodeBackend(abc.ABC):
 
 def open_rgb(data: bytes) -> Image.Image:
     """Decode to an RGB image the way real datasets need: EXIF orientation applied,
-    grayscale / CMYK / palette / alpha converted to RGB."""
+    grayscale (8 or 16 bits) / CMYK / palette / alpha converted to RGB."""
     img = Image.open(io.BytesIO(data))
     img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
+    if img.mode.startswith("I;16"):
+        # 16-bit grayscale (PNG, TIFF): Pillow's convert("RGB") clips every value above 255
+        # to white; keep the top 8 bits instead, as an 8-bit export of the file would.
+        img = Image.fromarray((np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8), "L")
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
