@@ -318,3 +318,18 @@ def test_generators_write_everything_their_manifest_counts(tmp_path, monkeypatch
             assert len(coco["images"]) == manifest["splits"][split] == n
             listed += [root / split / im["file_name"] for im in coco["images"]]
         assert sorted(listed) == images
+
+
+@pytest.mark.parametrize(
+    "kind, bad", [("imagenet", {"train_per_class": "abc"}), ("coco", {"train_images": 2.5}),
+                  ("div2k", {"val_count": "4"})],
+)  # fmt: skip
+def test_generator_counts_must_be_whole_numbers(tmp_path, kind, bad):
+    from fastload.data import synthetic_coco, synthetic_div2k
+
+    make = {"imagenet": ensure_synthetic_imagenet, "coco": synthetic_coco.ensure_synthetic_coco,
+            "div2k": synthetic_div2k.ensure_synthetic_div2k}[kind]  # fmt: skip
+    ((key, value),) = bad.items()
+    with pytest.raises(ConfigError, match=f"{key}={value!r} must be a whole number"):
+        make(tmp_path / kind, progress=False, **bad)
+    assert not (tmp_path / kind).exists()

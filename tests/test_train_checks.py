@@ -114,3 +114,12 @@ def test_the_skip_budget_is_a_share_of_the_epoch():
     with pytest.raises(TooManySkipped, match="2 of 10 validation samples .20.0 %"):
         budget.check(0, "validation", skipped=2, used=8, files=["a.jpg"])
     SkipBudget(0.0, 10).check(0, "training", skipped=0, used=10, files=[])
+
+
+@pytest.mark.parametrize("value", ["1.5", "0", "abc"])
+def test_num_classes_is_a_whole_number_before_a_model_is_built(value, tmp_path):
+    from fastload.tasks.base import build_task
+
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", f"dataset.num_classes={value}"))
+    with pytest.raises(ConfigError, match=r"dataset\.num_classes=.*use a whole number >= 1"):
+        build_task(cfg).build_model(cfg)

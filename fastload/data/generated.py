@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastload.atomic import AlreadyBuilt, building
-from fastload.errors import DatasetError
+from fastload.errors import ConfigError, DatasetError
 from fastload.host import spawn_pool
 
 
@@ -97,6 +97,14 @@ class Generated:
                 f"folder with space>."
             ) from e
         return root
+
+
+def require_whole_numbers(what: str, **values) -> None:
+    """The generator's counts and sizes are whole numbers (a typo such as
+    dataset.prepare.train_per_class=abc would otherwise fail deep inside as a TypeError)."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{what}: {key}={value!r} must be a whole number.")
 
 
 def run_tasks(fn, tasks: list, workers: int | None, progress: bool, desc: str, unit: str,

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageFilter
 
-from fastload.data.generated import Generated, run_tasks
+from fastload.data.generated import Generated, require_whole_numbers, run_tasks
 from fastload.errors import ConfigError
 
 MANIFEST_NAME = "fastload-synthetic.json"
@@ -418,6 +418,10 @@ def ensure_synthetic_imagenet(
     at the end (fastload/atomic.py), so a killed run never leaves something that looks
     complete.
     """
+    require_whole_numbers("synthetic dataset", num_classes=num_classes,
+                          train_per_class=train_per_class, val_per_class=val_per_class,
+                          seed=seed, min_long_side=min_long_side, max_long_side=max_long_side,
+                          quality=quality)  # fmt: skip
     _validate(
         num_classes, train_per_class, val_per_class, seed, min_long_side, max_long_side, quality
     )

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastload.data.generated import Generated, run_tasks
+from fastload.data.generated import Generated, require_whole_numbers, run_tasks
 from fastload.data.synthetic import (
     _PALETTES,
     _background,
@@ -200,6 +200,10 @@ def ensure_synthetic_coco(
     progress: bool = True,
 ) -> Path:
     """Generate the synthetic COCO into `root` unless it is there already; returns root."""
+    require_whole_numbers("synthetic COCO", num_categories=num_categories,
+                          train_images=train_images, val_images=val_images, seed=seed,
+                          min_long_side=min_long_side, max_long_side=max_long_side,
+                          quality=quality)  # fmt: skip
     sizes = (int(min_long_side), int(max_long_side))
     _validate(num_categories, train_images, val_images, sizes, quality)
     params = _params(num_categories=int(num_categories), train_images=int(train_images),

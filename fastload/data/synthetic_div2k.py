@@ -24,7 +24,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from fastload.data.generated import Generated, run_tasks
+from fastload.data.generated import Generated, require_whole_numbers, run_tasks
 from fastload.data.synthetic import MAX_CLASSES, render_image
 from fastload.errors import ConfigError
 
@@ -82,6 +82,9 @@ def ensure_synthetic_div2k(
     progress: bool = True,
 ) -> Path:
     """Generate the synthetic DIV2K into `root` unless it is already there; returns root."""
+    require_whole_numbers("synthetic DIV2K", scale=scale, train_count=train_count,
+                          val_count=val_count, seed=seed, min_long_side=min_long_side,
+                          max_long_side=max_long_side)  # fmt: skip
     if scale not in (2, 3, 4, 8) or train_count < 1 or val_count < 1 or seed < 0:
         raise ConfigError(
             f"synthetic DIV2K: scale={scale} (2, 3, 4, 8), train_count={train_count} and "

@@ -92,6 +92,13 @@ class Task(abc.ABC):
                 f"{dataset_choice(cfg)} trains {self.kind}: pick one of its models "
                 f"({', '.join(self.models)}){self.suggest and f', e.g. {self.suggest}'}."
             )
+        classes = opts.get("num_classes")
+        if classes is not None and (isinstance(classes, bool) or not isinstance(classes, int)
+                                    or classes < 1):  # fmt: skip
+            raise ConfigError(
+                f"dataset.num_classes={classes!r}: use a whole number >= 1 (the classes or "
+                f"object categories the model predicts)."
+            )
         return instantiate(opts)
 
     models: tuple[str, ...] = ()  # conf/model names for this task, for the message above
