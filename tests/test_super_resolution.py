@@ -210,10 +210,11 @@ def test_psnr_formula_cap_border_and_luma():
 
 
 def test_a_classification_model_for_div2k_is_refused_with_the_fix(tmp_path):
-    cfg = compose_config(["dataset=div2k", f"hydra.run.dir={tmp_path}"], tmp_path)
+    cfg = compose_config(["dataset=div2k", "model=resnet18", f"hydra.run.dir={tmp_path}"],
+                         tmp_path)  # fmt: skip
     with pytest.raises(ConfigError, match=r"classification model.*super_resolution.*srcnn"):
         build_task(cfg).build_model(cfg)
-    cfg = compose_config(["dataset=div2k", "model=srcnn", f"hydra.run.dir={tmp_path}"], tmp_path)
+    cfg = compose_config(["dataset=div2k", f"hydra.run.dir={tmp_path}"], tmp_path)  # its own
     model = build_task(cfg).build_model(cfg)
     assert model(torch.rand(1, 3, 8, 8)).shape == (1, 3, 16, 16)
     cfg = compose_config(["model=srcnn", f"hydra.run.dir={tmp_path}"], tmp_path)
