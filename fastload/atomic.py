@@ -53,16 +53,21 @@ def is_stale(entry: Path, final: Path, stale_after_s: float = DAY_S) -> bool:
 
 
 def remove_stale(final: Path, stale_after_s: float = DAY_S) -> list[Path]:
-    """Remove the stale temporary folders of `final`; returns what was removed."""
+    """Remove the stale temporary folders (or files: checkpoints are written the same way)
+    of `final`; returns what was removed."""
     removed = []
     try:
         entries = list(final.parent.glob(f"{temp_prefix(final)}*"))
     except OSError:
         return removed
     for entry in entries:
-        if entry.is_dir() and is_stale(entry, final, stale_after_s):
+        if not is_stale(entry, final, stale_after_s):
+            continue
+        if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
     return removed
 
 

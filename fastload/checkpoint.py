@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
-from fastload.atomic import is_disk_full, no_space_message
+from fastload.atomic import is_disk_full, no_space_message, remove_stale, temp_path
 from fastload.errors import CheckpointError
 
 log = logging.getLogger("fastload")
@@ -142,7 +142,7 @@ def save_atomic(state: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {**state, "format": FORMAT}
     state["checksum"] = checksum(state)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)  # .last.pt.tmp-<host>-<pid>: a killed writer's is found by its pid
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -221,6 +221,19 @@ def candidates(output_root: Path, name: str) -> list[Path]:
     """resume=auto: the last.pt of every run called `name`, newest first."""
     found = (Path(output_root) / name).glob(f"*/checkpoints/{LAST}")
     return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def remove_dead_temps(output_root: Path, name: str) -> list[Path]:
+    """The temporary checkpoint files that writers killed mid-write (SIGKILL, a lost node)
+    left in the runs called `name` (each as large as a checkpoint): removed when their
+    writer is dead on this host (or, for another host's, untouched for a day)."""
+    removed = []
+    for folder in (Path(output_root) / name).glob("*/checkpoints"):
+        removed += remove_stale(folder / LAST)
+    if removed:
+        log.info("removed %d checkpoint file(s) left half-written by dead runs: %s",
+                 len(removed), ", ".join(str(p) for p in removed))  # fmt: skip
+    return removed
 
 
 def find_latest(output_root: Path, name: str) -> Path | None:

@@ -515,6 +515,7 @@ def fit(cfg: DictConfig) -> dict:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:
         check_writable(run_dir)
+        ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
     preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes

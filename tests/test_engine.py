@@ -79,6 +79,31 @@ def test_find_latest_checkpoint(tmp_path):
     assert ckpt.find_latest(tmp_path, "other") is None
 
 
+def test_a_killed_checkpoint_writers_file_is_removed_by_the_next_run(tmp_path, caplog):
+    """SIGKILL during a checkpoint write leaves .last.pt.tmp-<host>-<pid> (as large as a
+    checkpoint); the next run of the same name removes those of dead writers only."""
+    import subprocess
+    import sys
+
+    from fastload.atomic import temp_path
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folders = [tmp_path / "exp" / run / "checkpoints" for run in ("r1", "r2")]
+    last = [f / ckpt.LAST for f in folders]
+    for f in folders:
+        f.mkdir(parents=True)
+    stale = temp_path(last[0], pid=dead.pid)
+    live = temp_path(last[1], pid=os.getpid())  # a run writing right now
+    other = tmp_path / "exp" / "r1" / "checkpoints" / "notes.txt"
+    for p in (stale, live, other):
+        p.write_bytes(b"partial")
+    with caplog.at_level("INFO", logger="fastload"):
+        assert ckpt.remove_dead_temps(tmp_path, "exp") == [stale]
+    assert not stale.exists() and live.exists() and other.exists()
+    assert str(stale) in caplog.text
+
+
 def test_graceful_stop_turns_sigterm_into_a_flag():
     with GracefulStop() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
