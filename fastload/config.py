@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
 STAMP = "%Y-%m-%d_%H-%M-%S"
 
@@ -74,7 +74,21 @@ class CheckRunDir(Callback):
         # The dir interpolates ${hydra:runtime.choices...}, which needs HydraConfig set; Hydra
         # sets it only later, in run_job, from this same config.
         HydraConfig.instance().set_config(config)
-        self._check(config.hydra.run.dir)
+        wanted = Path(config.hydra.run.dir).absolute()
+        self._check(str(wanted))
+        # Claim it for this launch (fastload/run_folder.py); run_job then uses what this sets.
+        from fastload import run_folder
+        from fastload.errors import FastloadError
+
+        named_by_us = "fastload_run_id" in str(config.hydra.run._get_node("dir")._value())
+        try:
+            chosen = run_folder.claim(wanted, named_by_us)
+        except FastloadError as exc:
+            print(f"error: {exc.user_message}", file=sys.stderr)
+            sys.exit(2)
+        with read_write(config.hydra.run):
+            config.hydra.run.dir = str(chosen)
+        HydraConfig.instance().set_config(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)

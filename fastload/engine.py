@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
-from fastload import dist
+from fastload import dist, run_folder
 from fastload.doctor.autotune import tune
 from fastload.doctor.env import preflight
 from fastload.errors import CheckpointError, ConfigError, FastloadError
@@ -44,7 +44,7 @@ from fastload.train_checks import (
     diverged_message,
     weights_finite,
 )
-from fastload.train_state import TrainState
+from fastload.train_state import TrainState, check_same_run
 
 log = logging.getLogger("fastload")
 
@@ -223,15 +223,15 @@ def reduce_timing(timing, resources, ctx) -> dict:
     }
 
 
-def resume(state: TrainState, cfg) -> None:
-    """resume=<file>: that checkpoint, verified and checked against this run's config.
-    resume=auto: the newest intact checkpoint of a run with this name (damaged ones are
-    skipped, saying so), checked the same way."""
+def find_resume(cfg) -> tuple[Path, dict] | None:
+    """The checkpoint to continue, verified. resume=<file>: that one. resume=auto: the newest
+    intact checkpoint of a run with this name (damaged ones are skipped, saying so). Either is
+    refused while the run that writes it is still going (fastload/run_folder.py)."""
     if cfg.resume in (None, "", "null"):
-        return
+        return None
     if cfg.resume != "auto":
         path = Path(cfg.resume)
-        state.load_state_dict(ckpt.load(path), path)
+        payload = ckpt.load(path)
     else:
         found = None
         for path in ckpt.candidates(Path(cfg.output_root), cfg.name):
@@ -243,11 +243,20 @@ def resume(state: TrainState, cfg) -> None:
         if found is None:
             log.info("resume=auto: no intact checkpoint under %s/%s/, starting fresh",
                      cfg.output_root, cfg.name)  # fmt: skip
-            return
-        path = found[0]
+            return None
+        path, payload = found
         log.info("resume=auto: resuming from %s, the newest intact checkpoint", path)
-        state.load_state_dict(found[1], path)
-    log.info("resumed from %s at epoch %d step %d", path, state.epoch, state.step)
+    run_folder.check_not_held(path)
+    return path, payload
+
+
+def nothing_left(found: tuple[Path, dict] | None, cfg) -> bool:
+    """Whether the checkpoint to resume is of a run that trained all trainer.epochs."""
+    if found is None:
+        return False
+    path, payload = found
+    check_same_run(payload, ckpt.run_config(cfg), path)  # another experiment: its keys first
+    return payload.get("epoch", 0) >= cfg.trainer.epochs and not payload.get("step_in_epoch")
 
 
 def missing_keys(node, prefix: str = "") -> list[str]:
@@ -506,6 +515,20 @@ class Epochs:
         )
 
 
+def finished_already(path: Path, run_dir: Path, cfg, ctx) -> dict:
+    """resume= names a run that trained all its epochs: say so and keep no new folder."""
+    if ctx.is_main:
+        removed = run_folder.remove_if_unused(run_dir)
+        print(
+            f"nothing left to train: {path} is the checkpoint of a run that finished all "
+            f"{cfg.trainer.epochs} epochs (its results: {path.parent.parent}). Start a new run "
+            f"with resume=null (or another name=)"
+            + ("." if removed else f"; {run_dir} was kept (it holds other files)."),
+            flush=True,
+        )
+    return {"nothing_left": True, "checkpoint": str(path)}
+
+
 def fit(cfg: DictConfig) -> dict:
     check_required(cfg)
     check_trainer(cfg)
@@ -516,6 +539,9 @@ def fit(cfg: DictConfig) -> dict:
     if ctx.is_main:
         check_writable(run_dir)
         ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
+    found = find_resume(cfg)
+    if nothing_left(found, cfg):
+        return finished_already(found[0], run_dir, cfg, ctx)
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
     preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
@@ -532,7 +558,9 @@ def fit(cfg: DictConfig) -> dict:
         cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,
         model=model,
     )  # fmt: skip
-    resume(state, cfg)
+    if found is not None:
+        state.load_state_dict(found[1], found[0])
+        log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
     record = RunRecord(cfg, ctx, run_dir, state.history, task)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()

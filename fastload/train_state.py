@@ -114,15 +114,21 @@ class TrainState:
         ckpt.set_rng_state(state["rng"])
 
     def check_same_run(self, state: dict, path) -> None:
-        saved = state.get("run_config")
-        if saved is None:
-            return  # a format-1 checkpoint: load() already said it cannot be verified
-        diff = ckpt.config_differences(saved, self.run_config)
-        model_only = all(d.startswith(("model.", "dataset.num_classes")) for d in diff)
-        if diff and not model_only:  # a model change gets the model message below
-            shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-            raise CheckpointError(
-                f"checkpoint {path} belongs to a run with a different configuration "
-                f"(checkpoint -> this run: {shown}). Resume with the same settings, or start "
-                f"a new run: resume=null (or another name=)."
-            )
+        check_same_run(state, self.run_config, path)
+
+
+def check_same_run(state: dict, run_config: dict, path) -> None:
+    """CheckpointError naming the keys when the checkpoint's run had another
+    result-shaping config than `run_config` (a model change is left to the model check)."""
+    saved = state.get("run_config")
+    if saved is None:
+        return  # a format-1 checkpoint: load() already said it cannot be verified
+    diff = ckpt.config_differences(saved, run_config)
+    model_only = all(d.startswith(("model.", "dataset.num_classes")) for d in diff)
+    if diff and not model_only:  # a model change gets the model message below
+        shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a run with a different configuration "
+            f"(checkpoint -> this run: {shown}). Resume with the same settings, or start "
+            f"a new run: resume=null (or another name=)."
+        )

@@ -1,0 +1,134 @@
+"""Run folders that no two launches share, and that say which launch writes them.
+
+A run folder is `output_root/name/<run id>`, the run id a timestamp to the second (or the
+torchrun / SLURM / FASTLOAD_RUN_ID id that every rank of a launch agrees on). Two launches of
+the same command in the same second would land in one folder and interleave their
+metrics.jsonl, summary and checkpoints. So each launch *claims* its folder: it publishes
+`.fastload-run.json` (who: the launch, host, pid) with an atomic link, which only one launch
+can win. The ranks of one launch carry the same launch identity and all use the folder; a
+different launch that finds the default folder taken uses `<run id>-1`, `-2`, ...; one that
+was given the folder explicitly (hydra.run.dir=...) is refused while the owner lives, and
+takes it over once the owner is gone (a run continued in the same folder).
+
+The same record tells `resume=` who still writes a checkpoint: a run that would resume a
+checkpoint its live owner is still writing is refused, naming the owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+from fastload.errors import CheckpointError, ConfigError
+from fastload.host import hostname, pid_alive
+
+MARKER = ".fastload-run.json"
+LAUNCH_ONLY_FILES = {MARKER, ".hydra", "train.log"}  # what a run folder holds before training
+
+
+def launch_identity() -> dict:
+    """Who this process writes for: the same for every rank of one launch (and a torchrun
+    restart of it), different for another launch. `pid`/`host`: whose life the claim lasts."""
+    host, env = hostname(), os.environ
+    if env.get("FASTLOAD_RUN_ID"):
+        return {"launch": f"env:{env['FASTLOAD_RUN_ID']}", "host": host, "pid": None}
+    if "TORCHELASTIC_RUN_ID" in env:  # torchrun: its agent is every local rank's parent
+        rdzv = env["TORCHELASTIC_RUN_ID"]
+        if int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and rdzv not in ("", "none"):
+            return {"launch": f"torchrun:{rdzv}", "host": host, "pid": None}  # several nodes
+        return {"launch": f"torchrun:{host}:{os.getppid()}", "host": host, "pid": os.getppid()}
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return {"launch": f"slurm:{env['SLURM_JOB_ID']}", "host": host, "pid": None}
+    return {"launch": f"{host}:{os.getpid()}", "host": host, "pid": os.getpid()}
+
+
+def owner(folder: Path) -> dict | None:
+    """The claim of a run folder, or None (no claim, or an unreadable one)."""
+    try:
+        data = json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def alive(who: dict | None) -> bool:
+    """Whether the process holding a claim still runs (known only for one of this host)."""
+    pid = (who or {}).get("pid")
+    return isinstance(pid, int) and who.get("host") == hostname() and pid_alive(pid)
+
+
+def describe(who: dict) -> str:
+    return f"pid {who.get('pid')} on {who.get('host')}"
+
+
+def _try_claim(folder: Path, me: dict, take_over: bool) -> dict | None:
+    """Publish `me` as the folder's claim; None when done, else the other claim found."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{MARKER}.tmp-{me['host']}-{os.getpid()}"
+    tmp.write_text(json.dumps(me), encoding="utf-8")
+    try:
+        if take_over:
+            os.replace(tmp, folder / MARKER)
+            return None
+        os.link(tmp, folder / MARKER)  # atomic, and fails when a claim is there
+        return None
+    except FileExistsError:
+        return owner(folder) or {}
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def claim(path: Path, named_by_us: bool, me: dict | None = None) -> Path:
+    """The folder this launch writes: `path` when free or already this launch's; else, when
+    `named_by_us` (the default `<run id>` name), the first free `<path>-<k>`; else (a folder
+    the user named) `path` taken over from a dead owner, or ConfigError naming a live one."""
+    me = me or launch_identity()
+    for k in range(1000):
+        folder = path if k == 0 else path.with_name(f"{path.name}-{k}")
+        other = _try_claim(folder, me, take_over=False)
+        if other is None or other.get("launch") == me["launch"]:
+            return folder
+        if named_by_us:
+            continue
+        if alive(other):
+            raise ConfigError(
+                f"the run directory {folder} is in use by another run ({describe(other)}): "
+                f"two runs writing one folder would mix their metrics and checkpoints. Wait "
+                f"for it to finish or stop it, or pass another hydra.run.dir=."
+            )
+        _try_claim(folder, me, take_over=True)
+        return folder
+    raise ConfigError(f"{path}: 1000 run directories of this name and second exist already.")
+
+
+def check_not_held(checkpoint: Path) -> None:
+    """Refuse to resume a checkpoint whose run is still going (it keeps writing it)."""
+    folder = Path(checkpoint).absolute().parent.parent  # <run>/checkpoints/last.pt
+    who = owner(folder)
+    if who is None or who.get("launch") == launch_identity()["launch"] or not alive(who):
+        return
+    raise CheckpointError(
+        f"resume would continue {checkpoint}, but the run that writes it ({folder}, "
+        f"{describe(who)}) is still running: two runs would train from one state and "
+        f"overwrite each other's results. Wait for it to finish or stop it (it writes a "
+        f"checkpoint on SIGTERM), or start a separate run with another name=."
+    )
+
+
+def remove_if_unused(folder: Path) -> bool:
+    """Delete a run folder that holds nothing but what a launch writes before training
+    (the claim, Hydra's .hydra/ and log); True when removed. Anything else: kept."""
+    folder = Path(folder)
+    try:
+        names = {p.name for p in folder.iterdir()}
+    except OSError:
+        return False
+    if not names <= LAUNCH_ONLY_FILES or owner(folder) != launch_identity():
+        return False
+    import shutil
+
+    with contextlib.suppress(OSError):
+        shutil.rmtree(folder)
+    return not folder.exists()

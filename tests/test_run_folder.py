@@ -1,0 +1,111 @@
+"""Run folders no two launches share; a checkpoint its live run still writes is not resumed;
+resuming a finished run trains nothing and leaves no new folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, make_image_folder, run_train, tiny_overrides
+from test_train import assert_clean_failure, read_jsonl
+
+from fastload import run_folder
+from fastload.errors import ConfigError
+
+CLAIM = """
+import sys, time
+from pathlib import Path
+from fastload import run_folder
+start, path, named_by_us = float(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "1"
+time.sleep(max(0.0, start - time.time()))  # both processes claim at the same instant
+print(run_folder.claim(path, named_by_us), flush=True)
+time.sleep(float(sys.argv[4]))
+"""
+
+
+def claimer(path, named_by_us: bool, start: float, hold_s: float = 0.0) -> subprocess.Popen:
+    args = [sys.executable, "-c", CLAIM, str(start), str(path), str(int(named_by_us)), str(hold_s)]
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def test_two_launches_landing_on_one_folder_name_get_one_folder_each(tmp_path):
+    """The default name is a timestamp to the second: two launches in one second claim it
+    at once; one keeps it, the other writes `<name>-1`."""
+    path = tmp_path / "x" / "2026-11-24_12-00-00"
+    start = time.time() + 1.5
+    procs = [claimer(path, True, start) for _ in range(2)]
+    got = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert got == [str(path), f"{path}-1"]
+    owners = {json.dumps(run_folder.owner(g), sort_keys=True) for g in map(type(path), got)}
+    assert len(owners) == 2  # each folder names its own launch
+
+
+def test_a_launch_keeps_its_folder_and_a_named_folder_is_not_shared_with_a_live_run(tmp_path):
+    path = tmp_path / "run"
+    me = run_folder.launch_identity()
+    assert run_folder.claim(path, named_by_us=True) == path
+    assert run_folder.claim(path, named_by_us=True) == path  # another rank of this launch
+    holder = claimer(tmp_path / "named", False, 0.0, hold_s=60)
+    try:
+        assert holder.stdout.readline().strip() == str(tmp_path / "named")
+        with pytest.raises(ConfigError, match=f"pid {holder.pid} on {me['host']}"):
+            run_folder.claim(tmp_path / "named", named_by_us=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    # its owner gone, a folder named on the command line is taken over (a run continued there)
+    assert run_folder.claim(tmp_path / "named", named_by_us=False) == tmp_path / "named"
+    assert run_folder.owner(tmp_path / "named") == me
+
+
+def test_concurrent_runs_of_one_name_write_separate_folders(tiny_folder, tmp_path):
+    """`python train.py name=x` twice at once: each run its own folder, its own rows."""
+    args = tiny_overrides(tiny_folder, tmp_path / "unused", "name=x", "trainer.epochs=2")
+    args = [a for a in args if not a.startswith("hydra.run.dir=")]  # the default run id
+    args = [*args, f"output_root={tmp_path / 'out'}"]
+    procs = [
+        subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    folders = sorted((tmp_path / "out" / "x").iterdir())
+    assert len(folders) == 2
+    for folder in folders:
+        assert [r["epoch"] for r in read_jsonl(folder / "metrics.jsonl")] == [0, 1]
+        assert json.loads((folder / "summary.json").read_text())["run_dir"] == str(folder)
+
+
+def test_resuming_a_checkpoint_its_live_run_writes_is_refused_then_a_finished_run_is_said(
+    tmp_path,
+):
+    root = make_image_folder(tmp_path / "d")
+    name = "synthetic-resnet18-turbo-disk-baseline"
+    first = tmp_path / "out" / name / "first"
+    out = run_train(tiny_overrides(root, first, "trainer.epochs=1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (first / "checkpoints" / "last.pt").is_file()
+
+    # the first run's folder, claimed again by a live process (as if it were still training)
+    holder = claimer(first, False, 0.0, hold_s=120)
+    try:
+        holder.stdout.readline()
+        second = tmp_path / "out" / name / "second"
+        out = run_train(tiny_overrides(root, second, "trainer.epochs=1", "resume=auto"))
+        assert_clean_failure(out, f"pid {holder.pid}", str(first), "still running")
+    finally:
+        holder.kill()
+        holder.wait()
+
+    # the holder gone: the run it held had trained all its epochs; nothing is made
+    third = tmp_path / "out" / name / "third"
+    out = run_train(tiny_overrides(root, third, "trainer.epochs=1", "resume=auto"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "nothing left to train" in out.stdout and "resume=null" in out.stdout
+    assert "best top-1" not in out.stdout  # no old table reprinted
+    assert not third.exists()
