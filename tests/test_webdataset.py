@@ -559,3 +559,90 @@ def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
     assert not solo.has_pairs and solo.read(0)[0] == (hr / "0001.png").read_bytes()
     with pytest.raises(StorageError, match="--lr"):
         solo.read_pair(0)
+
+
+# -- what a shard or manifest may hold instead of what it should ---------------------------
+
+
+def write_shard(path: Path, samples: list[tuple[bytes, bytes]]) -> None:
+    """A foreign shard: <key>.jpg + <key>.cls (raw bytes of the .cls member as given)."""
+    import io
+
+    with tarfile.open(path, "w") as tf:
+        for i, (jpg, cls) in enumerate(samples):
+            for ext, blob in (("jpg", jpg), ("cls", cls)):
+                info = tarfile.TarInfo(f"s{i:04d}.{ext}")
+                info.size = len(blob)
+                tf.addfile(info, io.BytesIO(blob))
+
+
+def test_an_html_page_instead_of_a_shard_is_never_cached_under_its_name(data, tmp_path):
+    """A server answering 200 with an HTML page for a shard (pattern URL, no manifest): the
+    error says what came back, nothing is cached under the shard's name, and once the
+    server serves the shard the same command works."""
+    root, _ = data
+    samples = disk_samples(root)[:3]
+    served = tmp_path / "www"
+    served.mkdir()
+    page = b"<!DOCTYPE html><html><body>Please log in</body></html>"
+    (served / "part-000.tar").write_bytes(page)
+    cache = tmp_path / "c"
+    with web_server(served, tmp_path / "srv") as (url, _, _log):
+        store = WebDatasetStorage(url=f"{url}/part-{{000..000}}.tar", cache_dir=cache,
+                                  retries=0)  # fmt: skip
+        with pytest.raises(StorageError) as err:
+            store.prepare(root, ["train"])
+        text = err.value.user_message
+        assert "part-000.tar did not return a tar shard but an HTML/XML page" in text
+        assert "Nothing was cached" in text
+        assert not [p for p in cache.iterdir() if p.name.endswith("part-000.tar")]
+        write_shard(served / "part-000.tar", [(jpg, b"%d" % t) for jpg, t in samples])
+        for verdict in cache.glob("*.bad"):  # the verdict ages out: a fixed server is fetched
+            os.utime(verdict, (time.time() - 3600, time.time() - 3600))
+        store.prepare(root, ["train"])
+        reader = store.open(root, "train")
+        assert [reader.read(i) for i in range(3)] == samples
+
+
+@pytest.mark.parametrize("cls, needle", [(b"abc", "'abc'"), (b"1.7", "'1.7'"), (b"-1", "'-1'"),
+                                         (b"999999", "label 999999 far beyond")])  # fmt: skip
+def test_a_bad_cls_member_names_its_shard_and_sample(data, tmp_path, cls, needle):
+    root, _ = data
+    jpg = disk_samples(root)[0][0]
+    shard = tmp_path / "part-000.tar"
+    write_shard(shard, [(jpg, b"0"), (jpg, b"1"), (jpg, cls), (jpg, b"2")])
+    store = WebDatasetStorage(url=str(tmp_path / "part-{000..000}.tar"), cache_dir=tmp_path / "c")
+    with pytest.raises(StorageError) as err:
+        store.prepare(root, ["train"])
+    text = err.value.user_message
+    assert str(shard) in text and needle in text
+    assert "num_classes=1000000" not in text
+
+
+def test_a_manifest_whose_labels_disagree_with_the_cls_members_is_refused(data, tmp_path):
+    root, pack = data
+    bad = tmp_path / "pack"
+    shutil.copytree(pack, bad)
+    manifest = json.loads((bad / "train" / "manifest.json").read_text())
+    manifest["shards"][1]["targets"][2] = (manifest["shards"][1]["targets"][2] + 1) % 3
+    (bad / "train" / "manifest.json").write_text(json.dumps(manifest))
+    reader = WebDatasetStorage(url=str(bad)).open(root, "train")
+    assert reader.read(0) == disk_samples(root)[0]  # shard 0 agrees
+    with pytest.raises(StorageError, match=r"shard-000001.tar: sample 00000006 has .cls \d, but"):
+        reader.read(4)
+
+
+def test_skipping_a_whole_truncated_split_stops_the_run(data, tmp_path):
+    """skip_corrupt=true over shards that are all truncated would "succeed" with a train loss
+    of 0 on no data: more skipped than dataset.max_skipped_share stops the run."""
+    root, pack = data
+    bad = tmp_path / "pack"
+    shutil.copytree(pack, bad)
+    for shard in (bad / "train").glob("*.tar"):
+        shard.write_bytes(shard.read_bytes()[:700])
+    args = tiny_overrides(root, tmp_path / "run", "trainer.epochs=1", "dataset.skip_corrupt=true",
+                          *wds_overrides(bad, tmp_path / "c"))  # fmt: skip
+    out = run_train(args)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "training samples (100.0 %) could not be decoded" in out.stderr
+    assert re.search(r"shard-0000\d\d.tar", out.stderr) and "Traceback" not in out.stderr

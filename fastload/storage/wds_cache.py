@@ -10,7 +10,7 @@ lock and then read the same file:
                             checksum match the manifest (never read under its final name
                             half-written)
     <dir>/<key>.bad         why a shard is corrupt (the other processes read the verdict
-                            instead of fetching it again)
+                            instead of fetching it again, for a few minutes)
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
 each process's first use) are removed until the new one fits. A process that still maps a
@@ -129,6 +129,16 @@ def fetch(url: str, dst: Path, storage_options=None, retries=3, backoff_s=1.0) -
     with_retries("fetch shard", url, once, retries, backoff_s)
 
 
+BAD_VERDICT_S = 300.0  # how long a node's processes take a `.bad` verdict instead of fetching
+
+
+def fresh(verdict: Path) -> bool:
+    try:
+        return time.time() - verdict.stat().st_mtime < BAD_VERDICT_S
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def locked(path: Path):
     with open(path, "a+b") as f:
@@ -154,24 +164,28 @@ class ShardCache:
     def path(self, url: str) -> Path:
         return self.dir / self.key(url)
 
-    def get(self, url: str, expect_bytes, expect_check, fetch_fn) -> Path:
+    def get(self, url: str, expect_bytes, expect_check, fetch_fn, check_fn=None) -> Path:
         """The local path of url's shard: filled by `fetch_fn(url, tmp)` under the shard's
-        lock when missing (size and checksum checked before the rename), touched for LRU.
-        A corrupt shard raises StorageError (and leaves a `.bad` verdict for the others)."""
+        lock when missing (size and checksum checked before the rename, and `check_fn(tmp)`,
+        which raises CorruptShard for what is not a shard: nothing unverified is kept under
+        the shard's name), touched for LRU. A corrupt shard raises StorageError and leaves a
+        `.bad` verdict that the node's other processes take for BAD_VERDICT_S instead of
+        fetching it again; after that it is fetched anew (the server may have been fixed)."""
         final = self.path(url)
         bad = final.with_name(final.name + ".bad")
         if not final.is_file():
             self.dir.mkdir(parents=True, exist_ok=True)
             with locked(final.with_name(final.name + ".lock")):
-                if bad.is_file():
+                if fresh(bad):
                     raise CorruptShard(bad.read_text(encoding="utf-8"))
+                bad.unlink(missing_ok=True)
                 if not final.is_file():
-                    self._fill(url, final, bad, expect_bytes, expect_check, fetch_fn)
+                    self._fill(url, final, bad, expect_bytes, expect_check, fetch_fn, check_fn)
         with contextlib.suppress(OSError):
             os.utime(final)
         return final
 
-    def _fill(self, url, final: Path, bad: Path, expect_bytes, expect_check, fetch_fn) -> None:
+    def _fill(self, url, final, bad, expect_bytes, expect_check, fetch_fn, check_fn) -> None:
         if expect_bytes:
             self.make_room(int(expect_bytes), keep=final)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -193,6 +207,12 @@ class ShardCache:
                 )
                 bad.write_text(message, encoding="utf-8")
                 raise CorruptShard(message)
+            if check_fn is not None:
+                try:
+                    check_fn(tmp)
+                except CorruptShard as exc:
+                    bad.write_text(exc.user_message, encoding="utf-8")
+                    raise
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)

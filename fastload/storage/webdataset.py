@@ -279,6 +279,43 @@ def tar_index(path, name: str = "") -> tuple[list[str], np.ndarray, np.ndarray, 
     return keys, np.asarray(offs, np.int64), np.asarray(lens, np.int64), extra
 
 
+def check_shard_file(path, url: str) -> None:
+    """CorruptShard unless `path` is a tar shard with at least one member: what a server
+    sent instead (an HTML error or login page with status 200, an empty body) is named."""
+    size = os.path.getsize(path)
+    try:
+        keys, _, _, extra = tar_index(path, url)
+        if keys or extra:
+            return
+        problem = "a tar file with no members"
+    except CorruptShard as exc:
+        problem = exc.user_message
+    with open(path, "rb") as f:
+        head = f.read(256)
+    if head.lstrip()[:1] == b"<":
+        problem = f"an HTML/XML page ({size} bytes, starting {head.lstrip()[:48]!r})"
+    elif not size:
+        problem = "an empty body"
+    raise CorruptShard(
+        f"{url} did not return a tar shard but {problem}: the server answered with an error "
+        f"or login page, or the file is damaged. Nothing was cached under its name; check "
+        f"storage.url and the server, then run again."
+    )
+
+
+def parse_cls(raw: bytes, shard: str, key: str) -> int:
+    """A sample's .cls member: a class index >= 0 as decimal text; StorageError naming the
+    shard and the sample otherwise."""
+    text = raw.decode("utf-8", "replace").strip()
+    if not text.isdigit():  # also refuses "-1", "1.7", "abc", ""
+        raise StorageError(
+            f"shard {shard}: sample {key} has .cls {text[:20]!r}, not a class index (a whole "
+            f"number >= 0). Fix the shard's .cls member, or re-pack the data (python -m "
+            f"fastload.pack webdataset SRC DST)."
+        )
+    return int(text)
+
+
 def scan_shard(path, name: str) -> dict:
     """A manifest entry for a shard written by another tool: its samples and .cls targets
     (and whether it has .json boxes / .lr.* pairs)."""
@@ -290,7 +327,7 @@ def scan_shard(path, name: str) -> dict:
             if key not in cls:
                 raise StorageError(f"shard {name}: sample {key} has no .cls member (its class).")
             f.seek(cls[key][0])
-            targets.append(int(f.read(cls[key][1]).decode().strip()))
+            targets.append(parse_cls(f.read(cls[key][1]), name, key))
     return {
         "file": name,
         "count": len(keys),
@@ -379,7 +416,8 @@ class WdsReader(Reader):
         """Shard k on this node: its cached copy (fetched now when missing) or the file."""
         url = self.urls[k]
         if self.cache is not None and is_remote(url):
-            return self.cache.get(url, self.shard_bytes[k], self.shard_checks[k], self._fetch)
+            return self.cache.get(url, self.shard_bytes[k], self.shard_checks[k], self._fetch,
+                                  lambda tmp: check_shard_file(tmp, url))  # fmt: skip
         path = Path(url.removeprefix("file://"))
         if not path.is_file():
             raise StorageError(
@@ -426,6 +464,7 @@ class WdsReader(Reader):
                 f"{int(self.shard_sizes[k])}."
             )
         with fh:
+            self._check_labels(k, fh, keys, extra.get("cls", {}))
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         members = {}
         for name, exts in (("json", (BOXES_EXT,)), ("lr", PAIR_EXTS)):
@@ -437,6 +476,27 @@ class WdsReader(Reader):
         while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
             self._maps.popitem(last=False)[1][0].close()
         return got
+
+    def _check_labels(self, k: int, fh, keys: list[str], cls: dict) -> None:
+        """The shard's .cls members against the manifest's targets, once per opening (a few
+        microseconds a sample): a manifest written for other shards would train every
+        sample under a wrong label."""
+        start = int(self._starts[k])
+        for j, key in enumerate(keys):
+            if key not in cls:
+                continue
+            fh.seek(cls[key][0])
+            label, want = (
+                parse_cls(fh.read(cls[key][1]), self.urls[k], key),
+                self._targets[start + j],
+            )
+            if label != want:
+                raise StorageError(
+                    f"shard {self.urls[k]}: sample {key} has .cls {label}, but the manifest "
+                    f"({self.base}) says {int(want)}: the manifest was not written for these "
+                    f"shards. Re-pack the data (python -m fastload.pack webdataset SRC DST), or "
+                    f"remove the manifest to read the labels from the shards' .cls members."
+                )
 
     def _shard(self, k: int):
         """`_open(k)`, or None for a corrupt shard skipped under skip_corrupt."""
@@ -736,7 +796,7 @@ class WebDatasetStorage(PackedStorage):
                 storage_options=self.storage_options,
             )
             shards = [{**scan_shard(probe.local_path(k), u), "url": u} for k, u in enumerate(urls)]
-            top = max((max(s["targets"], default=-1) for s in shards), default=-1)
+            top = check_label_range(shards)
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
@@ -754,6 +814,22 @@ class WebDatasetStorage(PackedStorage):
                 pattern, len(urls), manifest["count"], time.perf_counter() - t0, derived,
             )  # fmt: skip
             return manifest
+
+
+def check_label_range(shards: list[dict]) -> int:
+    """The largest .cls label of shards without a manifest (the classes are 0..that); a
+    single label far beyond all others (999999 among 0..2) is a damaged .cls, named,
+    not a million classes."""
+    labels = sorted({t for s in shards for t in s["targets"]})
+    if len(labels) >= 2 and labels[-1] >= 1000 and labels[-1] > 10 * (labels[-2] + 1):
+        shard = next(s for s in shards if labels[-1] in s["targets"])
+        raise StorageError(
+            f"shard {shard['url']}: a .cls label {labels[-1]} far beyond all others (up to "
+            f"{labels[-2]}): a damaged label? Class indices run 0..N-1. Fix that sample's .cls "
+            f"member, or write the shards with a manifest (python -m fastload.pack webdataset "
+            f"SRC DST) that names the classes."
+        )
+    return labels[-1] if labels else -1
 
 
 def _is_pattern(url: str) -> bool:
