@@ -9,6 +9,7 @@ Everything else lives in fastload/ (engine, data path) and conf/ (one yaml per v
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -55,5 +56,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # A native crash (a damaged memory-mapped pack, a decoder bug) prints where it happened
+    # instead of ending the run without a word.
+    faulthandler.enable()
     strip_local_rank_arg()
     main()

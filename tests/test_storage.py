@@ -817,3 +817,78 @@ def test_storage_benchmark_cli_smoke(tmp_path, capsys):
     # which the last (2 images) is cut in two across the 2 workers (loader.balanced_tail)
     assert all(r["ring_hits"] == 2 * 6 and r["ring_misses"] == 0 for r in rows)
     assert (tmp_path / "d.packs" / "shards-raw-256px" / "train" / "meta.json").is_file()
+
+
+# -- damaged pack files: one message naming the file, never a signal or a traceback ---------
+
+
+def lmdb_copy(packs, tmp_path):
+    import shutil
+
+    shutil.copytree(packs / "lmdb", tmp_path / "lmdb")
+    return tmp_path / "lmdb" / "train" / "data.mdb"
+
+
+def test_a_truncated_lmdb_is_named_not_a_bus_error(tiny_folder, packs, tmp_path):
+    """LMDB maps data.mdb and trusts its header: a record past the end of a cut file killed
+    train.py and pack verify with SIGBUS (rc 135) and not a word. Both run in a child here."""
+    data = lmdb_copy(packs, tmp_path)
+    os.truncate(data, data.stat().st_size // 2)
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "run", "storage=lmdb",
+                                   f"storage.path={tmp_path / 'lmdb'}", "storage.auto_pack=false"))  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"{data} is truncated" in out.stderr and "fastload.pack lmdb" in out.stderr
+    verify = subprocess.run([sys.executable, "-m", "fastload.pack", "verify", str(tmp_path / "lmdb")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert (
+        verify.returncode == 1
+        and f"CORRUPT the LMDB pack file {data} is truncated" in verify.stderr
+    )
+
+
+@pytest.mark.parametrize("at, needle", [(16, "cannot be opened (InvalidError"), (None, "crashed the reader")])  # fmt: skip
+def test_a_flipped_lmdb_page_is_named(tiny_folder, packs, tmp_path, at, needle):
+    """A damaged meta page: one message at open. Damaged B-tree pages can make LMDB itself
+    crash (it trusts its pages): verify checks each split in a child and names the split."""
+    import struct
+
+    data = lmdb_copy(packs, tmp_path)
+    raw = bytearray(data.read_bytes())
+    if at is None:  # the main database's root page (a leaf: its node offsets)
+        metas = [struct.unpack_from("<Q", raw, base + 136)[0] for base in (0, 4096)]
+        newest = 0 if metas[0] > metas[1] else 4096  # the larger last page is the newer meta
+        root = struct.unpack_from("<Q", raw, newest + 16 + 24 + 48 + 40)[0]
+        at = root * 4096 + 20
+    raw[at : at + 8] = bytes(b ^ 0xFF for b in raw[at : at + 8])
+    data.write_bytes(bytes(raw))
+    verify = subprocess.run([sys.executable, "-m", "fastload.pack", "verify", str(tmp_path / "lmdb")],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert verify.returncode == 1, verify.stderr
+    assert needle in verify.stderr and str(tmp_path / "lmdb" / "train") in verify.stderr
+    assert "checked " + str(tmp_path / "lmdb" / "val") in verify.stdout  # the rest still checked
+
+
+@pytest.mark.parametrize(
+    "file, content, needle",
+    [("meta.json", b"{oops", "meta.json cannot be read"),
+     ("meta.json", b"[1, 2]", "it says [1, 2]"),
+     ("index.npy", b"\x93NUMPY garbage", "index.npy is not a readable pack table"),
+     ("index.npy", None, "index.npy lacks the columns shard, offset, length, target"),
+     ("index.npy", "pickled", "index.npy is not a readable pack table (it holds pickled")],
+)  # fmt: skip
+def test_damaged_shard_pack_headers_are_named(tiny_folder, packs, tmp_path, file, content, needle):
+    import shutil
+
+    shutil.copytree(packs / "sj", tmp_path / "sj")
+    target = tmp_path / "sj" / "train" / file
+    if content is None:
+        np.save(target, np.arange(12))
+    elif content == "pickled":
+        np.save(target, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    else:
+        target.write_bytes(content)
+    with pytest.raises(StorageError) as err:
+        ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
+    assert needle in err.value.user_message and "re-pack" in err.value.user_message
+    assert "allow_pickle" not in err.value.user_message
+    assert pack_main(["verify", str(tmp_path / "sj")]) == 1

@@ -179,7 +179,8 @@ def dead_worker_error(exc: BaseException) -> LoaderWorkerDied | None:
     if found.group(2) and "bus" in found.group(2).lower():
         likely = ("a full /dev/shm (in Docker: docker run --shm-size=8g; `python -m "
                   "fastload.doctor env` checks it), or fewer loader.num_workers / a lower "
-                  "loader.prefetch_factor")  # fmt: skip
+                  "loader.prefetch_factor; with storage=lmdb or shards, a damaged pack "
+                  "(python -m fastload.pack verify <pack>)")  # fmt: skip
     else:
         likely = ("the kernel's OOM killer (see `dmesg | grep -i -E 'killed process|out of "
                   "memory'`): use fewer loader.num_workers, a smaller trainer.batch_size or "

@@ -71,17 +71,46 @@ def reader_env(path: str):
             hit[1].close()
         except Exception:  # noqa: BLE001  (best effort on an inherited handle)
             pass
-    env = _lmdb().open(
-        path,
-        readonly=True,
-        lock=False,
-        readahead=False,
-        meminit=False,
-        subdir=True,
-        max_readers=1024,
-    )
+    lmdb = _lmdb()
+    try:
+        env = lmdb.open(
+            path,
+            readonly=True,
+            lock=False,
+            readahead=False,
+            meminit=False,
+            subdir=True,
+            max_readers=1024,
+        )
+    except lmdb.Error as exc:  # a damaged meta page: MDB_INVALID, a version mismatch, ...
+        raise StorageError(
+            f"the LMDB pack {path} cannot be opened ({type(exc).__name__}: {exc}): it is "
+            f"damaged or not an LMDB. {REPACK.format(path=path)}"
+        ) from None
+    check_not_truncated(env, path)
     _ENVS[path] = (pid, env)
     return env
+
+
+REPACK = (
+    "Delete {path} and run again (storage.auto_pack re-packs it), or re-pack it with "
+    "python -m fastload.pack lmdb SRC DST."
+)
+
+
+def check_not_truncated(env, path: str) -> None:
+    """data.mdb must hold every page its header counts: LMDB maps the file and trusts its
+    header, so a record on a page past the end of a truncated file kills the process with
+    SIGBUS (no message, no traceback) on first touch."""
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    data = os.path.join(path, "data.mdb")
+    have = os.path.getsize(data)
+    if have < need:
+        env.close()
+        raise StorageError(
+            f"the LMDB pack file {data} is truncated: {have:,} bytes, its header counts "
+            f"{need:,} (a copy or download cut short, or a full disk). {REPACK.format(path=path)}"
+        )
 
 
 def key(i: int) -> bytes:
@@ -259,17 +288,24 @@ class LmdbReader(PackedReader):
         self.cold_cache = bool(cold_cache)
         self._txn = None
         self._txn_pid = None
-        txn = self._begin()
-        raw_meta = txn.get(META_KEY)
+        raw_meta = self._get(META_KEY)
         if raw_meta is None:
             raise StorageError(
                 f"{self.dir} has no {META_KEY.decode()} record: the pack is incomplete "
                 f"(interrupted?). Delete {self.dir} and re-pack."
             )
-        self.meta = json.loads(raw_meta)
+        try:
+            self.meta = json.loads(raw_meta)
+        except ValueError:
+            self.meta = {}
         if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
             raise StorageError(f"{self.dir} is not a {FORMAT} v{VERSION} pack; re-pack it.")
-        self._targets = np.frombuffer(txn.get(TARGETS_KEY), "<i8").astype(np.int64)
+        self._targets = np.frombuffer(self._get(TARGETS_KEY) or b"", "<i8").astype(np.int64)
+        if len(self._targets) != self.meta.get("count", len(self._targets)):
+            raise StorageError(
+                f"{self.dir}: {len(self._targets)} targets for {self.meta.get('count')} records: "
+                f"the pack is damaged. {REPACK.format(path=self.dir)}"
+            )
         self.compression = self.meta.get("compression")
         self._init_stats()
 
@@ -281,13 +317,24 @@ class LmdbReader(PackedReader):
         return self._txn
 
     def describe(self, i: int) -> str:
-        paths = self._begin().get(PATHS_KEY, b"").decode().split("\n")
+        paths = (self._get(PATHS_KEY) or b"").decode("utf-8", "replace").split("\n")
         src = f", packed from {paths[i]}" if i < len(paths) and paths[i] else ""
         return f"{self.dir} key {key(i).decode()}{src}"
 
+    def _get(self, k: bytes):
+        """txn.get, with LMDB's errors on damaged pages (MDB_CORRUPTED, MDB_PAGE_NOTFOUND)
+        named with the pack and the fix."""
+        try:
+            return self._begin().get(k)
+        except _lmdb().Error as exc:
+            raise StorageError(
+                f"the LMDB pack {self.dir} is damaged ({type(exc).__name__}: {exc} reading key "
+                f"{k.decode()}). {REPACK.format(path=self.dir)}"
+            ) from None
+
     def read(self, i: int) -> tuple[bytes, int]:
         t0 = time.perf_counter()
-        value = self._begin().get(key(i))
+        value = self._get(key(i))
         if value is None:
             raise StorageError(f"{self.describe(i)} is missing from the LMDB pack; re-pack it.")
         self._account(len(value), t0)
@@ -311,7 +358,7 @@ class LmdbReader(PackedReader):
     def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Record i's boxes (n, 4) float32 x, y, w, h and category ids (n,) int64; n = 0
         when it has none (or the pack has no boxes)."""
-        value = self._begin().get(key(i) + b".boxes")
+        value = self._get(key(i) + b".boxes")
         if value is None:
             return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
         boxes, labels, ok = decode_boxes(value)
@@ -325,7 +372,7 @@ class LmdbReader(PackedReader):
 
     def read_pair(self, i: int) -> bytes:
         """The paired record of record i (DIV2K: the LR image), crc-checked like `read`."""
-        value = self._begin().get(key(i) + b".pair")
+        value = self._get(key(i) + b".pair")
         if value is None:
             raise StorageError(
                 f"{self.describe(i)} has no paired record; pack the source with pairs "
@@ -469,11 +516,16 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
     overall checksum (crc32 of all image bytes in index order). Returns (records checked,
     problems)."""
     split_dir = Path(split_dir)
-    lmdb = _lmdb()
     try:
         env = reader_env(str(split_dir))
-    except lmdb.Error as exc:
-        return 0, [f"{split_dir / 'data.mdb'} cannot be opened ({exc}); re-pack."]
+        return _verify_records(env, split_dir)
+    except StorageError as exc:
+        return 0, [exc.user_message]
+    except _lmdb().Error as exc:  # damaged B-tree pages: MDB_CORRUPTED, MDB_PAGE_NOTFOUND
+        return 0, [f"{split_dir / 'data.mdb'} is damaged ({type(exc).__name__}: {exc}); re-pack."]
+
+
+def _verify_records(env, split_dir: Path) -> tuple[int, list[str]]:
     with env.begin(buffers=False) as txn:
         meta, problems = _read_meta(txn, split_dir)
         if meta is None:

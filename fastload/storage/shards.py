@@ -220,15 +220,12 @@ class ShardReader(PackedReader):
         self.dir = Path(split_dir)
         self.verify = bool(verify)
         self.cold_cache = bool(cold_cache)
-        meta_path = self.dir / "meta.json"
-        self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if self.meta.get("format") != FORMAT or self.meta.get("version") not in READABLE_VERSIONS:
+        meta, problems = read_split_meta(self.dir)
+        if meta is None:
             raise StorageError(
-                f"{meta_path} is not a {FORMAT} pack of a version this fastload reads "
-                f"({', '.join(f'v{v}' for v in READABLE_VERSIONS)}; it says "
-                f"{self.meta.get('format')} v{self.meta.get('version')}); re-pack with "
-                f"python -m fastload.pack shards."
+                f"{problems[0]} Delete it and re-pack (python -m fastload.pack shards)."
             )
+        self.meta = meta
         self._check_col, self._check_fn, self.check_name = CHECKS[self.meta["version"]]
         if self.meta["version"] < VERSION:
             log.info(
@@ -240,7 +237,7 @@ class ShardReader(PackedReader):
             )
         self.kind = self.meta["kind"]
         self._check_sizes()
-        index = np.load(self.dir / "index.npy", mmap_mode="r")
+        index = load_table(self.dir / "index.npy", INDEX_FIELDS)
         if len(index) != self.meta["count"]:
             raise StorageError(
                 f"{self.dir / 'index.npy'} has {len(index)} records, meta.json says "
@@ -266,12 +263,12 @@ class ShardReader(PackedReader):
                 ) from None
             if have != s["bytes"]:
                 if index is None:
-                    index = np.load(self.dir / "index.npy", mmap_mode="r")
+                    index = load_table(self.dir / "index.npy", INDEX_FIELDS)
                 rows = np.nonzero(
                     (index["shard"] == k) & (index["offset"] + index["length"] > have)
                 )[0]
                 if not len(rows) and (self.dir / "pairs.npy").is_file():  # a cut LR pair
-                    pairs = np.load(self.dir / "pairs.npy", mmap_mode="r")
+                    pairs = load_table(self.dir / "pairs.npy", PAIR_FIELDS)
                     rows = np.nonzero(
                         (pairs["shard"] == k) & (pairs["offset"] + pairs["length"] > have)
                     )[0]
@@ -286,7 +283,7 @@ class ShardReader(PackedReader):
 
     def _row(self, i: int):
         if self._index is None:
-            self._index = np.load(self.dir / "index.npy", mmap_mode="r")
+            self._index = load_table(self.dir / "index.npy", INDEX_FIELDS)
         return self._index[i]
 
     def describe(self, i: int) -> str:
@@ -343,8 +340,8 @@ class ShardReader(PackedReader):
             path = self.dir / "boxes.npy"
             if not path.exists():
                 return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-            self._boxes = np.load(path, mmap_mode="r")
-            self._labels = np.load(self.dir / "labels.npy", mmap_mode="r")
+            self._boxes = load_table(path)
+            self._labels = load_table(self.dir / "labels.npy")
         s, n = int(row["box_start"]), int(row["box_count"])
         return np.array(self._boxes[s : s + n]), np.array(self._labels[s : s + n])
 
@@ -361,7 +358,7 @@ class ShardReader(PackedReader):
                     f"{self.dir} has no paired records (pairs.npy); pack the source with "
                     f"pairs (python -m fastload.pack shards DST --source div2k --hr .. --lr ..)."
                 )
-            self._pairs = np.load(path, mmap_mode="r")
+            self._pairs = load_table(path, PAIR_FIELDS)
         row = self._pairs[i]
         off, n = int(row["offset"]), int(row["length"])
         data = self._map(int(row["shard"]))[off : off + n]
@@ -486,6 +483,32 @@ def failing_records(path: Path, table, k: int, check) -> list[int]:
     return bad
 
 
+INDEX_FIELDS = ("shard", "offset", "length", "target")
+PAIR_FIELDS = ("shard", "offset", "length")
+
+
+def load_table(path: Path, fields: tuple[str, ...] = ()) -> np.ndarray:
+    """A pack's .npy table, memory-mapped (never unpickled); StorageError naming the file when
+    it is not one this pack writes (garbage, cut, other columns)."""
+    try:
+        table = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        # never numpy's own advice: it suggests allow_pickle=True, which runs the file's code
+        objects = "pickle" in str(exc) or "Python objects" in str(exc)
+        why = "it holds pickled objects" if objects else str(exc).split(". ")[0]
+        raise StorageError(
+            f"{path} is not a readable pack table ({why}): the pack is damaged; delete "
+            f"{path.parent} and re-pack (python -m fastload.pack shards ...)."
+        ) from None
+    missing = [f for f in fields if f not in (table.dtype.names or ())]
+    if missing:
+        raise StorageError(
+            f"{path} lacks the columns {', '.join(missing)}: it is not the table this pack "
+            f"writes; delete {path.parent} and re-pack (python -m fastload.pack shards ...)."
+        )
+    return table
+
+
 def read_split_meta(split_dir: Path) -> tuple[dict | None, list[str]]:
     """(meta.json of a shard pack, []) or (None, [why it is not one this fastload reads])."""
     path = split_dir / "meta.json"
@@ -499,7 +522,9 @@ def read_split_meta(split_dir: Path) -> tuple[dict | None, list[str]]:
         or meta.get("version") not in READABLE_VERSIONS
     ):
         says = f"{meta.get('format')} v{meta.get('version')}" if isinstance(meta, dict) else meta
-        return None, [f"{path} is not a {FORMAT} pack this fastload reads (it says {says})."]
+        versions = ", ".join(f"v{v}" for v in READABLE_VERSIONS)
+        return None, [f"{path} is not a {FORMAT} pack of a version this fastload reads "
+                      f"({versions}; it says {says})."]  # fmt: skip
     return meta, []
 
 
@@ -513,11 +538,11 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
     if meta is None:
         return 0, problems
     try:
-        index = np.load(split_dir / "index.npy", mmap_mode="r")
+        index = load_table(split_dir / "index.npy", INDEX_FIELDS)
         pairs_path = split_dir / "pairs.npy"
-        pairs = np.load(pairs_path, mmap_mode="r") if pairs_path.is_file() else None
-    except (OSError, ValueError) as exc:
-        return 0, [f"{split_dir} has an unreadable index ({exc}); delete it and re-pack."]
+        pairs = load_table(pairs_path, PAIR_FIELDS) if pairs_path.is_file() else None
+    except StorageError as exc:
+        return 0, [exc.user_message]
     if len(index) != meta["count"]:
         problems.append(
             f"{split_dir / 'index.npy'} has {len(index)} records, meta.json says "
