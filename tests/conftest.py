@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -101,6 +102,18 @@ def build_test_loader(
     ]
     cfg = compose_config([*base, *overrides])
     return build_loader(cfg, split, device=device, channels_last=channels_last, **kw)
+
+
+@functools.cache
+def can_mount_privately() -> bool:
+    """Whether this machine lets a test mount in a private mount namespace (root with
+    unshare): a small /dev/shm, a read-only dataset folder, as in a container."""
+    probe = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs -o size=1m tmpfs /dev/shm"]  # fmt: skip
+    try:
+        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def run_train(

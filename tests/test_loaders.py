@@ -19,7 +19,14 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import REPO, build_test_loader, make_image_folder, run_train, tiny_overrides
+from conftest import (
+    REPO,
+    build_test_loader,
+    can_mount_privately,
+    make_image_folder,
+    run_train,
+    tiny_overrides,
+)
 
 import fastload.loaders.checks as checks_mod
 import fastload.loaders.cuda_prefetch as prefetch_mod
@@ -788,16 +795,7 @@ def test_a_killed_worker_is_named_with_its_loader_and_the_likely_cause(tiny_fold
     assert "docker run --shm-size" in workers_mod.dead_worker_error(bus).user_message
 
 
-def _can_mount_private_tmpfs() -> bool:
-    probe = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-             "mount -t tmpfs -o size=1m tmpfs /dev/shm"]  # fmt: skip
-    try:
-        return subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _can_mount_private_tmpfs(), reason="needs unshare -m and mount (root)")
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
 def test_a_full_dev_shm_is_one_message_and_leaves_no_segment(tmp_path):
     """/dev/shm (a private 24 MB tmpfs in its own mount namespace, 23 MB taken) with less free
     room than the workers' batches: with the pre-flight off, the first batch that does not

@@ -12,7 +12,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, make_image_folder, run_torchrun, run_train, tiny_overrides
+from conftest import (
+    REPO,
+    can_mount_privately,
+    make_image_folder,
+    run_torchrun,
+    run_train,
+    tiny_overrides,
+)
 
 from fastload.data import rawimage
 from fastload.data.batch import collate
@@ -892,3 +899,24 @@ def test_damaged_shard_pack_headers_are_named(tiny_folder, packs, tmp_path, file
     assert needle in err.value.user_message and "re-pack" in err.value.user_message
     assert "allow_pickle" not in err.value.user_message
     assert pack_main(["verify", str(tmp_path / "sj")]) == 1
+
+
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
+def test_auto_packing_beside_a_read_only_dataset_says_where_and_storage_path(tmp_path):
+    """A dataset on a read-only mount (a shared NFS export, a container volume :ro): the pack
+    beside it cannot be written; one line names the place and storage.path=."""
+    ro = tmp_path / "ro"
+    make_image_folder(ro / "d", per_split=(2, 1), size=(32, 24))
+    lines = []
+    for store in ("lmdb", "shards", "webdataset"):
+        args = tiny_overrides(ro / "d", tmp_path / f"run-{store}", f"storage={store}")
+        lines.append(" ".join(f"'{a}'" for a in [sys.executable, str(REPO / "train.py"), *args])
+                     + "; echo rc=$?")  # fmt: skip
+    script = f"mount --bind {ro} {ro} && mount -o remount,ro,bind {ro} && " + " && ".join(lines)
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)  # fmt: skip
+    assert out.stdout.count("rc=2") == 3, out.stdout[-2000:] + out.stderr[-2000:]
+    for store in ("lmdb", "shards", "webdataset"):
+        assert f"storage={store} packs the dataset on first use into {ro}/d.packs/" in out.stderr
+    assert out.stderr.count("storage.path=<a writable folder>") == 3
+    assert "Traceback" not in out.stderr and not (ro / "d.packs").exists()

@@ -399,8 +399,23 @@ class PackedStorage(Storage):
             t0 = time.perf_counter()
             options = {**self.pack_options(), "label": self.format, "skip_corrupt": skip_corrupt}
             source = layout.source(split)
-            pack_split(self.writer, None, dst, source=source, replace=exists, **options)
+            try:
+                pack_split(self.writer, None, dst, source=source, replace=exists, **options)
+            except OSError as exc:
+                raise self.unwritable(dst, exc) from None
             log.info("packed %s into %s in %.1f s", source.root, dst, time.perf_counter() - t0)
+
+    def unwritable(self, dst: Path, exc: OSError) -> StorageError:
+        """Where auto-packing could not write (a read-only dataset mount, ...) and the fix."""
+        if is_disk_full(exc):
+            return StorageError(no_space_message(f"the {self.format} pack", dst, 0)
+                                + " (storage.path=<a folder with room>)")  # fmt: skip
+        where = "beside the dataset" if not self.path else "at storage.path"
+        return StorageError(
+            f"storage={self.name} packs the dataset on first use into {dst} ({where}), but "
+            f"cannot write there: {exc.strerror or exc}. Pass storage.path=<a writable "
+            f"folder> (e.g. storage.path=$HOME/packs/{dst.parent.name})."
+        )
 
     def open(self, root, split: str) -> Reader:
         split_dir = self.pack_root(root) / split
