@@ -164,7 +164,7 @@ def make_backend(name, monkeypatch):
         from fastload.decode.turbo import TurboBackend
 
         return TurboBackend()
-    if name == "turbo-noroi":  # the whole-image decode (simplejpeg), as without libturbojpeg 3
+    if name == "turbo-noroi":  # the whole-image decode (simplejpeg), as without nvImageCodec
         from fastload.decode.turbo import TurboBackend
 
         return TurboBackend(roi="off")

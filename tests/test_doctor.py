@@ -128,13 +128,18 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
     dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
     assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
-    no_roi = checks(["backend=turbo"], roi_decode="no libturbojpeg >= 3.0 found")["decoders"]
+    no_roi = checks(["backend=turbo"], roi_decode="nvImageCodec is not installed")["decoders"]
     assert no_roi.status == "warn" and "whole images" in no_roi.message
-    assert "pip install turbojpeg" in no_roi.fix and "FASTLOAD_LIBTURBOJPEG" in no_roi.fix
+    assert "pip install nvidia-nvimgcodec" in no_roi.fix
     assert (
         checks(["backend=turbo", "backend.roi=off"], roi_decode="none")["decoders"].status == "ok"
     )
-    assert "ROI decode" in checks(["backend=turbo"], roi_decode="")["decoders"].message
+    # which library decodes this run's JPEGs, with its version
+    roi_ok = checks(["backend=turbo"], roi_decode="")["decoders"].message
+    assert "crop regions decoded by nvImageCodec" in roi_ok and "simplejpeg 1." in roi_ok
+    whole = checks(["backend=turbo"], roi_decode="missing")["decoders"].message
+    assert "decoded whole by simplejpeg" in whole and "nvImageCodec" not in whole
+    assert "libjpeg" in checks(["backend=pil"])["decoders"].message
     nfs = checks(dataset_fs="nfs4")["dataset file system"]
     assert nfs.status == "warn" and "storage=tmpfs" in nfs.fix and "storage=shards" in nfs.fix
     cores = checks(["loader.num_workers=8"], ranks=4, usable_cores=8)["cores"]

@@ -117,6 +117,18 @@ def load_with_box(data: bytes, box, flip: bool, size: int) -> np.ndarray:
     return np.array(resized_crop(open_rgb(data), box, size, flip), dtype=np.uint8)
 
 
+def check_pixel_count(info) -> None:
+    """PIL's decompression-bomb limit for the JPEG-only decoders too: a header claiming more
+    than twice Image.MAX_IMAGE_PIXELS (a damaged SOF, a bomb) is refused before any decoder
+    allocates the image, as PIL refuses it (DecompressionBombError)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit and info.width * info.height > 2 * limit:
+        raise Image.DecompressionBombError(
+            f"the JPEG header says {info.width}x{info.height} pixels, more than twice PIL's "
+            f"Image.MAX_IMAGE_PIXELS ({limit}): a damaged header or a decompression bomb"
+        )
+
+
 class JpegOnlyBackend(DecodeBackend):
     """The shared front of the JPEG-only decoders (accimage, turbo, nvjpeg): read the header,
     send what they cannot decode (not a JPEG, CMYK, EXIF-rotated) to PIL and count it, else
@@ -136,6 +148,7 @@ class JpegOnlyBackend(DecodeBackend):
         if reason is not None:
             self.counts.add(f"decode_fallback_{reason}")
             return reference_load(data, transform, rng)
+        check_pixel_count(info)
         box, flip = transform.sample(info.width, info.height, rng)
         return load_jpeg(data, info, box, flip, transform)
 
@@ -145,6 +158,7 @@ class JpegOnlyBackend(DecodeBackend):
         info = jpeg_info(data)
         reason = fallback_reason(info)
         if reason is None:
+            check_pixel_count(info)
             try:
                 return self.decode_jpeg_rgb(data)
             except (ValueError, RuntimeError):

@@ -7,12 +7,13 @@ largest reduction s in {8, 4, 2} after which the box still covers the output siz
 1/s (libjpeg-turbo skips most of the IDCT work), map the box by 1/s, then crop + resize +
 flip.
 
-`roi` (auto | on | off): with libjpeg-turbo >= 3.0 (fastload/decode/tj3.py) only the region
-the crop samples is decoded, at 1/s: rows below it are never entropy-decoded, columns and
-rows outside it skip IDCT, upsampling and colour conversion. RandomResizedCrop keeps about
-half the image on average, so a crop decodes ~1.25x faster (single core, synthetic set). The
-pixels are those of the whole-image path. Progressive JPEGs, a missing library and
-TurboJPEG errors take the whole-image simplejpeg path, counted as decode_roi_fallback_*.
+`roi` (auto | on | off): with nvImageCodec's CPU decoder (fastload/decode/roi.py: libjpeg-turbo
+3.1 inside a maintained NVIDIA package) only the region the crop samples is decoded: rows below
+it are never entropy-decoded, columns and rows outside it skip IDCT, upsampling and colour
+conversion. RandomResizedCrop keeps about half the image on average. The pixels are those of
+the whole-image path. A box twice the output size both ways decodes the whole image at 1/s
+instead (nvImageCodec has no DCT scaling, and the scaled whole image is the cheaper one). Progressive JPEGs, a missing package and decoder errors take the
+whole-image simplejpeg path, counted as decode_roi_fallback_*.
 
 Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
 or fails, the image goes through PIL's `open_rgb` with the same box, and the fallback is
@@ -40,14 +41,13 @@ the cores (the loader's worker_init does the same for any cv2 user).
 from __future__ import annotations
 
 import math
-import os
 import threading
 
 import numpy as np
 from PIL import Image
 
 from fastload.data.transforms import resized_crop
-from fastload.decode import tj3
+from fastload.decode import roi as roi_decode
 from fastload.decode.base import JpegOnlyBackend, load_with_box
 from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
@@ -64,15 +64,15 @@ ROI_FALLBACK_REASONS = ("no_library", "progressive", "error")
 
 
 def make_roi_decoder(roi, fastdct: bool, fastupsample: bool):
-    """The TurboJPEG 3 region decoder, or None when `roi` is off, or auto and the library
-    is missing (on: a ConfigError naming the fix)."""
+    """The region decoder (nvImageCodec), or None when `roi` is off, or auto and the
+    package is missing (on: a ConfigError naming the fix)."""
     roi = {True: "on", False: "off"}.get(roi, roi)
     if roi not in ROI_CHOICES:
         raise ConfigError(f"backend.roi={roi!r}: use one of {', '.join(ROI_CHOICES)}.")
     if roi == "off":
         return None
     try:
-        return tj3.RoiDecoder(fastdct=fastdct, fastupsample=fastupsample)
+        return roi_decode.RoiDecoder(fastdct=fastdct, fastupsample=fastupsample)
     except ImportError as e:
         if roi == "on":
             raise ConfigError(f"backend.roi=on: {e} (or set backend.roi=auto / off)") from None
@@ -231,11 +231,11 @@ class TurboBackend(JpegOnlyBackend):
     def info(self) -> dict:
         resize = f"cv2-{self.cv2.__version__}" if self.cv2 is not None else pillow_name()
         if self.roi is not None:
-            decoder = f"libturbojpeg-3 ROI ({os.path.basename(self.roi.path)})"
+            decoder = f"nvimgcodec-{self.roi.version} ROI"
         elif self.roi_option == "off":
             decoder = f"simplejpeg-{self.simplejpeg.__version__}"
         else:
-            decoder = f"simplejpeg-{self.simplejpeg.__version__} (no ROI: {tj3.UNAVAILABLE_REASON})"
+            decoder = f"simplejpeg-{self.simplejpeg.__version__} (no ROI: {roi_decode.UNAVAILABLE_REASON})"
         return {
             "decoder": decoder,
             "decoder_fallback": pillow_name(),
@@ -257,35 +257,39 @@ class TurboBackend(JpegOnlyBackend):
         return self.load_with(self._region_or_crop, data, transform, rng)
 
     def _region_or_crop(self, data: bytes, info, box, flip: bool, transform):
-        """(the decoded region at 1/s, `box` mapped into it, flip) when ROI decode takes this
+        """(the decoded region, `box` mapped into it, flip) when ROI decode takes this
         JPEG; else the whole-image path's finished crop, the reason counted."""
         s = dct_scale(box, transform.size) if self.dct_scale else 1
+        if s > 1:
+            # A box at least twice the output size both ways: the whole image decoded at 1/s
+            # (libjpeg-turbo's scaled IDCT, simplejpeg) beats the full-size region, which
+            # nvImageCodec cannot DCT-scale (photo set, 112 px crops, one core: 534 us a
+            # sample vs 788). Not a fallback: the fast path for such boxes.
+            return self._load_whole(data, info, box, flip, transform, s)
         if self.roi is not None and not info.progressive:
             try:
-                return (*self._decode_roi(data, info, box, transform.size, s), flip)
-            except tj3.RoiDecodeError:
+                return (*self._decode_roi(data, info, box, transform.size), flip)
+            except roi_decode.RoiDecodeError:
                 self.counts.add("decode_roi_fallback_error")
         elif self.roi is not None:
             # Progressive files decode every scan of the whole image's coefficients first:
-            # TurboJPEG crops them, but a half-area region was only ~6 % faster (measured on
+            # a region of them saves little (a half-area region was ~6 % faster, measured on
             # the photo set re-encoded progressive), so they keep the simplejpeg path.
             self.counts.add("decode_roi_fallback_progressive")
         elif self.roi_option != "off":
             self.counts.add("decode_roi_fallback_no_library")
-        return self._load_whole(data, info, box, flip, transform, s)
+        return self._load_whole(data, info, box, flip, transform, 1)
 
-    def _decode_roi(self, data: bytes, info, box, size: int, s: int):
-        """(the decoded region, `box` mapped into it); RoiDecodeError when TurboJPEG refuses.
-        The region's margin absorbs its edge effects: the crop of it is the whole-image
-        path's crop."""
-        width, height, subsamp = self.roi.header(data)
-        if (width, height) != (info.width, info.height) or not 0 <= subsamp < len(tj3.MCU_WIDTH):
-            raise tj3.RoiDecodeError(f"header {width}x{height} subsampling {subsamp}")
-        mcu = tj3.scaled_mcu_width(subsamp, s)
-        region, local_box = tj3.region_for(box, s, width, height, size, mcu)
-        pixels = self.roi.decode(data, s, region)
+    def _decode_roi(self, data: bytes, info, box, size: int):
+        """(the decoded region, `box` mapped into it); RoiDecodeError when the decoder
+        refuses. The region's margin absorbs its edge effects: the crop of it is the
+        whole-image path's crop."""
+        stream, width, height, mcu = self.roi.open(data)
+        if (width, height) != (info.width, info.height):
+            raise roi_decode.RoiDecodeError(f"header {width}x{height}")
+        region, local_box = roi_decode.region_for(box, width, height, size, mcu)
+        pixels = self.roi.decode(stream, region)
         self.counts.add("decode_roi")
-        self.counts.add("decode_dct_scaled", int(s > 1))
         return pixels, local_box
 
     def _load_whole(self, data: bytes, info, box, flip: bool, transform, s: int) -> np.ndarray:
