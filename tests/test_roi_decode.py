@@ -207,7 +207,8 @@ def test_roi_counts_reach_the_batches_through_worker_processes(layouts):
     progressive = jpeg(render_image(0, 0, 3, 11, 200, 240), progressive=True)
     items = [(k, d) for k, d in layouts.items()] * 2 + [("progressive", progressive)] * 3
     totals = epoch_counts(items, TurboBackend(roi="on"), size=224)
-    assert totals["decode_roi"] == 2 * len(layouts)
+    assert totals["decode_roi"] + totals["decode_whole_tall"] == 2 * len(layouts)
+    assert totals["decode_roi"] > 0
     assert totals["decode_roi_fallback_progressive"] == 3
     assert totals["decode_roi_fallback_error"] == totals["decode_roi_fallback_no_library"] == 0
 
@@ -231,31 +232,52 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     items = [ds[k] for k in keys]
     lazy = ds.load_batch(keys)
     kinds = [type(s[0]).__name__ for s in lazy]
-    assert kinds.count("PendingCrop") == 2 * len(layouts)  # the progressive ones: finished
+    counts = collate(ds.load_batch(keys))["counts"]
+    # the region decodes come back pending; the progressive and the tall boxes finished
+    assert kinds.count("PendingCrop") == counts["decode_roi"] > 0
     assert not isinstance(lazy[len(layouts)][0], PendingCrop)
     want = collate(items)
     assert torch.equal(collate(lazy)["image"], want["image"])
     assert torch.equal(collate_in_worker_slot(ds.load_batch(keys), monkeypatch), want["image"])
-    counts = collate(ds.load_batch(keys))["counts"]
-    assert (
-        counts["decode_roi"] == 2 * len(layouts) and counts["decode_roi_fallback_progressive"] == 2
-    )
+    assert counts["decode_roi"] + counts["decode_whole_tall"] == 2 * len(layouts)
+    assert counts["decode_roi_fallback_progressive"] == 2
 
 
 def test_fast_idct_and_upsampling_apply_to_regions_too(layouts):
     """backend.fastdct / fastupsample change the region decode as they change the whole-image
     one (libjpeg-turbo's fast integer IDCT, merged upsampling): the same crop as roi=off with
     the same options, and not the accurate crop."""
+    data = layouts["420"]
+    info = jpeg_info(data)
     for options in ({"fastupsample": True}, {"fastdct": True}):
         fast, whole = TurboBackend(roi="on", **options), TurboBackend(roi="off", **options)
         accurate = TurboBackend(roi="on")
         differs = 0
-        for seed in range(6):
-            t = RandomResizedCropFlip(224)
-            got = fast.load(layouts["420"], t, sample_rng(0, 0, seed))
-            assert np.array_equal(got, whole.load(layouts["420"], t, sample_rng(0, 0, seed)))
-            differs += not np.array_equal(
-                got, accurate.load(layouts["420"], t, sample_rng(0, 0, seed))
-            )
-        assert fast.pop_counts()["decode_roi"] == 6
+        for k, box in enumerate(edge_boxes(info.width, info.height)):
+            got, want, _ = compare(fast, whole, data, box, bool(k % 2), 224)
+            assert np.array_equal(got, want), (options, box)
+            differs += not np.array_equal(got, compare(accurate, whole, data, box, k % 2, 224)[0])
         assert differs > 0, options  # the option reached the decoder
+
+
+def test_tall_boxes_decode_whole_wide_ones_whole_rows_narrow_ones_a_region(layouts):
+    """Which boxes get a region, and which one (roi.py's measured rule): a box spanning
+    TALL_SHARE of the rows decodes the whole image (counted decode_whole_tall); a region at
+    least BAND_SHARE of the width becomes whole rows; a narrow one starts on an iMCU
+    boundary. Every way gives the roi=off crop."""
+    data = layouts["420"]  # 500 x 400
+    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+    t = RandomResizedCropFlip(224)
+    tall, wide, narrow = (50, 10, 120, 380), (40, 100, 400, 150), (300, 100, 100, 150)
+    assert not roi.worth_a_region(tall, 400, 224)
+    assert roi.region_for(wide, 500, 400, 224, 16)[0][::2] == (0, 500)  # x, width
+    (x, _, w, _), _ = roi.region_for(narrow, 500, 400, 224, 16)
+    assert x % 16 == 0 and 0 < x and x + w < 500 and w < roi.BAND_SHARE * 500
+    for box in (tall, wide, narrow):
+        got = roi_on._region_or_crop(data, jpeg_info(data), box, True, t)
+        if isinstance(got, tuple):
+            got = roi_on._resized_crop(got[0], got[1], 224, got[2])
+        want = whole._region_or_crop(data, jpeg_info(data), box, True, t)
+        assert np.array_equal(got, want), box
+    counts = roi_on.pop_counts()
+    assert counts["decode_whole_tall"] == 1 and counts["decode_roi"] == 2

@@ -11,8 +11,10 @@ flip.
 3.1 inside a maintained NVIDIA package) only the region the crop samples is decoded: rows below
 it are never entropy-decoded, columns and rows outside it skip IDCT, upsampling and colour
 conversion. RandomResizedCrop keeps about half the image on average. The pixels are those of
-the whole-image path. A box twice the output size both ways decodes the whole image at 1/s
-instead (nvImageCodec has no DCT scaling, and the scaled whole image is the cheaper one). Progressive JPEGs, a missing package and decoder errors take the
+the whole-image path. Not every box is worth a region (fastload/decode/roi.py, measured): a box twice the
+output size both ways decodes the whole image at 1/s (nvImageCodec has no DCT scaling), one
+spanning most of the image's rows decodes the whole image too (counted decode_whole_tall),
+and a wide one decodes the whole rows it spans. Progressive JPEGs, a missing package and decoder errors take the
 whole-image simplejpeg path, counted as decode_roi_fallback_*.
 
 Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
@@ -216,6 +218,7 @@ class TurboBackend(JpegOnlyBackend):
         self.counts = Counts(
             "decode_dct_scaled",
             "decode_roi",
+            "decode_whole_tall",
             *(f"decode_fallback_{r}" for r in FALLBACK_REASONS),
             *(f"decode_roi_fallback_{r}" for r in ROI_FALLBACK_REASONS),
         )
@@ -259,7 +262,8 @@ class TurboBackend(JpegOnlyBackend):
     def _region_or_crop(self, data: bytes, info, box, flip: bool, transform):
         """(the decoded region, `box` mapped into it, flip) when ROI decode takes this
         JPEG; else the whole-image path's finished crop, the reason counted."""
-        s = dct_scale(box, transform.size) if self.dct_scale else 1
+        size = transform.size
+        s = dct_scale(box, size) if self.dct_scale else 1
         if s > 1:
             # A box at least twice the output size both ways: the whole image decoded at 1/s
             # (libjpeg-turbo's scaled IDCT, simplejpeg) beats the full-size region, which
@@ -267,8 +271,11 @@ class TurboBackend(JpegOnlyBackend):
             # sample vs 788). Not a fallback: the fast path for such boxes.
             return self._load_whole(data, info, box, flip, transform, s)
         if self.roi is not None and not info.progressive:
+            if not roi_decode.worth_a_region(box, info.height, size):
+                self.counts.add("decode_whole_tall")  # the faster path for such boxes
+                return self._load_whole(data, info, box, flip, transform, 1)
             try:
-                return (*self._decode_roi(data, info, box, transform.size), flip)
+                return (*self._decode_roi(data, info, box, size), flip)
             except roi_decode.RoiDecodeError:
                 self.counts.add("decode_roi_fallback_error")
         elif self.roi is not None:
