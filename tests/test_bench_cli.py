@@ -217,3 +217,88 @@ def test_rounds_take_turns_at_going_first(monkeypatch):
     )
     assert calls == ["ours", "ffcv", "ffcv", "ours", "ours", "ffcv"]
     assert [g["ours"] for g in got] == [2.0] * 3
+
+
+def test_peer_rounds_rotate_and_the_peer_targets_hold_in_every_round(monkeypatch):
+    """With FFCV and DALI both given, each round runs every side once, the order rotating;
+    'ahead of a peer' must hold in every round (behind DALI once: not met), and the loader is
+    judged against the bare-decode ceiling of the same run."""
+    from fastload.bench import backends
+
+    calls, rows = [], []
+    dali_rates = iter([2.0, 4.0, 2.0])
+    monkeypatch.setattr(backends, "fastload_loader_rate", lambda *a: calls.append("ours") or 3.0)
+    monkeypatch.setattr(
+        backends, "run_ffcv", lambda *a, **k: calls.append("ffcv") or {"images_per_s": 1.0}
+    )
+    monkeypatch.setattr(
+        backends,
+        "run_dali",
+        lambda *a, **k: calls.append("dali") or {"images_per_s": next(dali_rates)},
+    )
+    args = backends.parse(["--rounds", "3", "--ffcv-python", "py", "--dali-python", "py"])
+    got = backends.target_rounds(
+        args, Path("."), "pil", object(), (224, 2, 64, 1), lambda *a, **k: rows.append(a)
+    )
+    assert calls == ["ours", "ffcv", "dali", "ffcv", "dali", "ours", "dali", "ours", "ffcv"]
+    assert [r[0] for r in rows][-1].startswith("DALI CPU") and rows[-1][3] == 2.0  # the median
+    targets = backends.print_targets(got, floor=4.0)
+    assert targets["ffcv"]["met"] and targets["ffcv"]["ratios"] == [3.0] * 3
+    assert not targets["dali"]["met"] and targets["dali"]["median_ratio"] == 1.5
+    assert targets["bare_decode"]["median_ratio"] == 0.75 and not targets["bare_decode"]["met"]
+
+
+def test_a_peer_script_gives_its_json_or_an_error_row(tmp_path):
+    """run_dali / run_ffcv run scripts/bench_<peer>.py with the peer env's python: its last
+    JSON line is the result; a crash, a missing python or output that is not JSON is an
+    error entry (a row with no figure), never an exception that ends the benchmark."""
+    from fastload.bench.common import run_dali, run_ffcv
+
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "a log line"\nprintf \'{"argv": "%s"}\\n\' "$*"\n')
+    fake.chmod(0o755)
+    got = run_dali(str(fake), tmp_path, 160, 3, "--write-mode", "raw")
+    argv = got["argv"].split()
+    assert argv[0].endswith("scripts/bench_dali.py") and Path(argv[0]).is_file()
+    assert argv[1:] == ["--root", str(tmp_path), "--size", "160", "--workers", "3",
+                        "--write-mode", "raw"]  # fmt: skip
+    assert run_ffcv(str(fake), tmp_path, 224, 2)["argv"].split()[0].endswith("bench_ffcv.py")
+    assert "error" in run_dali("/bin/false", tmp_path, 224, 2)
+    assert "error" in run_dali(str(tmp_path / "no-such-python"), tmp_path, 224, 2)
+    words = tmp_path / "words"
+    words.write_text("#!/bin/sh\necho 'Traceback: ModuleNotFoundError: nvidia.dali'\n")
+    words.chmod(0o755)
+    assert run_dali(str(words), tmp_path, 224, 2) == {
+        "error": ["Traceback: ModuleNotFoundError: nvidia.dali"]
+    }
+
+
+def test_storage_rounds_run_both_peers_in_turn(monkeypatch):
+    """bench storage with FFCV and DALI: the peers after the stores in even rounds, before
+    them in odd ones, their own order turning; DALI's rows feed their own target lines."""
+    from fastload.bench import storage
+
+    calls = []
+
+    def peer(name):
+        def rates(args, root):
+            calls.append(name)
+            return [{"storage": f"{name}-jpeg", "cache": "warm", "epoch_img_s": 1.0}]
+
+        return rates
+
+    monkeypatch.setattr(
+        storage,
+        "measure_store",
+        lambda name, root, args: (
+            calls.append(name) or [{"storage": name, "cache": "warm", "epoch_img_s": 3.0}]
+        ),
+    )
+    monkeypatch.setattr(storage, "ffcv_rates", peer("ffcv"))
+    monkeypatch.setattr(storage, "dali_rates", peer("dali"))
+    args = storage.parse(["--stores", "disk", "--ffcv-python", "p", "--dali-python", "p"])
+    rounds = [storage.round_rows(r, Path("."), args) for r in range(2)]
+    assert calls == ["disk", "ffcv", "dali", "dali", "ffcv", "disk"]
+    targets = storage.target_ratios(rounds, args)
+    dali = [t for t in targets if t["reference"] == "DALI CPU JPEG"]
+    assert len(dali) == 1 and dali[0]["ratios"] == [3.0, 3.0] and dali[0]["met"]

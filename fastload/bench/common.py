@@ -217,15 +217,41 @@ def target_text(t: dict) -> str:
     return f"{per}{many}, target >= {t['factor']:g}x {'met' if t['met'] else 'NOT met'}"
 
 
+def run_peer(
+    script: str, python: str, root: Path, size: int, workers: int, *options: str, timeout: float
+) -> dict:
+    """scripts/<script> (a peer loader's benchmark: FFCV, DALI) in the environment of
+    `python` on ROOT/train: its JSON result (the last line it prints), or {"error": the last
+    line of its output} when it fails or prints no result."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / script
+    cmd = [python, str(path), "--root", str(root), "--size", str(size)]
+    cmd += ["--workers", str(workers), *options]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": [f"{script}: {e}"]}
+    last = (out.stdout.strip().splitlines() or [""])[-1]
+    if out.returncode == 0:
+        try:
+            return json.loads(last)
+        except json.JSONDecodeError:
+            pass
+    return {
+        "error": ((out.stderr or out.stdout).strip().splitlines() or [f"exit {out.returncode}"])[
+            -1:
+        ]
+    }
+
+
 def run_ffcv(
     python: str, root: Path, size: int, workers: int, *options: str, timeout: float = 1800
 ) -> dict:
-    """scripts/bench_ffcv.py in the environment of `python` (one with ffcv) on ROOT/train:
-    its JSON result, or {"error": last line of its output} when it fails."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_ffcv.py"
-    cmd = [python, str(script), "--root", str(root), "--size", str(size)]
-    cmd += ["--workers", str(workers), *options]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """scripts/bench_ffcv.py in an environment with ffcv (see `run_peer`)."""
+    return run_peer("bench_ffcv.py", python, root, size, workers, *options, timeout=timeout)
+
+
+def run_dali(
+    python: str, root: Path, size: int, workers: int, *options: str, timeout: float = 1800
+) -> dict:
+    """scripts/bench_dali.py in an environment with NVIDIA DALI (see `run_peer`)."""
+    return run_peer("bench_dali.py", python, root, size, workers, *options, timeout=timeout)

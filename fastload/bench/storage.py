@@ -21,7 +21,11 @@ warm = the cached epoch, cold = the cache emptied before each pass (every shard 
 files in the same run: raw pixels at --raw-size and full-size JPEG, and the target lines
 compare whole epochs against those rows instead of the issue's reference figures.
 
---rounds N measures every row, FFCV's too, N times in turn and judges each target on the
+--dali-python runs NVIDIA DALI's CPU pipeline (scripts/bench_dali.py) the same way: its file
+reader over the JPEGs as they are (beside storage=disk), and its numpy reader over decoded
+images capped at --raw-size, one .npy file each (beside shards-raw and FFCV raw).
+
+--rounds N measures every row, FFCV's and DALI's too, N times in turn and judges each target on the
 median of the N same-round ratios: this shared machine's speed drifts by +-30 % over minutes,
 so a ratio of figures taken a minute apart, not the figures, is what repeats.
 
@@ -54,6 +58,7 @@ from fastload.bench.common import (
     host_epoch,
     pick_names,
     product_loader,
+    run_dali,
     run_ffcv,
     same_round_target,
     target_text,
@@ -224,6 +229,50 @@ def ffcv_rates(args, root: Path) -> list[dict]:
     return rows
 
 
+def dali_rates(args, root: Path) -> list[dict]:
+    """DALI's CPU pipeline on the same files in the same run (scripts/bench_dali.py in
+    --dali-python's env): the JPEG files as they are, and decoded pixels at the shards-raw
+    size (.npy files, written once beside the other packs); whole epochs after a warm-up."""
+    cache = Path(f"{root}.packs")
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for mode, name, extra in (
+        (
+            "raw",
+            f"dali-raw-{args.raw_size}",
+            ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")],
+        ),
+        ("jpg", "dali-jpeg", []),
+    ):
+        res_json = run_dali(
+            args.dali_python,
+            root,
+            args.crop,
+            args.workers,
+            *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+            *("--max-resolution", str(args.raw_size), *extra),
+        )
+        if "error" in res_json:
+            print(f"{name}: failed: {res_json['error']}", flush=True)
+            continue
+        rates = res_json["epochs_images_per_s"]
+        row = {
+            "storage": name,
+            "cache": "warm",
+            "epoch_img_s": statistics.median(rates),
+            "steady_img_s": None,
+            "read_mb_s": None,
+            "size_mb": None,
+            "on_disk_mb": None,
+            "prep_s": None,
+            "images": res_json.get("images_per_epoch"),
+            "epochs_img_s": rates,
+        }
+        rows.append(row)
+        print(format_table([row], list(row)[:-1]).splitlines()[-1], flush=True)
+    return rows
+
+
 def parse(argv):
     p = argparse.ArgumentParser(
         prog="python -m fastload.bench storage",
@@ -266,6 +315,7 @@ def parse(argv):
         "--no-reuse", action="store_true", help="loader.reuse_batch_memory=false (torch's path)"
     )
     p.add_argument("--ffcv-python", help="python of an env with ffcv: FFCV rows in the same run")
+    p.add_argument("--dali-python", help="python of an env with DALI: DALI rows in the same run")
     p.add_argument("--json", default="outputs/bench/storage.json")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -311,14 +361,18 @@ def measure_store(name: str, root: Path, args) -> list[dict]:
 
 
 def round_rows(r: int, root: Path, args) -> list[dict]:
-    """Round r's rows: the stores', then FFCV's; in odd rounds FFCV's first. The two sides of
-    a target ratio run minutes apart, and this machine's speed drifts over minutes: taking
-    turns at going first keeps a drift from favouring the same side in every round."""
-    ffcv_first = r % 2 == 1
-    theirs = ffcv_rates(args, root) if args.ffcv_python and ffcv_first else []
+    """Round r's rows: the stores', then the peers' (FFCV, DALI); in odd rounds the peers'
+    first, and their order turns each round too. The sides of a target ratio run minutes
+    apart, and this machine's speed drifts over minutes: taking turns at going first keeps a
+    drift from favouring the same side in every round."""
+    peers = [run for run, option in ((ffcv_rates, "ffcv_python"), (dali_rates, "dali_python"))
+             if getattr(args, option, None)]  # fmt: skip
+    peers = peers[r % 2 :] + peers[: r % 2] if peers else []
+    peers_first = r % 2 == 1
+    theirs = [row for run in peers for row in run(args, root)] if peers_first else []
     ours = [row for name in args.stores.split(",") for row in measure_store(name, root, args)]
-    if args.ffcv_python and not ffcv_first:
-        theirs = ffcv_rates(args, root)
+    if not peers_first:
+        theirs = [row for run in peers for row in run(args, root)]
     return ours + theirs
 
 
@@ -359,6 +413,8 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
         ("shards-raw", f"ffcv-raw-{args.raw_size}", 2.0, "FFCV raw"),
         ("disk", "ffcv-jpeg-full", 2.0, "FFCV full-size JPEG"),
         ("shards-jpeg", "ffcv-jpeg-full", 1.5, "FFCV full-size JPEG"),
+        ("shards-raw", f"dali-raw-{args.raw_size}", 1.0, "DALI raw (.npy files)"),
+        ("disk", "dali-jpeg", 1.0, "DALI CPU JPEG"),
     ):
         ours, refs = [], []
         for rows in rounds:
@@ -366,8 +422,8 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
             if store not in warm:
                 continue
             ref = warm.get(ref_name)
-            if ref is None and store == "disk":
-                continue  # no reference figure without FFCV in the run
+            if ref is None and (store == "disk" or ref_name.startswith("dali")):
+                continue  # no reference figure without the peer in the run
             measured = ref is not None
             if ref is None:
                 ref = FFCV_RAW if store == "shards-raw" else FFCV_JPEG
