@@ -29,10 +29,10 @@ Prints one JSON line last (the keys scripts/bench_ffcv.py prints, and DALI's ver
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
+
+from peer_timing import report, time_epochs
 
 
 def jpeg_pipeline(fn, types, files: str, size: int, batch: int, threads: int):
@@ -121,26 +121,14 @@ def main() -> None:
     pipeline.build()
     epoch_size = pipeline.epoch_size("Reader")
     batches = -(-epoch_size // args.batch_size)  # the last one wraps into the next epoch
-    rates = []
-    for epoch in range(args.epochs):
-        n, t0 = 0, time.perf_counter()
-        for _ in range(batches):
-            out = pipeline.run()
-            n += len(out[0])
-        if epoch > 0:
-            rates.append(n / (time.perf_counter() - t0))
-    print(
-        json.dumps(
-            {
-                "images_per_s": max(rates),
-                "epochs_images_per_s": rates,
-                "workers": args.workers,
-                "write_mode": args.write_mode,
-                "max_resolution": args.max_resolution if args.write_mode == "raw" else None,
-                "images_per_epoch": epoch_size,
-                "dali": nvidia.dali.__version__,
-            }
-        )
+    rates = time_epochs(lambda: sum(len(pipeline.run()[0]) for _ in range(batches)), args.epochs)
+    report(
+        rates,
+        workers=args.workers,
+        write_mode=args.write_mode,
+        max_resolution=args.max_resolution if args.write_mode == "raw" else None,
+        images_per_epoch=epoch_size,
+        dali=nvidia.dali.__version__,
     )
 
 

@@ -18,10 +18,10 @@ timed. Prints one JSON line last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
-import time
+
+from peer_timing import report, time_epochs
 
 
 def main() -> None:
@@ -79,24 +79,14 @@ def main() -> None:
             "label": [IntDecoder(), ToTensor()],
         },
     )
-    rates = []
-    for epoch in range(args.epochs):
-        n, t0 = 0, time.perf_counter()
-        for images, _ in loader:
-            n += len(images)
-        if epoch > 0:  # epoch 0 compiles the pipeline with numba
-            rates.append(n / (time.perf_counter() - t0))
-    print(
-        json.dumps(
-            {
-                "images_per_s": max(rates),
-                "epochs_images_per_s": rates,
-                "workers": args.workers,
-                "write_mode": args.write_mode,
-                "max_resolution": args.max_resolution,
-                "beton_bytes": os.path.getsize(beton),
-            }
-        )
+    # epoch 0 compiles the pipeline with numba: not timed
+    rates = time_epochs(lambda: sum(len(images) for images, _ in loader), args.epochs)
+    report(
+        rates,
+        workers=args.workers,
+        write_mode=args.write_mode,
+        max_resolution=args.max_resolution,
+        beton_bytes=os.path.getsize(beton),
     )
 
 

@@ -19,7 +19,7 @@ warm = the cached epoch, cold = the cache emptied before each pass (every shard 
 
 --ffcv-python runs FFCV (scripts/bench_ffcv.py, in an environment that has it) on the same
 files in the same run: raw pixels at --raw-size and full-size JPEG, and the target lines
-compare whole epochs against those rows instead of the issue's reference figures.
+compare whole epochs against those rows instead of the reference figures below.
 
 --dali-python runs NVIDIA DALI's CPU pipeline (scripts/bench_dali.py) the same way: its file
 reader over the JPEGs as they are (beside storage=disk), and its numpy reader over decoded
@@ -68,7 +68,7 @@ from fastload.host import fs_type, usable_cores
 from fastload.storage.base import du_bytes
 
 STORES = ("disk", "tmpfs", "lmdb", "shards-jpeg", "shards-raw", "webdataset", "webdataset-http")
-# FFCV on this 2-core machine (issue 5's reference figures; not re-measured here unless an
+# FFCV on this 2-core machine (reference figures measured once; not re-measured here unless an
 # FFCV venv is available): raw pixels ~1,800 img/s, full-size JPEG ~830 img/s, RRC 224 + flip.
 FFCV_RAW, FFCV_JPEG = 1800.0, 830.0
 COLUMNS = [
@@ -190,6 +190,30 @@ def one_pass(loader, cold: bool, epoch: int) -> dict:
     return {**rates, "read_mb_s": reader.epoch_stats()["read_mb_per_s"]}
 
 
+def peer_row(name: str, result: dict, size_bytes: int | None = None) -> dict | None:
+    """A peer's benchmark result (scripts/bench_ffcv.py, bench_dali.py) as a table row, or
+    None (its error printed) when the run failed."""
+    if "error" in result:
+        print(f"{name}: failed: {result['error']}", flush=True)
+        return None
+    rates = result["epochs_images_per_s"]
+    size_mb = size_bytes / 1e6 if size_bytes else None
+    row = {
+        "storage": name,
+        "cache": "warm",
+        "epoch_img_s": statistics.median(rates),
+        "steady_img_s": None,
+        "read_mb_s": None,
+        "size_mb": size_mb,
+        "on_disk_mb": size_mb,
+        "prep_s": None,
+        "images": result.get("images_per_epoch"),
+        "epochs_img_s": rates,
+    }
+    print(format_table([row], list(row)[:-1]).splitlines()[-1], flush=True)
+    return row
+
+
 def ffcv_rates(args, root: Path) -> list[dict]:
     """FFCV on the same files in the same run (scripts/bench_ffcv.py in --ffcv-python's env):
     raw pixels at the shards-raw size, and full-size JPEG; whole epochs after the JIT one."""
@@ -200,7 +224,7 @@ def ffcv_rates(args, root: Path) -> list[dict]:
         ("raw", args.raw_size, f"ffcv-raw-{args.raw_size}"),
         ("jpg", 512, "ffcv-jpeg-full"),
     ):
-        res_json = run_ffcv(
+        result = run_ffcv(
             args.ffcv_python,
             root,
             args.crop,
@@ -208,25 +232,8 @@ def ffcv_rates(args, root: Path) -> list[dict]:
             *("--epochs", str(1 + args.repeats), "--write-mode", mode),
             *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
         )
-        if "error" in res_json:
-            print(f"{name}: failed: {res_json['error']}", flush=True)
-            continue
-        rates = res_json["epochs_images_per_s"]
-        row = {
-            "storage": name,
-            "cache": "warm",
-            "epoch_img_s": statistics.median(rates),
-            "steady_img_s": None,
-            "read_mb_s": None,
-            "size_mb": res_json["beton_bytes"] / 1e6,
-            "on_disk_mb": res_json["beton_bytes"] / 1e6,
-            "prep_s": None,
-            "images": None,
-            "epochs_img_s": rates,
-        }
-        rows.append(row)
-        print(format_table([row], list(row)[:-1]).splitlines()[-1], flush=True)
-    return rows
+        rows.append(peer_row(name, result, result.get("beton_bytes")))
+    return [r for r in rows if r]
 
 
 def dali_rates(args, root: Path) -> list[dict]:
@@ -235,16 +242,10 @@ def dali_rates(args, root: Path) -> list[dict]:
     size (.npy files, written once beside the other packs); whole epochs after a warm-up."""
     cache = Path(f"{root}.packs")
     cache.mkdir(parents=True, exist_ok=True)
+    npy = ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")]
     rows = []
-    for mode, name, extra in (
-        (
-            "raw",
-            f"dali-raw-{args.raw_size}",
-            ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")],
-        ),
-        ("jpg", "dali-jpeg", []),
-    ):
-        res_json = run_dali(
+    for mode, name, extra in (("raw", f"dali-raw-{args.raw_size}", npy), ("jpg", "dali-jpeg", [])):
+        result = run_dali(
             args.dali_python,
             root,
             args.crop,
@@ -252,25 +253,8 @@ def dali_rates(args, root: Path) -> list[dict]:
             *("--epochs", str(1 + args.repeats), "--write-mode", mode),
             *("--max-resolution", str(args.raw_size), *extra),
         )
-        if "error" in res_json:
-            print(f"{name}: failed: {res_json['error']}", flush=True)
-            continue
-        rates = res_json["epochs_images_per_s"]
-        row = {
-            "storage": name,
-            "cache": "warm",
-            "epoch_img_s": statistics.median(rates),
-            "steady_img_s": None,
-            "read_mb_s": None,
-            "size_mb": None,
-            "on_disk_mb": None,
-            "prep_s": None,
-            "images": res_json.get("images_per_epoch"),
-            "epochs_img_s": rates,
-        }
-        rows.append(row)
-        print(format_table([row], list(row)[:-1]).splitlines()[-1], flush=True)
-    return rows
+        rows.append(peer_row(name, result))
+    return [r for r in rows if r]
 
 
 def parse(argv):
@@ -402,11 +386,11 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
 
 
 def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
-    """issue 16's targets (shards-raw and the disk JPEG path each >= 2x FFCV's raw /
-    full-size JPEG path) and issue 5's (shards-jpeg >= 1.5x FFCV full-size JPEG), on whole
+    """The targets: shards-raw and the disk JPEG path each >= 2x FFCV's raw / full-size
+    JPEG path, shards-jpeg >= 1.5x FFCV full-size JPEG, and both ahead of DALI; on whole
     epochs (epoch_img_s, as FFCV's loop reports them). Each round's ratio is taken within
     that round (FFCV and fastload a minute apart: this machine's speed drifts more than that
-    between rounds); the verdict is on their median. Without FFCV in the run: the issue's
+    between rounds); the verdict is on their median. Without FFCV in the run: the
     reference figures."""
     out = []
     for store, ref_name, factor, label in (
@@ -437,7 +421,7 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
 
 def print_targets(targets: list[dict]) -> None:
     for t in targets:
-        where = "measured in the same round" if t["measured"] else "the issue reference figure"
+        where = "measured in the same round" if t["measured"] else "the reference figure"
         print(f"{t['store']} vs {t['reference']} ({where}): {target_text(t)}")
 
 

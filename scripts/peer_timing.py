@@ -1,0 +1,26 @@
+"""What the peer loaders' benchmarks (bench_ffcv.py, bench_dali.py) share. They run in the
+peers' own environments, where fastload is not installed: this module needs the standard
+library only."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def time_epochs(run_epoch, epochs: int) -> list[float]:
+    """images/s of every epoch after the first, which is not timed (JIT compilation, thread
+    start-up, buffers growing); `run_epoch()` runs one and returns how many images it gave."""
+    rates = []
+    for epoch in range(epochs):
+        t0 = time.perf_counter()
+        n = run_epoch()
+        if epoch > 0:
+            rates.append(n / (time.perf_counter() - t0))
+    return rates
+
+
+def report(rates: list[float], **facts) -> None:
+    """The result line the fastload benches read (the last line printed): the best epoch's
+    rate, every timed epoch's, and what the peer says about its run."""
+    print(json.dumps({"images_per_s": max(rates), "epochs_images_per_s": rates, **facts}))
