@@ -20,7 +20,7 @@ A user who sets either variable keeps their value.
 
 libjpeg's warnings ("Corrupt JPEG data: ...") bypass that logging: its default message
 handler writes them to file descriptor 2 and the decode returns an image anyway. A region
-decode therefore runs with fd 2 pointed at a pipe (`_StderrTrap`, ~3 us): a warning makes it
+decode therefore runs with fd 2 pointed at a pipe (`_StderrTrap`, ~5 us): a warning makes it
 a RoiDecodeError, so a damaged file takes the whole-image path as before (simplejpeg refuses
 it, PIL decodes what it can, the fallback is counted) and the user sees no library noise. The
 trap is process-wide: text another thread writes to fd 2 during a decode (~0.5 ms) is taken
@@ -104,15 +104,12 @@ _TRAP = _StderrTrap()
 
 
 def _package_dir() -> str | None:
-    spec = importlib.util.find_spec("nvidia.nvimgcodec") if _has_nvidia() else None
-    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
-
-
-def _has_nvidia() -> bool:
+    """Where nvidia.nvimgcodec is installed (found without importing it), or None."""
     try:
-        return importlib.util.find_spec("nvidia") is not None
-    except (ImportError, ValueError):
-        return False
+        spec = importlib.util.find_spec("nvidia.nvimgcodec")
+    except (ImportError, ValueError):  # no `nvidia` namespace package at all
+        return None
+    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
 
 
 def package_version() -> str | None:
@@ -127,7 +124,8 @@ def package_version() -> str | None:
 
 def _extensions_folder(package: str) -> str:
     """A folder that holds only a link to nvImageCodec's libjpeg-turbo extension (under the
-    fastload cache, one per installed package; a temp folder where the cache is read-only)."""
+    fastload cache, one per installed package; under the temp directory where the cache is
+    read-only)."""
     ext_dir = os.path.join(package, "extensions")
     names = sorted(n for n in os.listdir(ext_dir) if n.startswith(EXTENSION))
     if not names:
@@ -142,8 +140,9 @@ def _extensions_folder(package: str) -> str:
         return folder
     try:
         os.makedirs(folder, exist_ok=True)
-    except OSError:
-        folder = tempfile.mkdtemp(prefix="fastload-nvimgcodec-")
+    except OSError:  # a read-only home: the same folder under the temp directory
+        folder = os.path.join(tempfile.gettempdir(), f"fastload-nvimgcodec-extensions-{key}")
+        os.makedirs(folder, exist_ok=True)
         link = os.path.join(folder, names[-1])
     # Published by rename: concurrent workers never see a half-made link.
     tmp = f"{link}.tmp-{os.getpid()}-{threading.get_ident()}"
@@ -193,9 +192,9 @@ def _mcu_widths(nv) -> dict:
 
 
 class RoiDecoder:
-    """One nvImageCodec CPU decoder per thread, running on that thread alone
-    (max_num_cpu_threads=1: the loader's workers are the parallelism); picklable: the
-    decoders are made again in each worker process.
+    """One nvImageCodec CPU decoder per calling thread, each with a single executor thread
+    (max_num_cpu_threads=1: a decode runs there while the caller waits; the loader's workers
+    are the parallelism); picklable: the decoders are made again in each worker process.
 
     `fastdct` and `fastupsample` are libjpeg-turbo's fast integer IDCT and merged ("fast")
     upsampling, the same options as simplejpeg's."""
