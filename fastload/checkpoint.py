@@ -30,7 +30,7 @@ from fastload.errors import CheckpointError
 
 log = logging.getLogger("fastload")
 
-FORMAT = 2  # 2: checksum + run_config; 1 (first sessions): neither, read with a warning
+FORMAT = 2  # 2: checksum + run_config; 1 (the first format): neither, read with a warning
 READABLE = (1, 2)
 LAST = "last.pt"
 

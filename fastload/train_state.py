@@ -108,7 +108,7 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
-        # checkpoints of the classification-only sessions call it best_acc1
+        # checkpoints written before the detection and super-resolution tasks call it best_acc1
         self.best_metric = state.get("best_metric", state.get("best_acc1"))
         self.history = state["history"]
         ckpt.set_rng_state(state["rng"])

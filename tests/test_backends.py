@@ -1,4 +1,4 @@
-"""Decode backends (issue 4): same crop box for the same RNG draw, pixels close to the PIL
+"""Decode backends: same crop box for the same RNG draw, pixels close to the PIL
 reference, real-world image kinds, fallbacks counted end to end, clear missing-dep errors.
 
 PSNR threshold: MIN_PSNR_DB = 35. Measured on the synthetic photo set (200 images, crop

@@ -1,4 +1,4 @@
-"""What a new user hit (issue 15), each reproduced as the user met it: stale packs, damaged
+"""What a new user hit, each reproduced as the user met it: stale packs, damaged
 checkpoints, resuming another experiment, class counts, bad numbers, corrupt files while
 packing, a full disk, Ctrl-C, and errors that arrived as tracebacks."""
 

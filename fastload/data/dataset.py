@@ -40,7 +40,7 @@ class ImageDataset(torch.utils.data.Dataset):
         # else None: the batch stays uint8 and device prep normalises it.
         self.normalize = normalize
         # Extra CPU work per sample (a busy loop, not a sleep: it holds a core the way a
-        # heavier augmentation would), for worker-scaling experiments (FIELD-NOTES D).
+        # heavier augmentation would), for worker-scaling experiments (EXPERIMENTS.md, D).
         self.item_cost_ms = float(item_cost_ms)
 
     def __len__(self) -> int:

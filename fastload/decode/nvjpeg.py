@@ -9,7 +9,7 @@ there), one batched `torchvision.io.decode_jpeg(list, device=cuda)` call decodes
 then `batched_resized_crop` crops, resizes and flips it in a few kernels per group of images.
 
 GPU decoding is not free: it runs on the GPU that trains, synchronously in the training
-thread, so its GPU time comes out of the model's. Measured on an H100 (issue 10):
+thread, so its GPU time comes out of the model's. Measured on an H100 (BENCHMARKS.md, "On an H100"):
 decode_jpeg alone 6,691 img/s, ~0.15 ms of GPU per ImageNet-sized JPEG, 38 ms per batch of
 256, while a compiled ResNet-50 step on that batch takes ~45 ms: use it when the CPUs cannot
 keep up (few cores per GPU), not by default.
