@@ -98,9 +98,25 @@ RUN mkdir -p fastload \
 #    fastload` is /app/fastload from any folder, and fastload.config.conf_dir() finds /app/conf
 #    beside it. No dependency is touched (--no-deps). The check runs isolated (-I: the current
 #    folder is not on sys.path), so it sees what an import from elsewhere sees.
+#    The editable install compiles backend=turbo's region decoder (fastload/decode/
+#    _jpeg_region.c) in place; its compiler and headers (gcc, libjpeg 6.2 headers, Python.h
+#    where the base lacks it) are removed again in the same layer, and the check below fails
+#    the build if the decoder did not build or bind to Pillow's libjpeg-turbo. Not pinned
+#    (DL3008), for the reason given in step 1.
 COPY . .
-RUN pip install --no-deps -e . \
-    && install -m 0755 docker/entrypoint.sh /usr/local/bin/fastload-entrypoint \
+# hadolint ignore=DL3008
+RUN set -eu; \
+    set -- gcc libc6-dev libjpeg62-turbo-dev; \
+    python -c "import os, sys, sysconfig; \
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+        || set -- "$@" python3-dev; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends "$@"; \
+    pip install --no-deps -e .; \
+    apt-get purge -y --auto-remove "$@"; \
+    rm -rf /var/lib/apt/lists/*; \
+    python -c "from fastload.decode import roi; s = roi.status(); assert not s['libjpeg'], s"; \
+    install -m 0755 docker/entrypoint.sh /usr/local/bin/fastload-entrypoint \
     && rm -rf build ./*.egg-info docker \
     && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin fastload \
     && mkdir -p /cache /app/outputs \

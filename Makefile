@@ -8,7 +8,7 @@ ARGS   ?=
 
 .PHONY: setup train test test-all lint format bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml fastload/decode/_jpeg_region.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

@@ -15,15 +15,18 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from fastload.data.synthetic import render_image
+from fastload.decode import roi_decoders
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The child: the default backend (conf/backend/turbo.yaml as it is), then every file through
-# the dataset's decode at two output sizes (a region decode and a DCT-scaled whole decode) and
-# both upsampling modes; one JSON line per file: "ok" or the error message.
+# The child: the default backend (conf/backend/turbo.yaml as it is, with the region decoder
+# named first), then every file through the dataset's decode at two output sizes (a region
+# decode and a DCT-scaled decode) and both upsampling modes; one JSON line per file: "ok" or
+# the error message.
 CHILD = textwrap.dedent(
     """
     import json, sys
@@ -43,11 +46,12 @@ CHILD = textwrap.dedent(
         def describe(self, i):
             return self.paths[i]
 
-    paths = sys.argv[1:]
+    roi, paths = sys.argv[1], sys.argv[2:]
     totals = {}
     for fast in (False, True):
         cfg = OmegaConf.load("conf/backend/turbo.yaml")
         cfg.fastupsample = fast
+        cfg.roi = roi
         backend = instantiate(cfg)
         for size in (224, 64):
             ds = ImageDataset(Files(paths), backend, RandomResizedCropFlip(size), seed=size)
@@ -122,7 +126,10 @@ def mutations(data: bytes, rng: np.random.Generator, n: int) -> list[bytes]:
     return out
 
 
-def test_mutated_jpegs_decode_or_name_the_file_and_nothing_crashes(tmp_path):
+@pytest.mark.parametrize("roi", roi_decoders.KINDS)
+def test_mutated_jpegs_decode_or_name_the_file_and_nothing_crashes(tmp_path, roi):
+    if roi_decoders.status()[roi]:
+        pytest.skip(roi_decoders.status()[roi])
     rng = np.random.default_rng(2026)
     paths = []
     for s, data in enumerate(sources()):
@@ -131,7 +138,7 @@ def test_mutated_jpegs_decode_or_name_the_file_and_nothing_crashes(tmp_path):
             path.write_bytes(mutated)
             paths.append(str(path))
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, *paths],
+        [sys.executable, "-c", CHILD, roi, *paths],
         cwd=REPO,
         capture_output=True,
         text=True,

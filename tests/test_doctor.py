@@ -128,16 +128,26 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
     dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
     assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
-    no_roi = checks(["backend=turbo"], roi_decode="nvImageCodec is not installed")["decoders"]
+    both = {"libjpeg": "", "nvimgcodec": ""}
+    not_built = {"libjpeg": "not built: apt-get install gcc libjpeg62-turbo-dev", "nvimgcodec": ""}
+    neither = {**not_built, "nvimgcodec": "nvImageCodec is not installed"}
+    no_roi = checks(["backend=turbo"], roi_decode=neither)["decoders"]
     assert no_roi.status == "warn" and "whole images" in no_roi.message
-    assert "pip install nvidia-nvimgcodec" in no_roi.fix
+    assert "nvImageCodec is not installed" in no_roi.message and "not built" in no_roi.message
+    assert "apt-get install gcc" in no_roi.fix and "pip install nvidia-nvimgcodec" in no_roi.fix
     assert (
-        checks(["backend=turbo", "backend.roi=off"], roi_decode="none")["decoders"].status == "ok"
+        checks(["backend=turbo", "backend.roi=off"], roi_decode=neither)["decoders"].status == "ok"
     )
     # which library decodes this run's JPEGs, with its version
-    roi_ok = checks(["backend=turbo"], roi_decode="")["decoders"].message
-    assert "crop regions decoded by nvImageCodec" in roi_ok and "simplejpeg 1." in roi_ok
-    whole = checks(["backend=turbo"], roi_decode="missing")["decoders"].message
+    own = checks(["backend=turbo"], roi_decode=both)["decoders"]
+    assert own.status == "ok" and "fastload's region decoder on pillow-" in own.message
+    assert "libjpeg-turbo 3." in own.message and "simplejpeg 1." in own.message
+    nv = checks(["backend=turbo", "backend.roi=nvimgcodec"], roi_decode=both)["decoders"]
+    assert nv.status == "ok" and "crop regions decoded by nvImageCodec 0." in nv.message
+    nv_auto = checks(["backend=turbo"], roi_decode=not_built)["decoders"]
+    assert nv_auto.status == "warn" and "nvImageCodec" in nv_auto.message
+    assert "apt-get install gcc" in nv_auto.fix
+    whole = checks(["backend=turbo", "backend.roi=off"], roi_decode=both)["decoders"].message
     assert "decoded whole by simplejpeg" in whole and "nvImageCodec" not in whole
     assert "libjpeg" in checks(["backend=pil"])["decoders"].message
     nfs = checks(dataset_fs="nfs4")["dataset file system"]

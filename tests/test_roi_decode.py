@@ -1,9 +1,10 @@
-"""ROI decode in backend=turbo: decoding only the crop's region (nvImageCodec's CPU decoder)
-gives the crop the whole-image decode gives, for every JPEG layout and every box position;
-what cannot be ROI-decoded takes the whole-image path and is counted, per batch and per epoch.
+"""ROI decode in backend=turbo: decoding only the crop's region (either region decoder:
+fastload's C extension over Pillow's libjpeg-turbo, or nvImageCodec's CPU decoder) gives the
+crop the whole-image decode gives, for every JPEG layout and every box position; what cannot
+be ROI-decoded takes the whole-image path and is counted, per batch and per epoch.
 
 Bound: the ROI crop equals the whole-image crop exactly (MAX_LEVEL_DIFF = 0): the region is
-decoded at full size (no DCT scaling on this path), so the box maps to whole pixels in it. A
+decoded at the scale of the whole-image decode, so the box maps to the same pixels in it. A
 region with no margin around the crop gives a few levels along the crop's edge (the region's
 outer columns lack their upsampling neighbour), which this bound catches.
 """
@@ -11,6 +12,8 @@ outer columns lack their upsampling neighbour), which this bound catches.
 from __future__ import annotations
 
 import io
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,16 +24,23 @@ from test_backends import MIN_PSNR_DB, epoch_counts, psnr
 from fastload.data.dataset import sample_rng
 from fastload.data.synthetic import render_image
 from fastload.data.transforms import RandomResizedCropFlip, resized_crop
-from fastload.decode import roi
+from fastload.decode import roi, roi_decoders, roi_libjpeg, roi_nvimgcodec
 from fastload.decode.base import open_rgb
 from fastload.decode.jpeg_header import dct_scale, jpeg_info
 from fastload.decode.turbo import TurboBackend
 from fastload.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(
-    roi.load() is None, reason=f"nvImageCodec not loadable: {roi.UNAVAILABLE_REASON}"
-)
 MAX_LEVEL_DIFF = 0
+
+
+@pytest.fixture(params=roi_decoders.KINDS)
+def kind(request) -> str:
+    """Each region decoder (both are installed by `make setup` here: test_libjpeg_decoder_
+    is_built_where_the_machine_can says so for the C extension)."""
+    reason = roi_decoders.status()[request.param]
+    if reason:
+        pytest.skip(f"{request.param}: {reason}")
+    return request.param
 
 
 def jpeg(img: Image.Image, **kw) -> bytes:
@@ -93,8 +103,8 @@ def compare(backend, whole, data, box, flip, size):
 
 
 @pytest.mark.parametrize("size", [224, 48])
-def test_roi_crop_matches_whole_image_crop_on_every_layout_and_edge(layouts, size):
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+def test_roi_crop_matches_whole_image_crop_on_every_layout_and_edge(kind, layouts, size):
+    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
     checked = 0
     for name, data in layouts.items():
         info = jpeg_info(data)
@@ -114,23 +124,29 @@ def test_roi_crop_matches_whole_image_crop_on_every_layout_and_edge(layouts, siz
     assert counts["decode_roi"] == checked
 
 
-def test_boxes_twice_the_output_decode_the_whole_image_dct_scaled(layouts):
-    """A box >= 2x the output both ways takes the whole image at 1/s (the faster path for
-    it), counted as DCT-scaled, not as a region or a fallback; the same pixels as roi=off."""
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
-    t = RandomResizedCropFlip(112)
+@pytest.mark.parametrize("size", [112, 40])  # DCT scales 1/2, and up to 1/8
+def test_boxes_twice_the_output_decode_dct_scaled(kind, layouts, size):
+    """A box >= 2x the output both ways decodes at 1/s: a region at 1/s with the libjpeg
+    decoder, the whole image at 1/s (simplejpeg) with nvImageCodec, which cannot DCT-scale.
+    Either way counted as DCT-scaled, not as a fallback; the same pixels as roi=off."""
+    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
+    t = RandomResizedCropFlip(size)
     scaled = regions = 0
+    scales = set()
     for seed in range(40):
         for data in (layouts["420"], layouts["444"]):
             info = jpeg_info(data)
             box, _ = t.sample(info.width, info.height, sample_rng(0, 0, seed))
-            scaled += dct_scale(box, 112) > 1
-            regions += dct_scale(box, 112) == 1
+            scales.add(dct_scale(box, size))
+            scaled += dct_scale(box, size) > 1
+            regions += dct_scale(box, size) == 1
             got = roi_on.load(data, t, sample_rng(0, 0, seed))
             assert np.array_equal(got, whole.load(data, t, sample_rng(0, 0, seed)))
     counts = roi_on.pop_counts()
-    assert scaled > 0 and regions > 0
-    assert counts["decode_roi"] == regions and counts["decode_dct_scaled"] == scaled
+    assert scaled > 0 and (regions > 0 or size < 56)  # at 40 px every box is >= 2x
+    assert size > 100 or max(scales) >= 4, scales
+    assert counts["decode_dct_scaled"] == scaled
+    assert counts["decode_roi"] == regions + (scaled if kind == "libjpeg" else 0)
     assert sum(v for k, v in counts.items() if "fallback" in k) == 0
 
 
@@ -144,10 +160,10 @@ def test_region_is_aligned_inside_and_covers_the_crop():
             assert (lw, lh) == (box[2], box[3])
 
 
-def test_progressive_takes_the_whole_image_path_counted(layouts):
+def test_progressive_takes_the_whole_image_path_counted(kind, layouts):
     photo = render_image(0, 0, 3, 11, 400, 500)
     data = jpeg(photo, progressive=True)
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
     for seed in range(4):
         t = RandomResizedCropFlip(224)
         got = roi_on.load(data, t, sample_rng(0, 0, seed))
@@ -157,13 +173,13 @@ def test_progressive_takes_the_whole_image_path_counted(layouts):
     assert counts["decode_roi_fallback_progressive"] == 4 and counts["decode_roi"] == 0
 
 
-def test_roi_error_falls_back_to_the_whole_image_with_the_same_box(layouts, monkeypatch):
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+def test_roi_error_falls_back_to_the_whole_image_with_the_same_box(kind, layouts, monkeypatch):
+    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
 
     def broken(*a, **k):
         raise roi.RoiDecodeError("region (0, 0, 8, 8): nvImageCodec could not decode it")
 
-    monkeypatch.setattr(roi_on.roi, "decode", broken)
+    monkeypatch.setattr(roi_on.roi, "region", broken)
     t = RandomResizedCropFlip(224)
     got = roi_on.load(layouts["420"], t, sample_rng(0, 0, 5))
     assert np.array_equal(got, whole.load(layouts["420"], t, sample_rng(0, 0, 5)))
@@ -171,11 +187,11 @@ def test_roi_error_falls_back_to_the_whole_image_with_the_same_box(layouts, monk
     assert counts["decode_roi_fallback_error"] == 1 and counts["decode_roi"] == 0
 
 
-def test_truncated_jpeg_fails_as_the_whole_image_path_does(layouts):
+def test_truncated_jpeg_fails_as_the_whole_image_path_does(kind, layouts):
     """A damaged file reaches the dataset's skip_corrupt handling with the same error as
     without ROI decode (the region decoder's refusal is not taken as a decoded crop)."""
     data = layouts["420"][: len(layouts["420"]) // 2]
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
     with pytest.raises(OSError, match="truncated") as got:
         roi_on.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, 1))
     with pytest.raises(OSError) as want:
@@ -185,15 +201,21 @@ def test_truncated_jpeg_fails_as_the_whole_image_path_does(layouts):
 
 
 def test_missing_library_auto_counts_and_on_says_how_to_install(layouts, monkeypatch):
-    monkeypatch.setattr(roi, "_LOADED", True)
-    monkeypatch.setattr(roi, "_MODULE", None)
-    monkeypatch.setattr(roi, "UNAVAILABLE_REASON", "nvImageCodec is not installed: pip install")
-    with pytest.raises(ConfigError, match="backend.roi=on.*nvImageCodec.*pip install"):
+    for module, reason in [
+        (roi_libjpeg, roi_libjpeg.BUILD_HINT),
+        (roi_nvimgcodec, "nvImageCodec is not installed: pip install nvidia-nvimgcodec-cu13"),
+    ]:
+        monkeypatch.setattr(module, "load", lambda: None)
+        monkeypatch.setattr(module, "UNAVAILABLE_REASON", reason)
+    with pytest.raises(ConfigError, match="backend.roi=on: libjpeg: .*apt-get install gcc "
+                       "libjpeg62-turbo-dev.*; nvimgcodec: .*pip install nvidia"):  # fmt: skip
         TurboBackend(roi="on")
-    with pytest.raises(ConfigError, match="backend.roi='sometimes'"):
+    with pytest.raises(ConfigError, match="backend.roi=libjpeg: libjpeg: .*not built"):
+        TurboBackend(roi="libjpeg")
+    with pytest.raises(ConfigError, match="backend.roi='sometimes': use one of auto, on, off"):
         TurboBackend(roi="sometimes")
     auto = TurboBackend(roi="auto")
-    assert auto.roi is None and "no ROI" in auto.info()["decoder"]
+    assert auto.roi is None and "no ROI: libjpeg: " in auto.info()["decoder"]
     auto.load(layouts["420"], RandomResizedCropFlip(224), sample_rng(0, 0, 1))
     assert auto.pop_counts()["decode_roi_fallback_no_library"] == 1
     off = TurboBackend(roi="off")
@@ -201,19 +223,19 @@ def test_missing_library_auto_counts_and_on_says_how_to_install(layouts, monkeyp
     assert off.pop_counts()["decode_roi_fallback_no_library"] == 0  # asked for nothing
 
 
-def test_roi_counts_reach_the_batches_through_worker_processes(layouts):
+def test_roi_counts_reach_the_batches_through_worker_processes(kind, layouts):
     """ROI decodes and their fallbacks travel worker -> collate -> batch["counts"], which the
     engine sums into every epoch row like the other decode counters."""
     progressive = jpeg(render_image(0, 0, 3, 11, 200, 240), progressive=True)
     items = [(k, d) for k, d in layouts.items()] * 2 + [("progressive", progressive)] * 3
-    totals = epoch_counts(items, TurboBackend(roi="on"), size=224)
+    totals = epoch_counts(items, TurboBackend(roi=kind), size=224)
     assert totals["decode_roi"] + totals["decode_whole_tall"] == 2 * len(layouts)
     assert totals["decode_roi"] > 0
     assert totals["decode_roi_fallback_progressive"] == 3
     assert totals["decode_roi_fallback_error"] == totals["decode_roi_fallback_no_library"] == 0
 
 
-def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, monkeypatch):
+def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(kind, layouts, monkeypatch):
     """The loader's batch path over JPEGs (`load_batch`): ROI-decoded samples come back as
     the region (`PendingCrop`) that collate resizes into the batch slot; the batch equals the
     per-item samples collated, bit for bit, fallbacks (progressive) included."""
@@ -226,7 +248,7 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     progressive = jpeg(render_image(0, 0, 3, 11, 200, 240), progressive=True)
     items_in = list(layouts.items()) + [("progressive", progressive)]
     ds = ImageDataset(
-        BytesStorage(items_in), TurboBackend(roi="on"), RandomResizedCropFlip(224), seed=3
+        BytesStorage(items_in), TurboBackend(roi=kind), RandomResizedCropFlip(224), seed=3
     )
     keys = [(e, i) for e in (1, 2) for i in range(len(items_in))]
     items = [ds[k] for k in keys]
@@ -243,15 +265,15 @@ def test_roi_batches_resize_into_the_batch_slot_with_the_items_pixels(layouts, m
     assert counts["decode_roi_fallback_progressive"] == 2
 
 
-def test_fast_idct_and_upsampling_apply_to_regions_too(layouts):
+def test_fast_idct_and_upsampling_apply_to_regions_too(kind, layouts):
     """backend.fastdct / fastupsample change the region decode as they change the whole-image
     one (libjpeg-turbo's fast integer IDCT, merged upsampling): the same crop as roi=off with
     the same options, and not the accurate crop."""
     data = layouts["420"]
     info = jpeg_info(data)
     for options in ({"fastupsample": True}, {"fastdct": True}):
-        fast, whole = TurboBackend(roi="on", **options), TurboBackend(roi="off", **options)
-        accurate = TurboBackend(roi="on")
+        fast, whole = TurboBackend(roi=kind, **options), TurboBackend(roi="off", **options)
+        accurate = TurboBackend(roi=kind)
         differs = 0
         for k, box in enumerate(edge_boxes(info.width, info.height)):
             got, want, _ = compare(fast, whole, data, box, bool(k % 2), 224)
@@ -260,19 +282,22 @@ def test_fast_idct_and_upsampling_apply_to_regions_too(layouts):
         assert differs > 0, options  # the option reached the decoder
 
 
-def test_tall_boxes_decode_whole_wide_ones_whole_rows_narrow_ones_a_region(layouts):
-    """Which boxes get a region, and which one (roi.py's measured rule): a box spanning
-    TALL_SHARE of the rows decodes the whole image (counted decode_whole_tall); a region at
-    least BAND_SHARE of the width becomes whole rows; a narrow one starts on an iMCU
-    boundary. Every way gives the roi=off crop."""
+def test_nvimgcodec_tall_boxes_decode_whole_wide_ones_whole_rows_narrow_ones_a_region(layouts):
+    """Which boxes get a region with nvImageCodec, and which one (roi_nvimgcodec.py's
+    measured rule): a box spanning TALL_SHARE of the rows decodes the whole image (counted
+    decode_whole_tall); a region at least BAND_SHARE of the width becomes whole rows; a
+    narrow one starts on an iMCU boundary. Every way gives the roi=off crop."""
+    if roi_decoders.status()["nvimgcodec"]:
+        pytest.skip(roi_decoders.status()["nvimgcodec"])
     data = layouts["420"]  # 500 x 400
-    roi_on, whole = TurboBackend(roi="on"), TurboBackend(roi="off")
+    roi_on, whole = TurboBackend(roi="nvimgcodec"), TurboBackend(roi="off")
     t = RandomResizedCropFlip(224)
     tall, wide, narrow = (50, 10, 120, 380), (40, 100, 400, 150), (300, 100, 100, 150)
-    assert not roi.worth_a_region(tall, 400, 224)
-    assert roi.region_for(wide, 500, 400, 224, 16)[0][::2] == (0, 500)  # x, width
-    (x, _, w, _), _ = roi.region_for(narrow, 500, 400, 224, 16)
-    assert x % 16 == 0 and 0 < x and x + w < 500 and w < roi.BAND_SHARE * 500
+    band = roi_nvimgcodec.BAND_SHARE
+    assert not roi.worth_a_region(tall, 400, 224, roi_nvimgcodec.TALL_SHARE)
+    assert roi.region_for(wide, 500, 400, 224, 16, band)[0][::2] == (0, 500)  # x, width
+    (x, _, w, _), _ = roi.region_for(narrow, 500, 400, 224, 16, band)
+    assert x % 16 == 0 and 0 < x and x + w < 500 and w < band * 500
     for box in (tall, wide, narrow):
         got = roi_on._region_or_crop(data, jpeg_info(data), box, True, t)
         if isinstance(got, tuple):
@@ -281,3 +306,74 @@ def test_tall_boxes_decode_whole_wide_ones_whole_rows_narrow_ones_a_region(layou
         assert np.array_equal(got, want), box
     counts = roi_on.pop_counts()
     assert counts["decode_whole_tall"] == 1 and counts["decode_roi"] == 2
+
+
+def test_libjpeg_decodes_every_box_as_an_aligned_region(layouts):
+    """The libjpeg decoder has no per-call set-up or copies to amortise: tall and wide boxes
+    decode as regions too, starting on an iMCU boundary, no wider than the box needs."""
+    if roi_decoders.status()["libjpeg"]:
+        pytest.skip(roi_decoders.status()["libjpeg"])
+    data = layouts["420"]  # iMCU 16 px wide
+    width, height = jpeg_info(data).width, jpeg_info(data).height
+    dec = roi_libjpeg.Decoder()
+    tall, wide, narrow = (50, 10, 120, height - 20), (30, 100, width - 60, 150), (200, 100, 90, 150)
+    for box in [tall, wide, narrow, (0, 0, width, height)]:
+        pixels, (lx, ly, lw, lh) = dec.region(data, width, height, box, 224)
+        x, y = box[0] - lx, box[1] - ly
+        assert x % 16 == 0 and box[0] - x < 16 + 4 and y <= box[1], box
+        assert pixels.shape[1] <= box[2] + 16 + 8 and pixels.shape[0] <= box[3] + 8, box
+        assert lx + lw <= pixels.shape[1] and ly + lh <= pixels.shape[0], box
+        assert pixels.flags.c_contiguous and pixels.dtype == np.uint8
+    backend = TurboBackend(roi="libjpeg")
+    backend.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, 1))
+    assert backend.pop_counts()["decode_whole_tall"] == 0
+
+
+def test_libjpeg_warnings_are_errors_and_print_nothing(layouts, capfd):
+    """libjpeg's warnings about damaged data end a region decode as an error naming the
+    problem (the file then takes the whole-image path, which names it); nothing reaches the
+    process's stderr (libjpeg's default handler prints them and returns a grey image)."""
+    if roi_decoders.status()["libjpeg"]:
+        pytest.skip(roi_decoders.status()["libjpeg"])
+    dec = roi_libjpeg.Decoder()
+    info = jpeg_info(layouts["444"])
+    w, h = info.width, info.height
+    data = bytearray(layouts["444"])
+    data[len(data) // 2 : len(data) // 2 + 40] = b"\xff\xd9" * 20  # an EOI in the scan
+    with pytest.raises(roi.RoiDecodeError, match="(?i)corrupt|premature|marker"):
+        dec.region(bytes(data), w, h, (0, h // 2, w // 2, h // 2 - 10), 224)
+    with pytest.raises(roi.RoiDecodeError, match="Not a JPEG"):
+        dec.region(b"GIF89a" + bytes(100), w, h, (0, 0, 100, 100), 224)
+    with pytest.raises(roi.RoiDecodeError, match=f"decoded {w}x{h} at 1/1, header {w + 1}x{h}"):
+        dec.region(layouts["444"], w + 1, h, (0, 0, 100, 100), 224)
+    assert capfd.readouterr().err == ""
+
+
+def test_libjpeg_refuses_an_old_or_pre_release_library(monkeypatch):
+    """Only a libjpeg-turbo release >= 3.0.0 is bound: libjpeg-turbo numbers its betas
+    x.y.9x (the 3.0 beta reported 2.1.92), and 2.x is no longer maintained."""
+    from PIL import features
+
+    real = features.version
+    for version in ("2.1.92", "2.1.5", "3.2.90"):
+        monkeypatch.setattr(
+            features, "version", lambda f, v=version: v if f == "libjpeg_turbo" else real(f)
+        )
+        with pytest.raises(ImportError, match=f"libjpeg-turbo is {version}, not a release >= 3"):
+            roi_libjpeg.pillow_libjpeg()
+    monkeypatch.setattr(features, "version", real)
+    path, version = roi_libjpeg.pillow_libjpeg()
+    assert ".so.62" in path and version >= "3"
+
+
+def test_libjpeg_decoder_is_built_where_the_machine_can():
+    """`pip install -e .` builds the C extension wherever a C compiler and libjpeg's headers
+    are present (the extension is optional, so a failed build would otherwise go unnoticed)."""
+    import shutil
+    import sysconfig
+
+    headers = [p for p in ("/usr/include/jpeglib.h", "/usr/local/include/jpeglib.h")]
+    python_h = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not (shutil.which("cc") and any(map(os.path.exists, headers)) and python_h.exists()):
+        pytest.skip("no C compiler, jpeglib.h or Python.h here")
+    assert roi_decoders.status()["libjpeg"] == ""

@@ -70,6 +70,8 @@ VARIANTS = {
         "turbo",
         ["backend.resize=cv2", "backend.fastdct=true", "backend.fastupsample=true"],
     ),
+    # Region decode through nvImageCodec (where fastload's own C region decoder is not built).
+    "turbo+cv2+nvimgcodec": ("turbo", ["backend.resize=cv2", "backend.roi=nvimgcodec"]),
     # Whole-image decode (simplejpeg), as before ROI decode: the same run shows what it gains.
     "turbo+cv2+noroi": ("turbo", ["backend.resize=cv2", "backend.roi=off"]),
     "turbo+cv2+fast+noroi": (

@@ -1,287 +1,34 @@
-"""Region-of-interest JPEG decode through NVIDIA nvImageCodec's CPU backend.
+"""Region-of-interest JPEG decode for backend=turbo: which decoder, and which region.
 
-nvImageCodec (`nvidia-nvimgcodec-cu13` on PyPI, maintained with DALI) decodes JPEGs on the
-CPU with a statically linked libjpeg-turbo 3.1 release, and decodes a *region* of the
-image: rows above it are skipped without IDCT, rows below it are never entropy-decoded,
-columns outside it skip IDCT, upsampling and colour conversion (libjpeg's
-jpeg_crop_scanline / jpeg_skip_scanlines). RandomResizedCrop keeps about half of the image
-area on average, so most of that work was wasted by a whole-image decode. The CPU backend
-needs no GPU, driver or CUDA library.
+RandomResizedCrop keeps about half of the image area on average, so most of a whole-image
+decode is wasted. A region decode skips it: rows above the region are only entropy-decoded,
+rows below it are never read, columns outside it skip IDCT, upsampling and colour conversion
+(libjpeg's jpeg_skip_scanlines / jpeg_crop_scanline).
 
-Set-up, once per process, before nvImageCodec is imported:
+Two decoders give the same pixels (`backend.roi` picks; `auto` / `on` take the first that
+loads: roi_decoders.py):
 
-* only its libjpeg-turbo extension is loaded (a folder holding a link to it, given as
-  NVIMGCODEC_EXTENSIONS_PATH): the GPU extensions would each print "Failed to load nvJPEG
-  / nvJPEG2000 / nvTIFF" on a machine without those optional libraries, and are not used;
-* its logging is off (PYNVIMGCODEC_VERBOSITY=0): a file it refuses takes the simplejpeg /
-  PIL path, whose error names the file, so its own lines would only be noise.
+* `libjpeg` (roi_libjpeg.py): fastload's small C extension over the libjpeg-turbo release
+  that Pillow ships (3.2 with Pillow 13): it writes the region's rows straight into the
+  output array and can DCT-scale the region in the same pass. Built at install time where
+  a C compiler and libjpeg's headers are present.
+* `nvimgcodec` (roi_nvimgcodec.py): NVIDIA nvImageCodec's CPU decoder (libjpeg-turbo 3.1
+  inside, a pip wheel, no compiler needed); ~10 % slower a sample (its per-call set-up and
+  copies) and no DCT scaling.
 
-A user who sets either variable keeps their value.
-
-libjpeg's warnings ("Corrupt JPEG data: ...") bypass that logging: its default message
-handler writes them to file descriptor 2 and the decode returns an image anyway. A region
-decode therefore runs with fd 2 pointed at a pipe (`_StderrTrap`, ~5 us): a warning makes it
-a RoiDecodeError, so a damaged file takes the whole-image path as before (simplejpeg refuses
-it, PIL decodes what it can, the fallback is counted) and the user sees no library noise. The
-trap is process-wide: text another thread writes to fd 2 during a decode (~0.5 ms) is taken
-with it; decodes run in the loader's worker processes, which write nothing else there.
-
-Per call: the output array is allocated here and the decoder writes into it (`as_image`):
-an Image that nvImageCodec allocates costs a fresh buffer per call (~80 us a photo).
-
-Pixel contract: decoding a region gives the same pixels as decoding the whole image and
-cutting the region out, except in the region's first and last column where the horizontal
-chroma upsampling lacks its neighbour (up to +-16 levels in those columns only). `region_for`
-therefore pads the region by a margin the crop never samples. Which boxes get a region at
-all, and which get whole rows: BAND_SHARE / TALL_SHARE below.
+Pixel contract: decoding a region gives the pixels of the whole-image decode except in the
+region's first and last columns and rows, where chroma upsampling lacks its neighbour
+(up to +-16 levels there only). `region_for` pads the region by a margin the crop never
+samples, so the crop of a region equals the crop of the whole image exactly.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
-import importlib.util
 import math
-import os
-import tempfile
-import threading
-
-import numpy as np
-
-EXTENSION = "libjpeg_turbo_ext.so"
-UNAVAILABLE_REASON = ""
-INSTALL = "pip install nvidia-nvimgcodec-cu13 (Linux x86_64 and aarch64 wheels, no GPU needed)"
 
 
 class RoiDecodeError(ValueError):
     """The region decoder refused the image (corrupt data, an unsupported layout)."""
-
-
-class _StderrTrap:
-    """fd 2 into a non-blocking pipe while at least one decode runs (nested and concurrent
-    decodes share one redirection); `exit` of the last one points fd 2 back and returns what
-    was written meanwhile. The pipe is made once per process (a forked worker makes its own);
-    fd 2 itself is copied on each entry, since whoever owns it may point it elsewhere between
-    decodes (a log file, a test's capture)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.depth = 0
-        self.pid = -1
-        self.real = self.read_end = self.write_end = -1
-
-    def enter(self) -> None:
-        with self.lock:
-            if self.depth == 0:
-                if self.pid != os.getpid():
-                    self.read_end, self.write_end = os.pipe()
-                    os.set_blocking(self.read_end, False)
-                    self.pid = os.getpid()
-                self.real = os.dup(2)
-                os.dup2(self.write_end, 2)
-            self.depth += 1
-
-    def exit(self) -> bytes:
-        with self.lock:
-            self.depth -= 1
-            if self.depth:
-                return b""
-            os.dup2(self.real, 2)
-            os.close(self.real)
-            caught = b""
-            while True:
-                try:
-                    chunk = os.read(self.read_end, 65536)
-                except BlockingIOError:
-                    break
-                caught += chunk
-                if len(chunk) < 65536:
-                    break
-            return caught
-
-
-_TRAP = _StderrTrap()
-
-
-def _package_dir() -> str | None:
-    """Where nvidia.nvimgcodec is installed (found without importing it), or None."""
-    try:
-        spec = importlib.util.find_spec("nvidia.nvimgcodec")
-    except (ImportError, ValueError):  # no `nvidia` namespace package at all
-        return None
-    return os.path.dirname(spec.origin) if spec is not None and spec.origin else None
-
-
-def package_version() -> str | None:
-    """The installed nvImageCodec distribution's version, or None."""
-    for dist in ("nvidia-nvimgcodec-cu13", "nvidia-nvimgcodec-cu12"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _extensions_folder(package: str) -> str:
-    """A folder that holds only a link to nvImageCodec's libjpeg-turbo extension (under the
-    fastload cache, one per installed package; under the temp directory where the cache is
-    read-only)."""
-    ext_dir = os.path.join(package, "extensions")
-    names = sorted(n for n in os.listdir(ext_dir) if n.startswith(EXTENSION))
-    if not names:
-        raise ImportError(f"{ext_dir} has no {EXTENSION}*: reinstall nvImageCodec ({INSTALL})")
-    target = os.path.join(ext_dir, names[-1])
-    cache = os.environ.get("FASTLOAD_CACHE", os.path.expanduser("~/.cache/fastload"))
-    digest = hashlib.sha256(os.path.realpath(target).encode()).hexdigest()[:12]
-    key = f"{package_version() or 'unknown'}-{digest}"
-    folder = os.path.join(cache, "nvimgcodec-extensions", key)
-    link = os.path.join(folder, names[-1])
-    if os.path.realpath(link) == os.path.realpath(target):
-        return folder
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError:  # a read-only home: the same folder under the temp directory
-        folder = os.path.join(tempfile.gettempdir(), f"fastload-nvimgcodec-extensions-{key}")
-        os.makedirs(folder, exist_ok=True)
-        link = os.path.join(folder, names[-1])
-    # Published by rename: concurrent workers never see a half-made link.
-    tmp = f"{link}.tmp-{os.getpid()}-{threading.get_ident()}"
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
-    return folder
-
-
-_MODULE = None
-_LOADED = False
-
-
-def load():
-    """The nvidia.nvimgcodec module set up for CPU decoding, or None (the reason in
-    UNAVAILABLE_REASON). Cached per process."""
-    global _MODULE, _LOADED, UNAVAILABLE_REASON
-    if _LOADED:
-        return _MODULE
-    _LOADED = True
-    package = _package_dir()
-    if package is None:
-        UNAVAILABLE_REASON = f"nvImageCodec is not installed: {INSTALL}"
-        return None
-    try:
-        os.environ.setdefault("NVIMGCODEC_EXTENSIONS_PATH", _extensions_folder(package))
-        os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-        from nvidia import nvimgcodec
-    except (ImportError, OSError) as e:
-        UNAVAILABLE_REASON = f"nvImageCodec did not load ({e}): {INSTALL}"
-        return None
-    _MODULE = nvimgcodec
-    return _MODULE
-
-
-def _mcu_widths(nv) -> dict:
-    """iMCU width in pixels per chroma subsampling: 8 x the largest horizontal factor."""
-    css = nv.ChromaSubsampling
-    return {
-        css.CSS_444: 8,
-        css.CSS_440: 8,
-        css.CSS_GRAY: 8,
-        css.CSS_422: 16,
-        css.CSS_420: 16,
-        css.CSS_411: 32,
-        css.CSS_410: 32,
-    }
-
-
-class RoiDecoder:
-    """One nvImageCodec CPU decoder per calling thread, each with a single executor thread
-    (max_num_cpu_threads=1: a decode runs there while the caller waits; the loader's workers
-    are the parallelism); picklable: the decoders are made again in each worker process.
-
-    `fastdct` and `fastupsample` are libjpeg-turbo's fast integer IDCT and merged ("fast")
-    upsampling, the same options as simplejpeg's."""
-
-    def __init__(self, fastdct: bool = False, fastupsample: bool = False):
-        nv = load()
-        if nv is None:
-            raise ImportError(UNAVAILABLE_REASON)
-        self.nv = nv
-        self.fastdct, self.fastupsample = bool(fastdct), bool(fastupsample)
-        self.version = package_version() or nv.__version__
-        self.mcu_widths = _mcu_widths(nv)
-        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
-        self._local = threading.local()
-
-    def __getstate__(self):
-        return {"fastdct": self.fastdct, "fastupsample": self.fastupsample}
-
-    def __setstate__(self, state):
-        self.__init__(**state)
-
-    def _decoder(self):
-        dec = getattr(self._local, "decoder", None)
-        if dec is None:
-            nv = self.nv
-            options = (
-                f"libjpeg_turbo_decoder:fast_idct={int(self.fastdct)} "
-                f"libjpeg_turbo_decoder:fancy_upsampling={int(not self.fastupsample)}"
-            )
-            dec = nv.Decoder(
-                device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
-                max_num_cpu_threads=1,
-                backends=[nv.Backend(nv.BackendKind.CPU_ONLY)],
-                options=options,
-            )
-            self._local.decoder = dec
-        return dec
-
-    def open(self, data: bytes):
-        """(code stream, width, height, iMCU width) of a JPEG; RoiDecodeError if unreadable."""
-        try:
-            stream = self.nv.CodeStream(data)
-            width, height = stream.width, stream.height
-            mcu = self.mcu_widths.get(stream.chroma_subsampling)
-        except Exception as e:  # nvImageCodec raises RuntimeError/ValueError on bad bytes
-            raise RoiDecodeError(f"header: {e}") from None
-        if stream.codec_name != "jpeg" or mcu is None:
-            raise RoiDecodeError(f"{stream.codec_name} {stream.chroma_subsampling}")
-        return stream, width, height, mcu
-
-    def decode(self, stream, region: tuple[int, int, int, int]) -> np.ndarray:
-        """Decode `region` (x, y, w, h; x a multiple of the iMCU width) of an opened JPEG."""
-        x, y, w, h = region
-        out = np.empty((h, w, 3), np.uint8)
-        nv = self.nv
-        _TRAP.enter()
-        try:
-            sub = stream.get_sub_code_stream(region=nv.Region(y, x, y + h, x + w))
-            got = self._decoder().decode(sub, image=nv.as_image(out), params=self.params)
-        except Exception as e:
-            got = e
-        finally:
-            warning = _TRAP.exit()
-        if isinstance(got, Exception):
-            raise RoiDecodeError(f"region {region}: {got}")
-        if got is None:
-            raise RoiDecodeError(f"region {region}: nvImageCodec could not decode it")
-        if warning:
-            raise RoiDecodeError(warning.decode(errors="replace").strip())
-        return out
-
-
-# Where a region pays (measured on the photo set and the synthetic set, 500 RandomResizedCrop
-# boxes each at 224 px, one core, every box decoded all three ways; the rule below costs 528 /
-# 503 us a sample, region-only 580 / 535, whole-image-only 584 / 572, the best of the three
-# per box 518 / 492):
-# * nvImageCodec decodes a region that starts right of column 0 line by line into a scratch
-#   row and copies it out (it widens every interior region by a pixel each side, so its
-#   left edge is never iMCU-aligned), then copies the region again from its own buffer into
-#   ours. Full-width rows need neither realignment, so a region at least BAND_SHARE of the
-#   image wide is decoded as the whole rows it spans (a band): the extra columns' IDCT and
-#   colour conversion cost less than the copy.
-# * Rows below the region are never decoded, rows above are only entropy-decoded; a region
-#   spanning TALL_SHARE of the rows or more saves too little for the fixed cost of the call
-#   (~25 us) and the copies, and the whole image through simplejpeg is faster.
-BAND_SHARE = 0.4
-TALL_SHARE = 0.8
 
 
 def margins(box, size: int) -> tuple[int, int]:
@@ -300,22 +47,30 @@ def rows_for(box, height: int, size: int) -> tuple[int, int]:
     return max(0, math.floor(top) - my), min(height, math.ceil(top + h) + my)
 
 
-def worth_a_region(box, height: int, size: int) -> bool:
-    """Whether decoding a region beats the whole image for this box (TALL_SHARE)."""
-    y0, y1 = rows_for(box, height, size)
-    return y1 - y0 < TALL_SHARE * height
-
-
-def region_for(box, width: int, height: int, size: int, mcu: int):
-    """The decode region (x, y, w, h) that holds everything the crop of `box` (left, top,
-    width, height) to `size` px samples, and the box mapped into that region: whole rows
-    when the region would span BAND_SHARE of the width or more, else columns from an iMCU
-    boundary (where libjpeg-turbo can start a row)."""
-    left, top, w, h = box
+def columns_for(box, width: int, size: int) -> tuple[int, int]:
+    """The first and one-past-last image column a region for `box` needs (before the
+    decoder aligns the first one down to an iMCU boundary)."""
     mx, _ = margins(box, size)
+    left, w = box[0], box[2]
+    return max(0, math.floor(left) - mx), min(width, math.ceil(left + w) + mx)
+
+
+def worth_a_region(box, height: int, size: int, tall_share: float) -> bool:
+    """Whether decoding a region beats the whole image for this box: not when it spans
+    `tall_share` of the rows or more (the decoder's measured break-even)."""
     y0, y1 = rows_for(box, height, size)
-    x0 = max(0, math.floor(left) - mx) // mcu * mcu
-    x1 = min(width, math.ceil(left + w) + mx)
-    if x1 - x0 >= BAND_SHARE * width:
+    return y1 - y0 < tall_share * height
+
+
+def region_for(box, width: int, height: int, size: int, mcu: int, band_share: float = 2.0):
+    """The decode region (x, y, w, h) that holds everything the crop of `box` (left, top,
+    width, height) to `size` px samples, and the box mapped into that region: columns from
+    an iMCU boundary (where libjpeg-turbo can start a row), or whole rows when the region
+    would span `band_share` of the width or more."""
+    left, top, w, h = box
+    y0, y1 = rows_for(box, height, size)
+    x0, x1 = columns_for(box, width, size)
+    x0 = x0 // mcu * mcu
+    if x1 - x0 >= band_share * width:
         x0, x1 = 0, width
     return (x0, y0, x1 - x0, y1 - y0), (left - x0, top - y0, w, h)

@@ -7,14 +7,15 @@ largest reduction s in {8, 4, 2} after which the box still covers the output siz
 1/s (libjpeg-turbo skips most of the IDCT work), map the box by 1/s, then crop + resize +
 flip.
 
-`roi` (auto | on | off): with nvImageCodec's CPU decoder (fastload/decode/roi.py: libjpeg-turbo
-3.1 inside a maintained NVIDIA package) only the region the crop samples is decoded: rows below
-it are never entropy-decoded, columns and rows outside it skip IDCT, upsampling and colour
-conversion. RandomResizedCrop keeps about half the image on average. The pixels are those of
-the whole-image path. Not every box is worth a region (fastload/decode/roi.py, measured): a box twice the
-output size both ways decodes the whole image at 1/s (nvImageCodec has no DCT scaling), one
-spanning most of the image's rows decodes the whole image too (counted decode_whole_tall),
-and a wide one decodes the whole rows it spans. Progressive JPEGs, a missing package and decoder errors take the
+`roi` (auto | on | off | libjpeg | nvimgcodec): only the region the crop samples is decoded
+(fastload/decode/roi.py): rows below it are never entropy-decoded, columns and rows outside it
+skip IDCT, upsampling and colour conversion; RandomResizedCrop keeps about half the image on
+average. The pixels are those of the whole-image path. `libjpeg` (fastload's C extension over
+Pillow's libjpeg-turbo release) decodes every box as a region, DCT-scaled by 1/s in the same
+pass where the box allows; `nvimgcodec` (NVIDIA nvImageCodec's CPU decoder) cannot DCT-scale,
+so boxes twice the output size decode the whole image at 1/s, and a box spanning most rows
+decodes the whole image too (counted decode_whole_tall). `auto` / `on` take the first that
+loads, in that order. Progressive JPEGs, no region decoder and decoder errors take the
 whole-image simplejpeg path, counted as decode_roi_fallback_*.
 
 Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
@@ -50,6 +51,7 @@ from PIL import Image
 
 from fastload.data.transforms import resized_crop
 from fastload.decode import roi as roi_decode
+from fastload.decode import roi_decoders
 from fastload.decode.base import JpegOnlyBackend, load_with_box
 from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
@@ -60,25 +62,26 @@ from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
 RESIZE_CHOICES = ("auto", "pil", "cv2")
-ROI_CHOICES = ("auto", "on", "off")
+ROI_CHOICES = ("auto", "on", "off", *roi_decoders.KINDS)
 # Why a JPEG went through the whole-image decode although ROI decode was asked for.
 ROI_FALLBACK_REASONS = ("no_library", "progressive", "error")
 
 
 def make_roi_decoder(roi, fastdct: bool, fastupsample: bool):
-    """The region decoder (nvImageCodec), or None when `roi` is off, or auto and the
-    package is missing (on: a ConfigError naming the fix)."""
+    """(the region decoder or None, why none): None when `roi` is off, or auto and no region
+    decoder loads (the reason kept for `info` and the doctor); ConfigError when one was
+    asked for by name (or `on`) and cannot load."""
     roi = {True: "on", False: "off"}.get(roi, roi)
     if roi not in ROI_CHOICES:
         raise ConfigError(f"backend.roi={roi!r}: use one of {', '.join(ROI_CHOICES)}.")
     if roi == "off":
-        return None
+        return None, "backend.roi=off"
     try:
-        return roi_decode.RoiDecoder(fastdct=fastdct, fastupsample=fastupsample)
+        return roi_decoders.make_decoder("auto" if roi == "on" else roi, fastdct, fastupsample), ""
     except ImportError as e:
-        if roi == "on":
-            raise ConfigError(f"backend.roi=on: {e} (or set backend.roi=auto / off)") from None
-        return None
+        if roi != "auto":
+            raise ConfigError(f"backend.roi={roi}: {e} (or set backend.roi=auto / off)") from None
+        return None, str(e)
 
 
 def import_simplejpeg():
@@ -177,7 +180,12 @@ def cv2_resized_crop(
         return cv2.flip(out, 1, dst=out) if flip else out
     # Sub-pixel box (mapped into a DCT-reduced image): cv2.resize cannot start between pixels,
     # so one warpAffine with the same inverse map (output -> source), PIL's pixel-centre
-    # convention, the flip folded in as i -> size - 1 - i (~0.4 ms; still one pass).
+    # convention, the flip folded in as i -> size - 1 - i (~0.4 ms; still one pass). The map
+    # is taken from a pixel left of and above the box, not from the array's corner: OpenCV
+    # rounds the map's offset to 1/1024 pixel, so the same box in a decoded region and in the
+    # whole image (offsets apart by whole pixels) would round differently by a level.
+    ox, oy = max(0, math.floor(left) - 1), max(0, math.floor(top) - 1)
+    pixels, left, top = pixels[oy:, ox:], left - ox, top - oy
     fx, fy = w / size, h / size
     if flip:
         m = np.array([[-fx, 0.0, left + (size - 0.5) * fx - 0.5], [0.0, fy, top + 0.5 * fy - 0.5]])
@@ -214,7 +222,7 @@ class TurboBackend(JpegOnlyBackend):
         self.fastdct = bool(fastdct)
         self.fastupsample = bool(fastupsample)
         self.roi_option = roi
-        self.roi = make_roi_decoder(roi, self.fastdct, self.fastupsample)
+        self.roi, self.roi_reason = make_roi_decoder(roi, self.fastdct, self.fastupsample)
         self.counts = Counts(
             "decode_dct_scaled",
             "decode_roi",
@@ -234,11 +242,11 @@ class TurboBackend(JpegOnlyBackend):
     def info(self) -> dict:
         resize = f"cv2-{self.cv2.__version__}" if self.cv2 is not None else pillow_name()
         if self.roi is not None:
-            decoder = f"nvimgcodec-{self.roi.version} ROI"
+            decoder = self.roi.name
         elif self.roi_option == "off":
             decoder = f"simplejpeg-{self.simplejpeg.__version__}"
         else:
-            decoder = f"simplejpeg-{self.simplejpeg.__version__} (no ROI: {roi_decode.UNAVAILABLE_REASON})"
+            decoder = f"simplejpeg-{self.simplejpeg.__version__} (no ROI: {self.roi_reason})"
         return {
             "decoder": decoder,
             "decoder_fallback": pillow_name(),
@@ -264,39 +272,37 @@ class TurboBackend(JpegOnlyBackend):
         JPEG; else the whole-image path's finished crop, the reason counted."""
         size = transform.size
         s = dct_scale(box, size) if self.dct_scale else 1
-        if s > 1:
-            # A box at least twice the output size both ways: the whole image decoded at 1/s
-            # (libjpeg-turbo's scaled IDCT, simplejpeg) beats the full-size region, which
-            # nvImageCodec cannot DCT-scale (photo set, 112 px crops, one core: 534 us a
-            # sample vs 788). Not a fallback: the fast path for such boxes.
+        roi = self.roi
+        if roi is not None and s not in roi.scales:
+            # A box at least twice the output size both ways, and a region decoder without
+            # DCT scaling (nvImageCodec): the whole image decoded at 1/s (libjpeg-turbo's
+            # scaled IDCT, simplejpeg) beats the full-size region (photo set, 112 px crops,
+            # one core: 534 us a sample vs 788). Not a fallback: the fast path for such boxes.
             return self._load_whole(data, info, box, flip, transform, s)
-        if self.roi is not None and not info.progressive:
-            if not roi_decode.worth_a_region(box, info.height, size):
-                self.counts.add("decode_whole_tall")  # the faster path for such boxes
-                return self._load_whole(data, info, box, flip, transform, 1)
-            try:
-                return (*self._decode_roi(data, info, box, size), flip)
-            except roi_decode.RoiDecodeError:
-                self.counts.add("decode_roi_fallback_error")
-        elif self.roi is not None:
+        if roi is not None and info.progressive:
             # Progressive files decode every scan of the whole image's coefficients first:
             # a region of them saves little (a half-area region was ~6 % faster, measured on
             # the photo set re-encoded progressive), so they keep the simplejpeg path.
             self.counts.add("decode_roi_fallback_progressive")
+        elif roi is not None:
+            if s == 1 and not roi_decode.worth_a_region(box, info.height, size, roi.tall_share):
+                self.counts.add("decode_whole_tall")  # the faster path for such boxes
+                return self._load_whole(data, info, box, flip, transform, 1)
+            try:
+                return (*self._decode_roi(data, info, box, size, s), flip)
+            except roi_decode.RoiDecodeError:
+                self.counts.add("decode_roi_fallback_error")
         elif self.roi_option != "off":
             self.counts.add("decode_roi_fallback_no_library")
-        return self._load_whole(data, info, box, flip, transform, 1)
+        return self._load_whole(data, info, box, flip, transform, s)
 
-    def _decode_roi(self, data: bytes, info, box, size: int):
-        """(the decoded region, `box` mapped into it); RoiDecodeError when the decoder
-        refuses. The region's margin absorbs its edge effects: the crop of it is the
-        whole-image path's crop."""
-        stream, width, height, mcu = self.roi.open(data)
-        if (width, height) != (info.width, info.height):
-            raise roi_decode.RoiDecodeError(f"header {width}x{height}")
-        region, local_box = roi_decode.region_for(box, width, height, size, mcu)
-        pixels = self.roi.decode(stream, region)
+    def _decode_roi(self, data: bytes, info, box, size: int, s: int = 1):
+        """(the region decoded at 1/s, `box` mapped into it), counted; RoiDecodeError when
+        the decoder refuses. The region's margin absorbs its edge effects: the crop of it
+        is the whole-image path's crop."""
+        pixels, local_box = self.roi.region(data, info.width, info.height, box, size, s)
         self.counts.add("decode_roi")
+        self.counts.add("decode_dct_scaled", int(s > 1))
         return pixels, local_box
 
     def _load_whole(self, data: bytes, info, box, flip: bool, transform, s: int) -> np.ndarray:

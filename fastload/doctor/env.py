@@ -80,8 +80,9 @@ class Facts:
     nvml_error: str = ""
     decoders: dict = field(default_factory=dict)  # module -> installed (bool)
     pillow: str = "pillow"  # pillow | pillow-simd (the loaded PIL)
-    # backend=turbo's ROI decode: "" usable, else why not; None: unknown
-    roi_decode: str | None = None
+    # backend=turbo's region decoders (fastload/decode/roi.py KINDS): kind -> "" when it loads,
+    # else why not; None: unknown
+    roi_decode: dict | None = None
 
 
 def cpu_flags() -> frozenset[str] | None:
@@ -145,26 +146,37 @@ def gather(cfg: DictConfig | None = None) -> Facts:
     )
 
 
-def roi_decode_status() -> str:
-    """ "" when nvImageCodec loads (backend=turbo decodes crop regions), else why not."""
-    from fastload.decode import roi
+def roi_decode_status() -> dict[str, str]:
+    """Each region decoder: "" when it loads (backend=turbo decodes crop regions with it),
+    else why not, with the fix."""
+    from fastload.decode import roi_decoders
 
-    return "" if roi.load() is not None else roi.UNAVAILABLE_REASON
+    return roi_decoders.status()
 
 
-def jpeg_libraries(backend: str, roi_wanted: bool, roi_reason: str) -> str:
-    """Which library (and version) decodes this run's JPEGs, for the decoders line."""
+def _version(dist: str) -> str:
     import importlib.metadata
 
-    def version(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "?"
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def region_decoder(roi_option: str, status: dict[str, str]) -> str | None:
+    """The region decoder backend=turbo will use for `backend.roi`, or None."""
+    from fastload.decode import roi_decoders
+
+    wanted = roi_decoders.KINDS if roi_option in ("auto", "on") else (roi_option,)
+    return next((k for k in wanted if status.get(k) == ""), None)
+
+
+def jpeg_libraries(backend: str, kind: str | None) -> str:
+    """Which library (and version) decodes this run's JPEGs, for the decoders line; `kind`:
+    backend=turbo's region decoder, or None for whole-image decodes only."""
+    from fastload.decode.pil import pillow_name
 
     if backend != "turbo":
-        from fastload.decode.pil import pillow_name
-
         try:
             from PIL import features
 
@@ -175,11 +187,17 @@ def jpeg_libraries(backend: str, roi_wanted: bool, roi_reason: str) -> str:
         return (
             f"JPEGs decoded by {pillow_name()} ({lib})" if backend in ("pil", "pillow-simd") else ""
         )
-    whole = f"simplejpeg {version('simplejpeg')}"
-    if roi_wanted and not roi_reason:
-        from fastload.decode import roi
+    whole = f"simplejpeg {_version('simplejpeg')}"
+    if kind == "libjpeg":
+        from fastload.decode import roi_libjpeg
 
-        return (f"JPEG crop regions decoded by nvImageCodec {roi.package_version()} "
+        return (f"JPEG crop regions (DCT-scaled where the box allows) decoded by fastload's "
+                f"region decoder on {pillow_name()}'s libjpeg-turbo "
+                f"{roi_libjpeg.library_version()}, progressive files whole by {whole}")  # fmt: skip
+    if kind == "nvimgcodec":
+        from fastload.decode import roi_nvimgcodec
+
+        return (f"JPEG crop regions decoded by nvImageCodec {roi_nvimgcodec.package_version()} "
                 f"(its CPU libjpeg-turbo), whole images (progressive, boxes >= 2x the "
                 f"output) by {whole}")  # fmt: skip
     return f"JPEGs decoded whole by {whole} (no ROI decode)"
@@ -443,13 +461,24 @@ def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     if a.backend == "turbo" and not facts.decoders.get("cv2", True):
         return Check(name, WARN, f"backend=turbo without OpenCV resizes with PIL ({text})",
                      "pip install opencv-python-headless (about 7x faster crops).")  # fmt: skip
-    roi_wanted = a.backend == "turbo" and str(cfg.backend.get("roi", "auto")) != "off"
-    libraries = jpeg_libraries(a.backend, roi_wanted, facts.roi_decode)
-    text = f"{libraries}; {text}" if libraries else text
-    if roi_wanted and facts.roi_decode:
+    roi_option = str(cfg.backend.get("roi", "auto")) if a.backend == "turbo" else "off"
+    status = facts.roi_decode
+    if roi_option == "off" or status is None:  # not asked for, or not known
+        libraries = jpeg_libraries(a.backend, None) if roi_option == "off" else ""
+        return Check(
+            name, OK, f"backend={a.backend}; {libraries + '; ' if libraries else ''}{text}"
+        )
+    kind = region_decoder(roi_option, status)
+    libraries = jpeg_libraries(a.backend, kind)
+    text = f"{libraries}; {text}"
+    if kind is None:
+        reasons = "; ".join(f"{k}: {status[k]}" for k in status if status[k])
         return Check(name, WARN, f"backend=turbo decodes whole images, not crop regions "
-                     f"({facts.roi_decode}); {libraries}", "pip install nvidia-nvimgcodec-cu13 (Linux "
-                     "x86_64 / aarch64; no GPU needed): crops decode ~1.2x faster with it.")  # fmt: skip
+                     f"({reasons}); {libraries}", f"{status.get('libjpeg', '')} (crops decode "
+                     "~1.3x faster with it), or pip install nvidia-nvimgcodec-cu13.")  # fmt: skip
+    if kind == "nvimgcodec" and status.get("libjpeg") and roi_option in ("auto", "on"):
+        return Check(name, WARN, f"{libraries}; fastload's own region decoder (~10 % faster a "
+                     f"sample) is not available", status["libjpeg"])  # fmt: skip
     return Check(name, OK, f"backend={a.backend}; {text}")
 
 
