@@ -13,7 +13,7 @@ loads: roi_decoders.py):
   output array and can DCT-scale the region in the same pass. Built at install time where
   a C compiler and libjpeg's headers are present.
 * `nvimgcodec` (roi_nvimgcodec.py): NVIDIA nvImageCodec's CPU decoder (libjpeg-turbo 3.1
-  inside, a pip wheel, no compiler needed); ~10 % slower a sample (its per-call set-up and
+  inside, a pip wheel, no compiler needed); 10-18 % slower a sample (its per-call set-up and
   copies) and no DCT scaling.
 
 Pixel contract: decoding a region gives the pixels of the whole-image decode except in the

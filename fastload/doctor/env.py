@@ -475,9 +475,9 @@ def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         reasons = "; ".join(f"{k}: {status[k]}" for k in status if status[k])
         return Check(name, WARN, f"backend=turbo decodes whole images, not crop regions "
                      f"({reasons}); {libraries}", f"{status.get('libjpeg', '')} (crops decode "
-                     "~1.3x faster with it), or pip install nvidia-nvimgcodec-cu13.")  # fmt: skip
+                     "~1.2x faster with it), or pip install nvidia-nvimgcodec-cu13.")  # fmt: skip
     if kind == "nvimgcodec" and status.get("libjpeg") and roi_option in ("auto", "on"):
-        return Check(name, WARN, f"{libraries}; fastload's own region decoder (~10 % faster a "
+        return Check(name, WARN, f"{libraries}; fastload's own region decoder (10-18 % faster a "
                      f"sample) is not available", status["libjpeg"])  # fmt: skip
     return Check(name, OK, f"backend={a.backend}; {text}")
 
