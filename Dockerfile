@@ -82,15 +82,18 @@ RUN python3 -m venv /opt/venv \
     && python -m pip install --upgrade pip==26.3
 
 # 3. Dependencies: their own layer, rebuilt only when pyproject.toml changes. Installing the
-#    project with an empty stub package pulls every dependency; the stub is uninstalled again
+#    project with empty stub packages (pyproject.toml's package list) pulls every dependency
+#    (the optional C extension has no source yet and is skipped); the stub is uninstalled again
 #    so that this layer holds the dependencies only (the code itself comes in step 4).
 WORKDIR /app
 COPY pyproject.toml ./
-RUN mkdir -p fastload \
-    && touch fastload/__init__.py \
+RUN python -c "import os, tomllib; \
+cfg = tomllib.load(open('pyproject.toml', 'rb'))['tool']['setuptools']; \
+dirs = [cfg['package-dir'].get(p, p.replace('.', '/')) for p in cfg['packages']]; \
+[os.makedirs(d, exist_ok=True) or open(d + '/__init__.py', 'a').close() for d in dirs]" \
     && pip install . \
     && pip uninstall -y fastload \
-    && rm -rf fastload build ./*.egg-info
+    && rm -rf fastload models build ./*.egg-info
 
 # 4. The source (what .dockerignore lets through: train.py, conf/, fastload/, scripts/,
 #    README.md, ...; not tests/). One copy of the code, in /app: the editable install puts

@@ -180,7 +180,7 @@ def test_build_context_is_what_the_image_runs_and_nothing_else():
         "fastload/config.py",
         "fastload/bench/__main__.py",
         "fastload/pack.py",
-        "fastload/models/__init__.py",
+        "models/__init__.py",
         "docker/certs/README.md",
     ):
         assert path in files, f"{path} must be in the build context"

@@ -7,19 +7,46 @@ import ast
 import re
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import REPO
 
 PACKAGE = REPO / "fastload"
 MAX_FUNCTION_LINES = 80
+# Folders installed under another package name (pyproject.toml [tool.setuptools.package-dir]).
+MAPPED = {"fastload.models": REPO / "models"}
+
+
+def package_folders() -> dict[str, Path]:
+    """Every package the project installs -> its folder in the checkout."""
+    out = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        out[".".join(init.parent.relative_to(REPO).parts)] = init.parent
+    return {**out, **MAPPED}
 
 
 def modules() -> dict[str, ast.Module]:
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
-        out[name.removesuffix(".__init__")] = ast.parse(path.read_text(), str(path))
+    for package, folder in package_folders().items():
+        for path in sorted(folder.glob("*.py")):
+            name = f"{package}.{path.stem}".removesuffix(".__init__")
+            out[name] = ast.parse(path.read_text(), str(path))
     return out
+
+
+def test_installed_packages_are_every_package_folder():
+    """pyproject.toml lists the packages by hand (models/ installs as fastload.models): the
+    list, the folder mapping and the folders on disk agree, and nothing else is installed
+    as a top-level `models`."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert sorted(config["packages"]) == sorted(package_folders())
+    assert {k: REPO / v for k, v in config["package-dir"].items()} == MAPPED
+    assert not (PACKAGE / "models").exists()
+    import fastload.models
+
+    assert Path(fastload.models.__file__).parent == REPO / "models"
 
 
 def fastload_imports(tree: ast.Module, known) -> set[str]:
@@ -101,7 +128,12 @@ def loader_constructions(tree: ast.Module) -> int:
 
 
 def test_the_loader_is_constructed_in_one_place():
-    files = [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("test_*.py"), REPO / "train.py"]
+    files = [
+        *PACKAGE.rglob("*.py"),
+        *MAPPED["fastload.models"].glob("*.py"),
+        *(REPO / "tests").glob("test_*.py"),
+        REPO / "train.py",
+    ]
     files += [REPO / "tests" / "conftest.py", REPO / "tests" / "helpers.py"]
     places = {
         str(path.relative_to(REPO)): n
