@@ -118,7 +118,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Pyth
     pip install --no-deps -e .; \
     apt-get purge -y --auto-remove "$@"; \
     rm -rf /var/lib/apt/lists/*; \
-    python -c "from fastload.decode import roi; s = roi.status(); assert not s['libjpeg'], s"; \
+    python -c "from fastload.decode import roi_decoders as r; s = r.status(); assert not s['libjpeg'], s"; \
     install -m 0755 docker/entrypoint.sh /usr/local/bin/fastload-entrypoint \
     && rm -rf build ./*.egg-info docker \
     && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin fastload \
