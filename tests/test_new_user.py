@@ -43,7 +43,12 @@ def quick(root, run_dir, *extra):
 # 1. A stale pack is served ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt, marker", [("shards", "meta.json"), ("lmdb", "data.mdb")])
+# The staleness check (the pack's sidecar digest) is the same code for every store: lmdb's
+# three training runs (~19 s) go with the slow suite.
+@pytest.mark.parametrize(
+    "fmt, marker",
+    [("shards", "meta.json"), pytest.param("lmdb", "data.mdb", marks=pytest.mark.slow)],
+)
 def test_a_pack_of_a_changed_folder_is_rebuilt_or_refused(tmp_path, fmt, marker):
     root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(6, 2))
     pack = (
