@@ -25,12 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
-from fastload.doctor.autotune import tune
-from fastload.doctor.env import preflight
+from fastload.autotune import tune
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
+from fastload.preflight import preflight
 from fastload.tasks.base import build_task
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler

@@ -121,7 +121,7 @@ def loader_factory(cfg: DictConfig):
     opts = OmegaConf.to_container(cfg.loader, resolve=True)
     for key in ("normalize_on", "input_dtype"):
         opts.pop(key)
-    # loader=auto: the probe's settings (fastload/doctor/autotune.py), resolved at the start
+    # loader=auto: the probe's settings (fastload/autotune.py), resolved at the start
     # of a run into the keys above; a loader built without the probe uses its base values.
     opts.pop("auto", None)
     return instantiate(opts)

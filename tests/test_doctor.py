@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
 
-from fastload.doctor import env
+from fastload import preflight as env
 from fastload.doctor.__main__ import main as doctor_main
 from fastload.errors import ConfigError
 
@@ -260,10 +260,10 @@ def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, ca
 
 
 def tune_with(root, caplog, *extra: str, model=None):
-    """fastload.doctor.autotune.tune as fit calls it, on `root`; (chosen cfg, trial log lines,
+    """fastload.autotune.tune as fit calls it, on `root`; (chosen cfg, trial log lines,
     cache-hit log lines)."""
+    from fastload.autotune import tune
     from fastload.dist import DistContext
-    from fastload.doctor.autotune import tune
     from fastload.pipeline import build_backend, build_storage
 
     over = [o for o in doctor_overrides(root) if not o.startswith("loader.num_workers")]
@@ -328,7 +328,7 @@ def test_loader_auto_refuses_bad_settings_naming_the_option(tune_folder, caplog,
 
 
 def test_loader_auto_worker_candidates_follow_the_affinity_mask_and_local_ranks():
-    from fastload.doctor.autotune import worker_candidates
+    from fastload.autotune import worker_candidates
 
     auto = {"workers": "auto"}
     assert worker_candidates(auto, 1, cores=16) == [16, 8, 4, 2, 1, 0]

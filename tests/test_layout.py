@@ -91,6 +91,27 @@ def test_no_import_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for v in graph[todo.pop()] - seen:
+            seen.add(v)
+            todo.append(v)
+    return seen
+
+
+def test_the_run_imports_no_tool():
+    """What train.py runs (the engine and everything it imports, lazy imports included) takes
+    nothing from the tools: doctor/ (which sits above bench/) and bench/ import the run, never
+    the other way round."""
+    mods = modules()
+    graph = {name: fastload_imports(tree, mods) - {name} for name, tree in mods.items()}
+    run = reachable(graph, "fastload.engine") | {"fastload.engine"}
+    tools = sorted(m for m in run if m.startswith(("fastload.doctor", "fastload.bench")))
+    assert tools == [], tools
+    assert "fastload.engine" in reachable(graph, "fastload.doctor.pipeline")  # the check sees
+
+
 def test_every_module_imports_in_a_fresh_interpreter():
     names = [n for n in modules() if not n.endswith("__main__")]
     code = f"import importlib\nfor n in {names!r}:\n    importlib.import_module(n)\n"

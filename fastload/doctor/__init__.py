@@ -1,8 +1,9 @@
 """python -m fastload.doctor {env,pipeline}: what stops or starves this run, and the fix.
 
-* env.py       the pre-flight check (every run does it at start; `doctor env` prints it);
 * pipeline.py  the bottleneck doctor: each stage of the data path timed alone and together;
 * charts.py    its waterfall PNG;
-* autotune.py  loader=auto: a bounded probe of workers / prefetch / pinning / backends at the
-               start of a run, cached per (machine, dataset, config).
+* `doctor env` prints the pre-flight check every run does at start (fastload/preflight.py).
+
+The run itself imports nothing from here: the pre-flight check (fastload/preflight.py) and
+loader=auto's probe (fastload/autotune.py) sit beside the engine that calls them.
 """

@@ -20,7 +20,7 @@ def env_main(argv: list[str]) -> int:
     import argparse
 
     from fastload.bench.common import compose
-    from fastload.doctor.env import FATAL, run_checks
+    from fastload.preflight import FATAL, run_checks
 
     p = argparse.ArgumentParser(
         prog="python -m fastload.doctor env",
