@@ -167,8 +167,7 @@ def region_decoder(roi_option: str, status: dict[str, str]) -> str | None:
     """The region decoder backend=turbo will use for `backend.roi`, or None."""
     from fastload.decode import roi_decoders
 
-    wanted = roi_decoders.KINDS if roi_option in ("auto", "on") else (roi_option,)
-    return next((k for k in wanted if status.get(k) == ""), None)
+    return next((k for k in roi_decoders.candidates(roi_option) if status.get(k) == ""), None)
 
 
 def jpeg_libraries(backend: str, kind: str | None) -> str:

@@ -6,11 +6,17 @@ from __future__ import annotations
 KINDS = ("libjpeg", "nvimgcodec")
 
 
-def make_decoder(kind: str, fastdct: bool, fastupsample: bool):
-    """The region decoder `kind` ("libjpeg" | "nvimgcodec" | "auto": the first that loads).
-    ImportError naming why (each kind's reason, with its fix) when none loads."""
+def candidates(roi: str) -> tuple[str, ...]:
+    """The region decoders a `backend.roi` value asks for, in the order they are tried:
+    auto / on every kind, off none, a kind's name that one."""
+    return {"auto": KINDS, "on": KINDS, "off": ()}.get(roi, (roi,))
+
+
+def make_decoder(roi: str, fastdct: bool, fastupsample: bool):
+    """The first region decoder of `candidates(roi)` that loads. ImportError naming why
+    (each kind's reason, with its fix) when none does."""
     reasons = []
-    for name in KINDS if kind == "auto" else (kind,):
+    for name in candidates(roi):
         module = _module(name)
         if module.load() is not None:
             return module.Decoder(fastdct=fastdct, fastupsample=fastupsample)

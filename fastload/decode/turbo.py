@@ -77,7 +77,7 @@ def make_roi_decoder(roi, fastdct: bool, fastupsample: bool):
     if roi == "off":
         return None, "backend.roi=off"
     try:
-        return roi_decoders.make_decoder("auto" if roi == "on" else roi, fastdct, fastupsample), ""
+        return roi_decoders.make_decoder(roi, fastdct, fastupsample), ""
     except ImportError as e:
         if roi != "auto":
             raise ConfigError(f"backend.roi={roi}: {e} (or set backend.roi=auto / off)") from None
