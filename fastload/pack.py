@@ -11,10 +11,11 @@
                                            [--shard-samples N]   # tar shards + manifest.json
     python -m fastload.pack verify DST            # every record's checksum (shards, LMDB)
 
-COCO: one record per image (by image id), target = image id, plus its boxes [x, y, w, h]
-(float32, scaled with the image when re-encoded) and category ids (int64). DIV2K: one record
-per HR image (by name), target = position, plus the paired LR image when --lr is given (same
-kind; re-encoded/raw pairs are resized to max_side / scale, size / scale). See
+A record holds the source's named fields (fastload/data/records.py). ImageFolder: image,
+label. COCO: one record per image (by image id): image, image_id, boxes [x, y, w, h]
+(float32, scaled with the image when re-encoded), labels (category ids, int64). DIV2K: one
+record per HR image (by name): image, position, and lr, the paired LR image, when --lr is
+given (same kind; re-encoded/raw pairs are resized to max_side / scale, size / scale). See
 fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store,webdataset}.py.
 
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
@@ -90,7 +91,7 @@ def pack_one(args, src_dir, out, source=None) -> None:
         **store.pack_options(),
         workers=args.workers,
         source=source,
-        label=args.format,
+        what=args.format,
         skip_corrupt=args.skip_corrupt,
         replace=replace,
     )

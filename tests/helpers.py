@@ -12,6 +12,17 @@ from fastload.storage.tmpfs import TmpfsStorage
 from fastload.storage.webdataset import WdsReader, WebDatasetStorage
 
 
+def sample(reader, i: int) -> tuple:
+    """(image bytes, target) of record i, whatever its store: the target is the record's
+    first int field (an ImageFolder's label, COCO's image id, DIV2K's position)."""
+    return reader.get(i, "image"), int(targets(reader)[i])
+
+
+def targets(reader):
+    """The first int field of every record (int64)."""
+    return reader.column(reader.schema.columns[0].name)
+
+
 class SigtermReader(SourceReader):
     """Sends SIGTERM to its own process after `reads` reads: a preemption at a known step."""
 
@@ -19,11 +30,12 @@ class SigtermReader(SourceReader):
         super().__init__(source)
         self.left = reads
 
-    def read(self, i):
-        self.left -= 1
-        if self.left == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().read(i)
+    def get(self, i, name):
+        if name == "image":
+            self.left -= 1
+            if self.left == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return super().get(i, name)
 
 
 class SigtermAfterReads(DiskStorage):
@@ -66,8 +78,9 @@ class SigtermWebDataset(WebDatasetStorage):
 
 
 class _SigtermWdsReader(WdsReader):
-    def read(self, i):
-        self.left -= 1
-        if self.left == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return super().read(i)
+    def get(self, i, name):
+        if name == "image":
+            self.left -= 1
+            if self.left == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return super().get(i, name)

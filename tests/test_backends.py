@@ -322,8 +322,11 @@ class BytesStorage:
     def __len__(self):
         return len(self.items)
 
-    def read(self, index):
-        return self.items[index][1], index % 3
+    def get(self, index, name):
+        return self.items[index][1]
+
+    def column(self, name):
+        return [index % 3 for index in range(len(self.items))]
 
     def describe(self, index):
         return f"mem://{self.items[index][0]}"

@@ -40,9 +40,11 @@ CHILD = textwrap.dedent(
             self.paths = paths
         def __len__(self):
             return len(self.paths)
-        def read(self, i):
+        def get(self, i, name):
             with open(self.paths[i], "rb") as f:
-                return f.read(), 0
+                return f.read()
+        def column(self, name):
+            return [0] * len(self.paths)
         def describe(self, i):
             return self.paths[i]
 

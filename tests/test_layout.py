@@ -91,6 +91,28 @@ def test_no_import_circle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
+def package_of(module: str) -> str:
+    """fastload.storage.shards -> fastload.storage; a top-level module is its own unit."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_package_circle():
+    """Between packages too (storage, data, decode, loaders, tasks, ... and the top-level
+    modules), lazy imports included: data/ below storage/, storage/ below the engine."""
+    mods = modules()
+    graph: dict[str, set[str]] = {}
+    for name, tree in mods.items():
+        deps = {package_of(d) for d in fastload_imports(tree, mods)} - {package_of(name)}
+        graph.setdefault(package_of(name), set()).update(deps)
+    for deps in list(graph.values()):
+        for d in deps:
+            graph.setdefault(d, set())
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert {"fastload.storage", "fastload.data"} <= set(graph) and "fastload.storage" not in (
+        graph["fastload.data"]
+    )
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -179,3 +201,46 @@ def test_readme_points_only_inside_the_repository():
     for link in re.findall(r"\]\(([^)#]+)\)", readme):
         if not link.startswith(("http://", "https://")):
             assert (REPO / link).exists(), link
+
+
+TASK_WORDS = ("boxes", "labels", "pair", "targets", "read_pair", "has_pairs", "describe_pair")
+
+
+def task_mentions(tree: ast.Module, fields: set[str]) -> list[str]:
+    """Where a module names a task's field: a string constant (docstrings aside) that is a
+    field name, or an attribute, function or argument named after a task's data."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in fields and id(node) not in docs:
+            found.append(f"line {node.lineno}: {node.value!r}")
+        name = getattr(node, "attr", None) or getattr(node, "arg", None)
+        if isinstance(node, (ast.FunctionDef, ast.Name)):
+            name = getattr(node, "name", None) or node.id
+        if name in TASK_WORDS:
+            found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def test_no_store_names_a_tasks_field():
+    """Stores write and read a record's fields by its schema (fastload/data/records.py): no
+    module of fastload/storage/ names a field of a task's records, so a new task's fields
+    need no store edited."""
+    from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
+
+    fields = {f.name for s in (ImageFolderSource, CocoSource) for f in s.schema}
+    fields |= set(Div2kSource.PAIRED.names)
+    assert {"image", "label", "boxes", "lr"} <= fields
+    mods = {n: t for n, t in modules().items() if n.startswith("fastload.storage.")}
+    assert "fastload.storage.shards" in mods
+    named = {n: found for n, t in mods.items() if (found := task_mentions(t, fields))}
+    assert named == {}, named
+    # and the check sees a store that reads a task's field
+    assert task_mentions(ast.parse('def f(r, i):\n    return r.boxes(i), r.get(i, "lr")'), fields)

@@ -308,8 +308,8 @@ def test_workers_draw_distinct_reproducible_numbers_every_epoch():
 
 def test_crops_differ_between_items_and_repeat_with_the_seed(folder):
     class SameBytes(DiskReader):  # every item is the same picture: only the RNG differs
-        def read(self, i):
-            return super().read(0)[0], 0
+        def get(self, i, name):
+            return super().get(0, name)
 
     def crops(seed):
         ds = ImageDataset(

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from fastload.report import build_report
 from fastload.report.__main__ import main as report_main
+from tests.helpers import sample
 
 SCRIPTS = REPO / "scripts" / "reproduce"
 EXPERIMENTS = sorted(p.stem for p in SCRIPTS.glob("*.sh") if not p.stem.startswith("_"))
@@ -152,13 +153,13 @@ def test_slow_disk_emulation_really_slows_each_read(tiny_folder, tmp_path):
     cfg = compose_config(["storage=slow_disk", f"dataset.root={tiny_folder}",
                           "storage.latency_ms=30", "storage.mb_per_s=1"], tmp_path)  # fmt: skip
     reader = build_storage(cfg).open(build_layout(cfg), "train")
-    nbytes = len(reader.read(0)[0]) + len(reader.read(1)[0])
+    nbytes = len(reader.get(0, "image")) + len(reader.get(1, "image"))
     stats = reader.epoch_stats()
     floor = 2 * 0.030 + nbytes / 1e6  # two reads: latency each, then the bytes at 1 MB/s
     assert stats["read_s"] >= floor * 0.99, stats
     fast = build_storage(compose_config([f"dataset.root={tiny_folder}"], tmp_path))
     fast_reader = fast.open(build_layout(cfg), "train")
-    fast_reader.read(0)
+    sample(fast_reader, 0)
     assert fast_reader.epoch_stats()["read_s"] < 0.030  # the plain disk is not throttled
 
 

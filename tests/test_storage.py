@@ -35,6 +35,7 @@ from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.packing import pack_split
 from fastload.storage.shards import ShardStorage
 from fastload.storage.webdataset import WebDatasetStorage
+from tests.helpers import sample, targets
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,9 @@ def test_packed_stores_give_the_disk_bytes_and_targets(tiny_folder, packs, kind,
     disk = DiskStorage().open(tiny_folder, split)
     store = open_store(kind, tiny_folder, split, packs)
     assert len(store) == len(disk) and store.classes == disk.classes
-    assert store.targets.dtype == np.int64 and np.array_equal(store.targets, disk.targets)
+    assert targets(store).dtype == np.int64 and np.array_equal(targets(store), targets(disk))
     for i in range(len(disk)):
-        assert store.read(i) == disk.read(i), (i, store.describe(i))
+        assert sample(store, i) == sample(disk, i), (i, store.describe(i))
     assert str(disk.index.paths[3]) in store.describe(3)  # errors name the source file
 
 
@@ -75,22 +76,22 @@ def test_tmpfs_stage_gives_the_disk_bytes_and_targets(tiny_folder, tmp_path):
     for split in ("train", "val"):
         disk, staged = DiskStorage().open(tiny_folder, split), store.open(tiny_folder, split)
         assert staged.describe(0).startswith(str(target))
-        assert np.array_equal(staged.targets, disk.targets) and staged.classes == disk.classes
-        assert [staged.read(i) for i in range(len(disk))] == [
-            disk.read(i) for i in range(len(disk))
+        assert np.array_equal(targets(staged), targets(disk)) and staged.classes == disk.classes
+        assert [sample(staged, i) for i in range(len(disk))] == [
+            sample(disk, i) for i in range(len(disk))
         ]
 
 
 def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, packs):
     disk = DiskStorage().open(tiny_folder, "train")
     raw = open_store("sr", tiny_folder, "train", packs)
-    assert raw.meta["kind"] == "raw" and np.array_equal(raw.targets, disk.targets)
+    assert raw.schema["image"].codec == "pixels" and np.array_equal(targets(raw), targets(disk))
     for i in range(len(disk)):
-        data, target = raw.read(i)
-        assert rawimage.is_raw(data) and target == disk.targets[i]
+        data, target = sample(raw, i)
+        assert rawimage.is_raw(data) and target == targets(disk)[i]
         # The tiny images are smaller than size=256: stored as decoded, pixel for pixel.
         assert np.array_equal(
-            np.asarray(rawimage.to_image(data)), np.asarray(open_rgb(disk.read(i)[0]))
+            np.asarray(rawimage.to_image(data)), np.asarray(open_rgb(disk.get(i, "image")))
         )
 
     class NoDecode(PILBackend):  # crops decoded pixels the PIL way, decodes nothing
@@ -202,10 +203,8 @@ def test_raw_shard_loader_batches_match_the_items(tiny_folder, packs):
 
 def test_reencoded_shards_respect_max_side(tiny_folder, packs):
     store = open_store("sj64", tiny_folder, "train", packs)
-    idx = np.load(packs / "sj64" / "train" / "index.npy")
-    assert max(idx["height"].max(), idx["width"].max()) == 64  # tiny images are 96x72
-    img = open_rgb(store.read(0)[0])
-    assert max(img.size) == 64 and store.meta["params"]["max_side"] == 64
+    sides = [max(open_rgb(store.get(i, "image")).size) for i in range(len(store))]
+    assert set(sides) == {64} and store.meta["params"]["max_side"] == 64  # tiny: 96x72
 
 
 def test_lmdb_map_grows_while_packing(tiny_folder, tmp_path):
@@ -215,7 +214,9 @@ def test_lmdb_map_grows_while_packing(tiny_folder, tmp_path):
     assert total > 32 << 10 and meta["map_growths"] >= 1, meta
     store = store.open(tiny_folder, "train")  # path holds one folder per split
     disk = DiskStorage().open(tiny_folder, "train")
-    assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
+    assert [sample(store, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
     assert meta["count"] == len(disk) and meta["checksum"].startswith("crc32:")
 
 
@@ -223,8 +224,8 @@ def test_lmdb_map_grows_while_packing(tiny_folder, tmp_path):
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_readers_under_fork_and_spawn_workers(tiny_folder, packs, kind, context):
     store = open_store(kind, tiny_folder, "train", packs)
-    store.read(0)  # a handle opened in the parent must not travel to the workers
-    assert pickle.loads(pickle.dumps(store)).read(1) == store.read(1)
+    sample(store, 0)  # a handle opened in the parent must not travel to the workers
+    assert sample(pickle.loads(pickle.dumps(store)), 1) == sample(store, 1)
     tf = RandomResizedCropFlip(24)
     ref = ImageDataset(DiskStorage().open(tiny_folder, "train"), PILBackend(), tf, seed=0)
     data = ImageDataset(store, PILBackend(), tf, seed=0)
@@ -245,14 +246,14 @@ def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
     shard = tmp_path / "sj" / "train" / "shard-00000.bin"
     idx = np.load(tmp_path / "sj" / "train" / "index.npy")
     with open(shard, "r+b") as f:
-        f.seek(int(idx["offset"][7]) + 100)
+        f.seek(int(idx["image.offset"][7]) + 100)
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
     store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
-    store.read(6)
+    sample(store, 6)
     with pytest.raises(StorageError, match=rf"{shard} record 7 .*xxh3_64.*fastload.pack verify"):
-        store.read(7)
+        sample(store, 7)
     assert pack_main(["verify", str(tmp_path / "sj")]) == 1
 
 
@@ -300,13 +301,13 @@ def test_verify_names_the_damaged_record(tiny_folder, packs, tmp_path, kind, cap
     shutil.copytree(packs / kind, tmp_path / kind)
     disk = DiskStorage().open(tiny_folder, "train")
     store_file = "data.mdb" if kind == "lmdb" else "shard-00000.bin"
-    flip_byte_of(tmp_path / kind / "train" / store_file, disk.read(7)[0])
+    flip_byte_of(tmp_path / kind / "train" / store_file, disk.get(7, "image"))
     assert pack_main(["verify", str(tmp_path / kind)]) == 1
     out, err = capsys.readouterr()
     assert f"checked {tmp_path / kind / 'train'}: 18 records, " in out and "problem" in out
     assert f"checked {tmp_path / kind / 'val'}: 9 records, ok" in out
     assert str(disk.index.paths[7]) in err and "CORRUPT" in err
-    assert ("key 0000000007 (crc32" if kind == "lmdb" else "xxh3_64 check: record 7 (") in err
+    assert ("record 7 (image crc32" if kind == "lmdb" else "xxh3_64 check: record 7 (") in err
     if kind == "lmdb":
         assert "the pack's checksum" in err  # the overall crc32 of all image bytes
 
@@ -327,48 +328,47 @@ def test_verify_checks_paired_records_and_boxes(tmp_path, fmt, capsys):
     store_file = "data.mdb" if fmt == "lmdb" else "shard-00000.bin"
     flip_byte_of(out / "DIV2K_train_HR" / store_file, (lr / "0002x2.png").read_bytes())
     assert pack_main(["verify", str(out)]) == 1
-    want = "paired record crc32" if fmt == "lmdb" else "pair of record 1"
+    want = "record 1 (lr crc32" if fmt == "lmdb" else "field lr of record 1"
     assert want in capsys.readouterr().err
-    if fmt == "lmdb":  # boxes carry their own crc32 (shard packs keep them in boxes.npy)
-        boxes = np.array([10.0, 20.0, 30.5, 40.0, 60.0, 0.0, 50.0, 70.0], "<f4").tobytes()
-        flip_byte_of(coco / "train2017" / "data.mdb", boxes, at=0)
-        assert pack_main(["verify", str(coco)]) == 1
-        assert "key 0000000002 (boxes crc32/length" in capsys.readouterr().err
+    # boxes are a field with their own checksum, in every store
+    boxes = np.array([10.0, 20.0, 30.5, 40.0, 60.0, 0.0, 50.0, 70.0], "<f4").tobytes()
+    flip_byte_of(coco / "train2017" / store_file, boxes, at=0)
+    assert pack_main(["verify", str(coco)]) == 1
+    want = "record 2 (boxes crc32" if fmt == "lmdb" else "field boxes of record 2"
+    assert want in capsys.readouterr().err
 
 
-def test_version_1_packs_are_still_read_and_checked_with_crc32(tiny_folder, packs, tmp_path):
-    """Packs written before the xxh3 record checksums (v1: a crc32 column) keep working."""
+def test_a_pack_of_an_earlier_format_is_refused_or_re_packed(tiny_folder, packs, tmp_path):
+    """A pack written before records had named fields (one image and one target per record)
+    is never read as if it had them: open refuses it with the re-pack advice, prepare
+    without auto_pack names why it is out of date, with auto_pack it is re-packed."""
     import shutil
-    import zlib
 
     from fastload.storage import shards
+    from fastload.storage.packing import SIDECAR
 
     shutil.copytree(packs / "sj", tmp_path / "sj")
     split = tmp_path / "sj" / "train"
-    v2 = np.load(split / "index.npy")
-    v1_dtype = np.dtype([(n, "<u4") if n == "check" else (n, v2.dtype[n]) for n in v2.dtype.names])
-    v1 = v2.astype(v1_dtype).copy()
-    v1.dtype.names = tuple("crc" if n == "check" else n for n in v1_dtype.names)
-    disk = DiskStorage().open(tiny_folder, "train")
-    v1["crc"] = [zlib.crc32(disk.read(i)[0]) for i in range(len(v1))]
-    np.save(split / "index.npy", v1)
     meta = json.loads((split / "meta.json").read_text())
-    assert meta["version"] == shards.VERSION == 2 and meta["record_checksum"] == "xxh3_64"
-    meta["version"] = 1
-    del meta["record_checksum"]
+    assert meta["version"] == shards.VERSION == 3 and meta["record_checksum"] == "xxh3_64"
+    meta["version"] = 2
+    del meta["schema"]
     (split / "meta.json").write_text(json.dumps(meta))
+    sidecar = json.loads((split / SIDECAR).read_text())
+    del sidecar["schema"]
+    (split / SIDECAR).write_text(json.dumps(sidecar))
 
-    store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
-    assert [store.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
-    v1["crc"][5] ^= 1  # a record whose checksum no longer matches
-    np.save(split / "index.npy", v1)
-    store = ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
-    with pytest.raises(StorageError, match=r"record 5 .*crc32"):
-        store.read(5)
-    meta["version"] = 3
-    (split / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(StorageError, match=r"v1, v2.*v3.*re-pack"):
-        ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
+    old = ShardStorage(path=tmp_path / "sj", auto_pack=False)
+    with pytest.raises(StorageError, match=r"\(v3; it says fastload-shards v2\).*re-pack"):
+        old.open(tiny_folder, "train")
+    with pytest.raises(StorageError, match=r"out of date: it was packed by an older fastload"):
+        old.prepare(tiny_folder, ["train"])
+    ShardStorage(path=tmp_path / "sj").prepare(tiny_folder, ["train"])
+    disk = DiskStorage().open(tiny_folder, "train")
+    store = old.open(tiny_folder, "train")
+    assert [sample(store, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
 
 
 def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, packs, tmp_path):
@@ -377,7 +377,7 @@ def test_truncated_shard_is_refused_at_open_with_file_and_record(tiny_folder, pa
     shutil.copytree(packs / "sj", tmp_path / "sj")
     shard = tmp_path / "sj" / "train" / "shard-00000.bin"
     idx = np.load(tmp_path / "sj" / "train" / "index.npy")
-    os.truncate(shard, int(idx["offset"][11]) + 10)
+    os.truncate(shard, int(idx["image.offset"][11]) + 10)
     with pytest.raises(StorageError, match=rf"{shard} is truncated.*first damaged record: 11"):
         ShardStorage(path=tmp_path / "sj", auto_pack=False).open(tiny_folder, "train")
 
@@ -433,7 +433,9 @@ def test_staging_is_atomic_when_killed_midway_then_restaged(tmp_path):
         DiskStorage().open(root, "train"),
         tmpfs.TmpfsStorage(target_dir=target).open(root, "train"),
     )
-    assert [staged.read(i) for i in range(len(disk))] == [disk.read(i) for i in range(len(disk))]
+    assert [sample(staged, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
 
 
 def test_complete_staging_is_reused_and_a_damaged_one_restaged(tmp_path, monkeypatch):
@@ -653,17 +655,17 @@ def test_coco_pack_keeps_bytes_ids_and_boxes(tmp_path, fmt):
     assert pack_main(args) == 0
     store = open_pack(fmt, out, "train2017")
     assert len(store) == 3 and store.classes == ("person", "dog")  # category-id order
-    assert store.targets.tolist() == [3, 5, 7]  # sorted by image id, target = image id
+    assert targets(store).tolist() == [3, 5, 7]  # sorted by image id, target = image id
     want = {
         3: ([[1, 2, 3, 4]], [1]),
         5: (np.zeros((0, 4)), []),
         7: ([[10, 20, 30.5, 40], [60, 0, 50, 70]], [18, 1]),
     }
     for i, image_id in enumerate((3, 5, 7)):
-        data, target = store.read(i)
+        data, target = sample(store, i)
         assert target == image_id
         assert data == (images / f"{image_id:012d}.jpg").read_bytes()
-        boxes, labels = store.boxes(i)
+        boxes, labels = (store.get(i, "boxes"), store.get(i, "labels"))
         assert boxes.dtype == np.float32 and labels.dtype == np.int64
         assert np.array_equal(boxes, np.array(want[image_id][0], np.float32).reshape(-1, 4))
         assert labels.tolist() == want[image_id][1]
@@ -678,12 +680,14 @@ def test_coco_boxes_scale_with_reencoded_pixels(tmp_path, fmt):
     args = [fmt, str(out), "--source", "coco", "--annotations", str(ann), "--images", str(images)]
     assert pack_main([*args, "--max-side", "60"]) == 0
     store = open_pack(fmt, out, "train2017")
-    data, _ = store.read(2)  # image 7: 120 x 80 -> 60 x 40
+    data, _ = sample(store, 2)  # image 7: 120 x 80 -> 60 x 40
     assert open_rgb(data).size == (60, 40)
-    boxes, labels = store.boxes(2)
+    boxes, labels = (store.get(2, "boxes"), store.get(2, "labels"))
     assert np.allclose(boxes, [[5, 10, 15.25, 20], [30, 0, 25, 35]]) and labels.tolist() == [18, 1]
-    assert open_rgb(store.read(0)[0]).size == (60, 45)  # 64 x 48: both axes by 60/64
-    assert np.allclose(store.boxes(0)[0], [[1 * 60 / 64, 2 * 45 / 48, 3 * 60 / 64, 4 * 45 / 48]])
+    assert open_rgb(store.get(0, "image")).size == (60, 45)  # 64 x 48: both axes by 60/64
+    assert np.allclose(
+        store.get(0, "boxes"), [[1 * 60 / 64, 2 * 45 / 48, 3 * 60 / 64, 4 * 45 / 48]]
+    )
     if fmt == "shards":
         assert (
             pack_main(
@@ -692,8 +696,8 @@ def test_coco_boxes_scale_with_reencoded_pixels(tmp_path, fmt):
             == 0
         )
         raw = open_pack(fmt, tmp_path / "raw", "train2017")
-        assert rawimage.shape(raw.read(2)[0]) == (20, 30, 3)
-        assert np.allclose(raw.boxes(2)[0], [[2.5, 5, 7.625, 10], [15, 0, 12.5, 17.5]])
+        assert rawimage.shape(raw.get(2, "image")) == (20, 30, 3)
+        assert np.allclose(raw.get(2, "boxes"), [[2.5, 5, 7.625, 10], [15, 0, 12.5, 17.5]])
 
 
 def test_coco_bad_input_names_the_file(tmp_path):
@@ -731,10 +735,10 @@ def test_div2k_pack_keeps_hr_and_lr_pairs(tmp_path, fmt):
     args = [fmt, str(out), "--source", "div2k", "--hr", str(hr)]
     assert pack_main([*args, "--lr", str(lr), "--scale", "2"]) == 0
     store = open_pack(fmt, out, "DIV2K_train_HR")
-    assert len(store) == 3 and store.has_pairs and store.targets.tolist() == [0, 1, 2]
+    assert len(store) == 3 and store.has("lr") and targets(store).tolist() == [0, 1, 2]
     for i in range(3):
-        assert store.read(i)[0] == (hr / f"{i + 1:04d}.png").read_bytes()
-        assert store.read_pair(i) == (lr / f"{i + 1:04d}x2.png").read_bytes()
+        assert store.get(i, "image") == (hr / f"{i + 1:04d}.png").read_bytes()
+        assert store.get(i, "lr") == (lr / f"{i + 1:04d}x2.png").read_bytes()
     if fmt == "shards":  # raw pairs keep the ratio
         assert (
             pack_main(
@@ -755,14 +759,14 @@ def test_div2k_pack_keeps_hr_and_lr_pairs(tmp_path, fmt):
             == 0
         )
         raw = open_pack(fmt, tmp_path / "raw", "DIV2K_train_HR")
-        assert rawimage.shape(raw.read(0)[0]) == (24, 32, 3)
-        assert rawimage.shape(raw.read_pair(0)) == (12, 16, 3)
+        assert rawimage.shape(raw.get(0, "image")) == (24, 32, 3)
+        assert rawimage.shape(raw.get(0, "lr")) == (12, 16, 3)
     # no --lr: no pairs, and asking for one says how to pack them
     assert pack_main([*args[:1], str(tmp_path / "hr-only"), *args[2:]]) == 0
     solo = open_pack(fmt, tmp_path / "hr-only", "DIV2K_train_HR")
-    assert not solo.has_pairs
-    with pytest.raises(StorageError, match="--lr"):
-        solo.read_pair(0)
+    assert not solo.has("lr")
+    with pytest.raises(StorageError, match="holds no field 'lr'"):
+        solo.get(0, "lr")
 
 
 def test_div2k_missing_lr_image_names_it(tmp_path):
@@ -795,8 +799,10 @@ def test_truncated_or_corrupt_coco_shard_is_named(tmp_path):
     blob = bytearray(shard.read_bytes())
     blob[-5] ^= 0xFF
     shard.write_bytes(bytes(blob))
-    with pytest.raises(StorageError, match=rf"shard-00000.bin record 2 .*{7:012d}.jpg"):
-        open_pack("shards", out, "train2017").read(2)
+    # the last field of the last record: its category ids
+    match = rf"field labels of .*shard-00000.bin record 2 .*{7:012d}.jpg"
+    with pytest.raises(StorageError, match=match):
+        open_pack("shards", out, "train2017").get(2, "labels")
     shard.write_bytes(bytes(blob[:-10]))
     with pytest.raises(StorageError, match="shard-00000.bin is truncated.*first damaged record: 2"):
         open_pack("shards", out, "train2017")
@@ -880,7 +886,7 @@ def test_a_flipped_lmdb_page_is_named(tiny_folder, packs, tmp_path, at, needle):
     [("meta.json", b"{oops", "meta.json cannot be read"),
      ("meta.json", b"[1, 2]", "it says [1, 2]"),
      ("index.npy", b"\x93NUMPY garbage", "index.npy is not a readable pack table"),
-     ("index.npy", None, "index.npy lacks the columns shard, offset, length, target"),
+     ("index.npy", None, "index.npy lacks the columns shard, image.offset"),
      ("index.npy", "pickled", "index.npy is not a readable pack table (it holds pickled")],
 )  # fmt: skip
 def test_damaged_shard_pack_headers_are_named(tiny_folder, packs, tmp_path, file, content, needle):

@@ -27,6 +27,7 @@ from fastload.storage.packing import stale_reason
 from fastload.storage.shards import ShardStorage
 from fastload.tasks.base import build_task
 from fastload.tasks.super_resolution import PSNR_CAP_DB, psnr
+from tests.helpers import sample
 
 SPLITS = ["train", "valid"]
 
@@ -117,8 +118,8 @@ def test_png_folder_lmdb_lz4_and_raw_shards_give_the_same_samples(div2k, tmp_pat
     }
     for split, train in (("train", True), ("valid", False)):
         readers = {name: open_split(s, div2k, split) for name, s in stores.items()}
-        assert rawimage.is_raw(readers["shards-raw"].read(0)[0])
-        assert rawimage.is_raw(readers["lmdb-lz4"].read_pair(0))
+        assert rawimage.is_raw(readers["shards-raw"].get(0, "image"))
+        assert rawimage.is_raw(readers["lmdb-lz4"].get(0, "lr"))
         sets = {name: pair_dataset(r, train=train) for name, r in readers.items()}
         for key in [(0, i) for i in range(len(sets["disk"]))] + [(3, 1)]:
             want = sets["disk"][key]
@@ -156,7 +157,7 @@ def test_lmdb_lz4_values_are_compressed_and_read_back_exactly(tmp_path):
     mdb = [(tmp_path / p / "train" / "data.mdb").stat().st_size for p in ("plain", "lz4")]
     assert mdb[1] < mdb[0], mdb
     for i in range(3):
-        assert b.read(i) == a.read(i) and b.read_pair(i) == a.read_pair(i)
+        assert sample(b, i) == sample(a, i) and b.get(i, "lr") == a.get(i, "lr")
     # a pack made without lz4 is not reused by a run that asks for it (re-packed instead)
     reason = stale_reason(lambda: layout.source("train"), tmp_path / "plain" / "train",
                           lz4.pack_options())  # fmt: skip
@@ -175,14 +176,14 @@ def test_lmdb_lz4_damage_is_reported_by_read_and_verify(tmp_path, capsys):
     split = tmp_path / "lz4" / "train"
     env = lmdb.open(str(split), subdir=True)
     with env.begin(write=True) as txn:
-        value = bytearray(txn.get(b"0000000001"))
+        value = bytearray(txn.get(b"0000000001.image"))
         value[-5] ^= 0xFF  # a flipped byte inside the compressed block
-        txn.put(b"0000000001", bytes(value))
+        txn.put(b"0000000001.image", bytes(value))
     env.close()
     with pytest.raises(Exception, match="corrupt record"):
-        LmdbReader(split).read(1)
+        LmdbReader(split).get(1, "image")
     assert pack_main(["verify", str(split)]) == 1
-    assert "key 0000000001" in capsys.readouterr().err
+    assert "record 1 (image" in capsys.readouterr().err
 
 
 # -- PSNR ----------------------------------------------------------------------------------------

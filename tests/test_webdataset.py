@@ -34,6 +34,7 @@ from fastload.errors import StorageError
 from fastload.pack import main as pack_main
 from fastload.storage.disk import DiskStorage
 from fastload.storage.webdataset import WebDatasetStorage, expand_braces
+from tests.helpers import sample, targets
 
 CLASSES = ("cat", "dog", "eel")
 
@@ -110,7 +111,7 @@ def gets(log: Path) -> Counter:
 
 def disk_samples(root, split="train"):
     disk = DiskStorage().open(root, split)
-    return [disk.read(i) for i in range(len(disk))]
+    return [sample(disk, i) for i in range(len(disk))]
 
 
 # -- packing and the local folder ----------------------------------------------------------
@@ -128,7 +129,7 @@ def test_pack_writes_webdataset_tars_with_a_manifest_and_reads_the_disk_bytes(da
         assert names[:4] == ["00000000.jpg", "00000000.cls", "00000001.jpg", "00000001.cls"]
         assert tf.extractfile("00000000.cls").read() == b"0"
     reader = WebDatasetStorage(url=str(pack)).open(root, "train")
-    assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+    assert [sample(reader, i) for i in range(len(reader))] == disk_samples(root)
     assert "shard-000001.tar sample 1 of 4" in reader.describe(5)
     assert pack_main(["verify", str(pack)]) == 0
 
@@ -141,7 +142,7 @@ def test_url_null_packs_beside_the_dataset_on_first_use(tmp_path):
     store.prepare(root, ["train", "val"])
     assert (Path(f"{root}.packs") / "webdataset-orig" / "val" / "manifest.json").is_file()
     reader = store.open(root, "train")
-    assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+    assert [sample(reader, i) for i in range(len(reader))] == disk_samples(root)
 
 
 def test_brace_patterns_and_foreign_shards_without_a_manifest(data, tmp_path):
@@ -166,11 +167,11 @@ def test_brace_patterns_and_foreign_shards_without_a_manifest(data, tmp_path):
     assert len(list((tmp_path / "c").glob("*.json"))) == 1
     reader = store.open(root, "train")  # ... the other ranks find it
     assert reader.classes == ("0", "1", "2") and list(reader.shard_sizes) == [7, 7, 7]
-    assert [reader.read(i) for i in range(21)] == samples
+    assert [sample(reader, i) for i in range(21)] == samples
     # A pattern over our own pack uses the manifest beside the shards (no scan).
     sub = WebDatasetStorage(url=str(pack / "{split}" / "shard-{000001..000002}.tar"))
     reader = sub.open(root, "train")
-    assert len(reader) == 8 and reader.read(0) == samples[4]
+    assert len(reader) == 8 and sample(reader, 0) == samples[4]
 
 
 # -- order: equal parts per rank, every sample, shuffle quality ------------------------------
@@ -281,7 +282,7 @@ def test_http_epochs_through_the_loader_fill_the_cache_once_per_node(data, tmp_p
                 ks = loader.sampler.epoch_keys(epoch)
                 assert len(batches) == 3  # 11 samples per rank (21 padded to 22), batch 4
                 got = torch.cat([b["target"] for b in batches])
-                assert got.tolist() == [int(reader.targets[i]) for _, i in ks]
+                assert got.tolist() == [int(targets(reader)[i]) for _, i in ks]
                 keys += [i for _, i in ks]
             assert set(keys) == set(range(21)) and len(keys) == 22  # one repeat, counted
         for loader in loaders:
@@ -319,12 +320,12 @@ def test_the_cache_limit_evicts_least_recently_used_shards(data, tmp_path):
         store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", cache_gb=2.5 * one / 1e9)
         reader = store.open(root, "train")
         for i in range(0, 21, 4):
-            reader.read(i)
+            sample(reader, i)
         kept = sorted(p.name[-10:-4] for p in (tmp_path / "c").glob("*.tar"))
         assert kept == ["000003", "000004", "000005"]  # the least recently used went first
         assert sum(p.stat().st_size for p in (tmp_path / "c").glob("*.tar")) <= 2.5 * one
         reader = store.open(root, "train")  # a fresh process: the last two are local
-        reader.read(20), reader.read(16)
+        sample(reader, 20), sample(reader, 16)
         assert gets(log)["/train/shard-000005.tar"] == 1 and reader.cache.fetched == 0
 
 
@@ -334,12 +335,12 @@ def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path
         store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", retries=2,
                                   retry_backoff_s=0.05)  # fmt: skip
         reader = store.open(root, "train")
-        assert reader.read(0) == disk_samples(root)[0]
+        assert sample(reader, 0) == disk_samples(root)[0]
         proc.terminate()
         proc.wait(10)
         with caplog.at_level(logging.WARNING, "fastload"):
             with pytest.raises(StorageError) as err:
-                reader.read(4)  # shard 1: not cached yet
+                sample(reader, 4)  # shard 1: not cached yet
     assert f"{url}/train/shard-000001.tar after 3 attempt(s)" in str(err.value)
     assert "storage.retries" in str(err.value)
     assert sum("retry" in r.message for r in caplog.records) == 2
@@ -350,7 +351,7 @@ def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path
         store = WebDatasetStorage(url={"train": f"{url}/gone/shard-{{000000..000005}}.tar"},
                                   cache_dir=tmp_path / "c2")  # fmt: skip
         with pytest.raises(StorageError, match=r"404"):
-            store.open(root, "train").read(0)
+            sample(store.open(root, "train"), 0)
         assert gets(log)["/gone/shard-000000.tar"] == 1
 
 
@@ -363,7 +364,7 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):
     with web_server(bad, tmp_path / "srv") as (url, _, _log):
         store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", retries=0)
         with pytest.raises(StorageError, match=r"corrupt shard .*shard-000002.tar \(truncated"):
-            store.open(root, "train").read(9)
+            sample(store.open(root, "train"), 9)
         assert not list((tmp_path / "c").glob("*shard-000002.tar"))  # never entered the cache
     # Local folder, through the dataset: stop with the shard's name, or skip and count.
     overrides = wds_overrides(
@@ -401,7 +402,7 @@ def test_s3_through_moto_server(data, tmp_path, monkeypatch):
         store = WebDatasetStorage(url="s3://data/in", storage_options=opts,
                                   cache_dir=tmp_path / "c")  # fmt: skip
         reader = store.open(root, "train")
-        assert [reader.read(i) for i in range(len(reader))] == disk_samples(root)
+        assert [sample(reader, i) for i in range(len(reader))] == disk_samples(root)
         assert len(list((tmp_path / "c").glob("*.tar"))) == 6
         missing = WebDatasetStorage(url="s3://data/in/train/shard-{000007..000008}.tar",
                                     storage_options=opts, cache_dir=tmp_path / "c2", retries=1)  # fmt: skip
@@ -482,23 +483,31 @@ def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
     store.prepare(layout, ["train", "val"])
     for split in ("train", "val"):
         want, got = DiskStorage().open(layout, split), store.open(layout, split)
-        assert len(got) == len(want) and np.array_equal(got.targets, want.targets)
-        assert len(got.shard_sizes) > 1 and not got.has_pairs
+        assert len(got) == len(want) and np.array_equal(targets(got), targets(want))
+        assert len(got.shard_sizes) > 1 and not got.has("lr")
         assert category_ids(got).tolist() == category_ids(want).tolist()
         assert dropped_counts(got) == dropped_counts(want) != {}
         n_boxes = 0
         for i in range(len(want)):
-            (gb, gl), (wb, wl) = got.boxes(i), want.boxes(i)
+            (gb, gl), (wb, wl) = (
+                (got.get(i, "boxes"), got.get(i, "labels")),
+                (want.get(i, "boxes"), want.get(i, "labels")),
+            )
             assert gb.dtype == np.float32 and gl.dtype == np.int64
             np.testing.assert_array_equal(gb, wb)
             np.testing.assert_array_equal(gl, wl)
-            assert got.read(i) == want.read(i)
+            assert sample(got, i) == sample(want, i)
             n_boxes += len(gl)
-        assert n_boxes > 0 and any(not len(got.boxes(i)[1]) for i in range(len(got)))
+        assert n_boxes > 0 and any(not len(got.get(i, "labels")) for i in range(len(got)))
     shard = tmp_path / "wds" / "train" / "shard-000000.tar"
     with tarfile.open(shard) as tf:
         names = tf.getnames()
-    assert names[:3] == ["00000000.jpg", "00000000.cls", "00000000.json"]
+    assert names[:4] == [
+        "00000000.jpg",
+        "00000000.cls",
+        "00000000.boxes.npy",
+        "00000000.labels.npy",
+    ]
 
     run_dir = tmp_path / "run"
     out = run_train(
@@ -536,12 +545,12 @@ def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
     store.prepare(layout, ["train", "valid"])
     for split in ("train", "valid"):
         want, got = DiskStorage().open(layout, split), store.open(layout, split)
-        assert got.has_pairs and len(got) == len(want)
-        assert np.array_equal(got.targets, want.targets)
+        assert got.has("lr") and len(got) == len(want)
+        assert np.array_equal(targets(got), targets(want))
         for i in range(len(want)):
-            assert got.read(i)[0] == want.read(i)[0]
-            assert got.read_pair(i) == want.read_pair(i)
-            assert ".lr image of" in got.describe_pair(i) and "shard-" in got.describe_pair(i)
+            assert got.get(i, "image") == want.get(i, "image")
+            assert got.get(i, "lr") == want.get(i, "lr")
+            assert "the lr member of" in got.describe(i, "lr") and "shard-" in got.describe(i, "lr")
         sets = [
             PairDataset(r, PILBackend(), scale=2, patch_size=16, train=True, seed=0, repeat=2)
             for r in (want, got)
@@ -556,9 +565,9 @@ def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
         pack_main(["webdataset", str(tmp_path / "solo"), "--source", "div2k", "--hr", str(hr)]) == 0
     )
     solo = WebDatasetStorage(path=str(tmp_path / "solo"), auto_pack=False).open(None, hr.name)
-    assert not solo.has_pairs and solo.read(0)[0] == (hr / "0001.png").read_bytes()
-    with pytest.raises(StorageError, match="--lr"):
-        solo.read_pair(0)
+    assert not solo.has("lr") and solo.get(0, "image") == (hr / "0001.png").read_bytes()
+    with pytest.raises(StorageError, match="holds no field 'lr'"):
+        solo.get(0, "lr")
 
 
 # -- what a shard or manifest may hold instead of what it should ---------------------------
@@ -601,7 +610,7 @@ def test_an_html_page_instead_of_a_shard_is_never_cached_under_its_name(data, tm
             os.utime(verdict, (time.time() - 3600, time.time() - 3600))
         store.prepare(root, ["train"])
         reader = store.open(root, "train")
-        assert [reader.read(i) for i in range(3)] == samples
+        assert [sample(reader, i) for i in range(3)] == samples
 
 
 @pytest.mark.parametrize("cls, needle", [(b"abc", "'abc'"), (b"1.7", "'1.7'"), (b"-1", "'-1'"),
@@ -624,12 +633,13 @@ def test_a_manifest_whose_labels_disagree_with_the_cls_members_is_refused(data, 
     bad = tmp_path / "pack"
     shutil.copytree(pack, bad)
     manifest = json.loads((bad / "train" / "manifest.json").read_text())
-    manifest["shards"][1]["targets"][2] = (manifest["shards"][1]["targets"][2] + 1) % 3
+    labels = manifest["shards"][1]["columns"]["label"]
+    labels[2] = (labels[2] + 1) % 3
     (bad / "train" / "manifest.json").write_text(json.dumps(manifest))
     reader = WebDatasetStorage(url=str(bad)).open(root, "train")
-    assert reader.read(0) == disk_samples(root)[0]  # shard 0 agrees
+    assert sample(reader, 0) == disk_samples(root)[0]  # shard 0 agrees
     with pytest.raises(StorageError, match=r"shard-000001.tar: sample 00000006 has .cls \d, but"):
-        reader.read(4)
+        sample(reader, 4)
 
 
 def test_skipping_a_whole_truncated_split_stops_the_run(data, tmp_path):

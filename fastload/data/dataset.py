@@ -18,7 +18,10 @@ from fastload.errors import CorruptImageError
 
 class ImageDataset(torch.utils.data.Dataset):
     """Indexed by `(epoch, index)` keys from `EpochSampler`, so the epoch reaches the worker
-    with every sample even when workers persist across epochs (pytorch#62066)."""
+    with every sample even when workers persist across epochs (pytorch#62066). Reads the
+    records' `image` and `label` fields (an ImageFolder source's)."""
+
+    IMAGE, LABEL = "image", "label"
 
     def __init__(
         self,
@@ -32,6 +35,7 @@ class ImageDataset(torch.utils.data.Dataset):
         item_cost_ms: float = 0.0,
     ):
         self.reader = reader  # a fastload.storage.base.Reader
+        self.labels = reader.column(self.LABEL)  # every label at once: no read per label
         self.backend = backend  # a fastload.decode.base.DecodeBackend
         self.transform = transform
         self.seed = int(seed)
@@ -83,7 +87,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _load(self, key, pending: bool, rng=None):
         epoch, index = key if isinstance(key, tuple) else (0, key)
-        data, target = self.reader.read(index)
+        data, target = self.reader.get(index, self.IMAGE), int(self.labels[index])
         if rng is None:
             rng = sample_rng(self.seed, epoch, index)
         # Raw-pixel records (packed shards of decoded images) have nothing to decode.

@@ -99,7 +99,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         self.seed, self.skip_corrupt, self.normalize = int(seed), skip_corrupt, normalize
         self.category_ids = category_ids(reader)
         n = len(reader)
-        keep = [i for i in range(n) if len(reader.boxes(i)[1])] if train else range(n)
+        keep = [i for i in range(n) if self.has_boxes(i)] if train else range(n)
         self.indices = np.asarray(keep, np.int64)  # numpy: no per-worker refcount copies
         if n and not len(self.indices):
             raise DatasetError(
@@ -109,6 +109,10 @@ class DetectionDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def has_boxes(self, index: int) -> bool:
+        labels = self.reader.get(index, "labels")  # None: in a skipped corrupt shard
+        return labels is not None and len(labels) > 0
 
     def labels(self, category: np.ndarray, index: int) -> np.ndarray:
         ok = np.isin(category, self.category_ids)
@@ -130,11 +134,11 @@ class DetectionDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, position = key if isinstance(key, tuple) else (0, key)
         index = int(self.indices[position])
-        data, image_id = self.reader.read(index)
-        pixels = self.decode(data, index)
+        pixels = self.decode(self.reader.get(index, "image"), index)
         if isinstance(pixels, Skipped):
             return pixels
-        boxes, category = self.reader.boxes(index)
+        image_id = self.reader.get(index, "image_id")
+        boxes, category = self.reader.get(index, "boxes"), self.reader.get(index, "labels")
         h, w = pixels.shape[:2]
         rng = sample_rng(self.seed, epoch, index)
         pixels, xyxy = self.transform(pixels, xywh_to_xyxy(boxes), rng)

@@ -18,6 +18,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+from fastload.data.records import Schema
 from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
 
 
@@ -27,6 +28,11 @@ class Layout(abc.ABC):
     @abc.abstractmethod
     def source(self, split: str):
         """The split's Source."""
+
+    @property
+    @abc.abstractmethod
+    def schema(self) -> Schema:
+        """The fields of the records its sources make (fastload/data/records.py)."""
 
     @abc.abstractmethod
     def stage_paths(self, splits) -> list[str]:
@@ -48,6 +54,10 @@ class ImageFolderLayout(Layout):
     def source(self, split: str) -> ImageFolderSource:
         return ImageFolderSource(Path(self.root) / split)
 
+    @property
+    def schema(self) -> Schema:
+        return ImageFolderSource.schema
+
     def stage_paths(self, splits) -> list[str]:
         return list(dict.fromkeys(splits))
 
@@ -68,6 +78,10 @@ class CocoLayout(Layout):
     def source(self, split: str) -> CocoSource:
         images = Path(self.root) / self.images.format(split=split)
         return CocoSource(self.annotation_file(split), images, subset=self.subset)
+
+    @property
+    def schema(self) -> Schema:
+        return CocoSource.schema
 
     def stage_paths(self, splits) -> list[str]:
         paths = []
@@ -95,6 +109,10 @@ class Div2kLayout(Layout):
         hr = Path(self.root) / self.hr.format(split=split)
         lr = self._lr(split)
         return Div2kSource(hr, None if lr is None else Path(self.root) / lr, self.scale)
+
+    @property
+    def schema(self) -> Schema:
+        return Div2kSource.PAIRED if self.lr else Div2kSource.HR
 
     def stage_paths(self, splits) -> list[str]:
         paths = []

@@ -1,7 +1,7 @@
 """Super-resolution samples: aligned (LR, HR) patch pairs, and their batches.
 
-A record is an HR image (`reader.read(i)`) and, when the layout has LR files, its LR image
-(`reader.read_pair(i)`: DIV2K's `DIV2K_<split>_LR_bicubic/X<scale>/0001x2.png`). Without LR
+A record is an HR image (its `image` field) and, when the layout has LR files, its LR image
+(its `lr` field: DIV2K's `DIV2K_<split>_LR_bicubic/X<scale>/0001x2.png`). Without LR
 files (`dataset.layout.lr=null`, any image folder) the LR patch is made from the HR patch by
 PIL's bicubic downscale (antialiased, like MATLAB's imresize that made DIV2K's LR images).
 Encoded records decode through the backend's `decode_rgb` (PNG through PIL); raw-pixel
@@ -99,13 +99,13 @@ class PairDataset(torch.utils.data.Dataset):
         self.seed, self.repeat = int(seed), int(repeat)
         self.skip_corrupt = skip_corrupt
         self.normalize = normalize  # normalize_on=cpu: the LR input only (HR is the target)
-        self.paired = bool(reader.has_pairs)
+        self.paired = reader.has("lr")
 
     def __len__(self) -> int:
         return len(self.reader) * self.repeat
 
     def where(self, i: int, lr: bool = False) -> str:
-        return self.reader.describe_pair(i) if lr else self.reader.describe(i)
+        return self.reader.describe(i, "lr" if lr else "image")
 
     def decode(self, data, i: int, lr: bool = False) -> np.ndarray:
         if rawimage.is_raw(data):
@@ -125,8 +125,8 @@ class PairDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         i = index // self.repeat
-        hr_data = self.reader.read(i)[0]
-        lr_data = self.reader.read_pair(i) if self.paired else None
+        hr_data = self.reader.get(i, "image")
+        lr_data = self.reader.get(i, "lr") if self.paired else None
         try:
             hr = self.decode(hr_data, i)
             lr = None if lr_data is None else self.decode(lr_data, i, lr=True)

@@ -3,21 +3,22 @@
 them from the dataset config).
 
 Every source has the same face, backed by numpy arrays (no per-worker copy-on-access growth):
-`name` (the split folder a pack gets), `classes`, `root`, `targets` (int64), `len()`,
-`path(i)`, `pair(i)` (the paired image, or None), `boxes(i)` -> (boxes (n, 4) float32
-x, y, w, h in pixels, labels (n,) int64), and `record(i)` -> `SourceRecord`, all in a fixed
-order. Packing never decodes here; the pack workers read and (re-)encode the files.
+`name` (the split folder a pack gets), `classes`, `root`, `schema` (its records' named
+fields, fastload/data/records.py), `len()`, `file(i, name)` (the file of an image field),
+`value(i, name)` (any other field), `column(name)` (an int field of every record, int64)
+and `record(i)` -> {name: value}, image fields as `ImageFile`s, all in a fixed order.
+Packing never decodes here; the pack workers read and (re-)encode the files.
 
 * `ImageFolderSource(split_dir)`: torchvision ImageFolder rules (fastload/data/folder.py);
-  target = class index.
+  fields: image, label (the class index).
 * `CocoSource(annotations, images, subset=None)`: COCO instances json (read with
   pycocotools); one record per image, sorted by image id (the first `subset` of them when
-  set); target = the COCO image id; boxes = its annotations' [x, y, w, h] (float32, pixels,
+  set); fields: image, image_id, boxes = its annotations' [x, y, w, h] (float32, pixels,
   clipped to the image), labels = their category_id (int64). Crowd annotations and
   degenerate boxes (no area inside the image) are dropped and counted (`dropped`); an image
   may have zero boxes. classes = category names in category-id order (`category_ids`).
 * `Div2kSource(hr, lr=None, scale=None)`: super-resolution pairs; records = the HR images
-  (sorted by name), target = the record's position; with `lr` each record's pair is the LR
+  (sorted by name); fields: image, position (the record's place); with `lr` also lr, the LR
   image of the same stem (`0001x2.png`, DIV2K's naming, or `0001.png`) in the LR folder.
 """
 
@@ -25,51 +26,74 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from fastload.data.folder import IMG_EXTENSIONS, index_image_folder
+from fastload.data.records import Field, ImageFile, Schema
 from fastload.errors import DatasetError
 
-
-@dataclass(frozen=True)
-class SourceRecord:
-    path: str
-    target: int
-    boxes: np.ndarray | None = None  # (n, 4) float32 x, y, w, h
-    labels: np.ndarray | None = None  # (n,) int64 category ids
-    pair: str | None = None  # the paired image (DIV2K LR)
+IMAGE_FIELD = Field("image", "encoded", ext="")  # <key>.jpg / .png in WebDataset shards
 
 
-class ImageFolderSource:
+class Source:
+    """What the sources share: a record is its image files and the values of its other
+    fields (`_values`: name -> a per-record array, or a function of the index)."""
+
+    schema: Schema
+    _files: dict  # image field name -> function i -> path
+    _values: dict  # other field name -> np.ndarray (one value per record) or i -> value
+
+    def file(self, i: int, name: str = "image") -> str:
+        return self._files[name](i)
+
+    def path(self, i: int) -> str:
+        """The record's image file (where it lives, for errors)."""
+        return self.file(i, "image")
+
+    def value(self, i: int, name: str):
+        v = self._values[name]
+        return v(i) if callable(v) else v[i]
+
+    def column(self, name: str) -> np.ndarray:
+        return self._values[name]
+
+    def record(self, i: int) -> dict:
+        out = {}
+        for f in self.schema:
+            if f.name in self._files:
+                out[f.name] = ImageFile(self.file(i, f.name), self._divide.get(f.name, 1))
+            else:
+                out[f.name] = self.value(i, f.name)
+        return out
+
+    _divide: dict = {}  # image field -> how many times smaller its sides are (DIV2K LR)
+
+    def pack_metadata(self) -> dict:
+        """What a pack of this source records of it besides its fields (meta["params"])."""
+        return {}
+
+
+class ImageFolderSource(Source):
     kind = "imagefolder"
-    has_boxes = has_pairs = False
+    schema = Schema(IMAGE_FIELD, Field("label", "int", ext="", classes=True))
 
     def __init__(self, split_dir):
         self.index = index_image_folder(split_dir)
         self.root = str(Path(split_dir).absolute())
         self.name = Path(split_dir).absolute().name
         self.classes = self.index.classes
-        self.targets = self.index.targets
+        self._files = {"image": self._path}
+        self._values = {"label": self.index.targets}
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def path(self, i: int) -> str:
+    def _path(self, i: int) -> str:
         # str(index.path(i)) as a string join: a pathlib Path per read was ~3 % of a worker's
         # time on JPEGs (the index root is a normalised Path, the names are plain relative).
         return os.path.join(self.index.root, str(self.index.paths[i]))
-
-    def pair(self, i: int) -> str | None:
-        return None
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-
-    def record(self, i: int) -> SourceRecord:
-        return SourceRecord(self.path(i), int(self.targets[i]))
 
 
 def _load_coco(ann_path: Path):
@@ -121,9 +145,14 @@ def _clip_xywh(bbox, width, height) -> tuple[float, float, float, float] | None:
     return x0, y0, x1 - x0, y1 - y0
 
 
-class CocoSource:
+class CocoSource(Source):
     kind = "coco"
-    has_boxes, has_pairs = True, False
+    schema = Schema(
+        IMAGE_FIELD,
+        Field("image_id", "int", ext=""),
+        Field("boxes", "array", xywh=True),  # (n, 4) float32 x, y, w, h in pixels
+        Field("labels", "array"),  # (n,) int64 category ids
+    )
 
     def __init__(self, annotations, images, subset: int | None = None):
         ann_path, self.images = Path(annotations).absolute(), Path(images).absolute()
@@ -147,10 +176,12 @@ class CocoSource:
         self.category_ids = np.array([int(c["id"]) for c in cats], np.int64)
         ids = sorted(int(i) for i in coco.imgs)
         ids = ids[:subset] if subset else ids
-        self.ids = self.targets = np.array(ids, np.int64)
+        self.ids = np.array(ids, np.int64)
         self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
         self._index_boxes(coco, ids)
         self._check_files(ann_path)
+        self._files = {"image": self._path}  # bound methods: a source crosses spawn
+        self._values = {"image_id": self.ids, "boxes": self._box_xywh, "labels": self._box_labels}
 
     def _index_boxes(self, coco, ids) -> None:
         """Flat box / label arrays with per-image offsets; crowd and degenerate dropped."""
@@ -186,23 +217,29 @@ class CocoSource:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def path(self, i: int) -> str:
+    def _path(self, i: int) -> str:
         return str(self.images / self.files[i])
 
-    def pair(self, i: int) -> str | None:
-        return None
+    def pack_metadata(self) -> dict:
+        # labels are these category ids; the annotations left out, for the epoch row
+        return {"category_ids": self.category_ids.tolist(), "dropped": dict(self.dropped)}
 
     def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Image i's boxes (n, 4) float32 x, y, w, h and their category ids (n,) int64."""
         s, e = self._offsets[i], self._offsets[i + 1]
         return self._boxes[s:e].copy(), self._labels[s:e].copy()
 
-    def record(self, i: int) -> SourceRecord:
-        return SourceRecord(self.path(i), int(self.ids[i]), *self.boxes(i))
+    def _box_xywh(self, i: int) -> np.ndarray:
+        return self.boxes(i)[0]
+
+    def _box_labels(self, i: int) -> np.ndarray:
+        return self.boxes(i)[1]
 
 
-class Div2kSource:
+class Div2kSource(Source):
     kind = "div2k"
-    has_boxes = False
+    HR = Schema(IMAGE_FIELD, Field("position", "int", ext=""))
+    PAIRED = Schema(*HR, Field("lr", "encoded"))  # <key>.lr.png in WebDataset shards
 
     def __init__(self, hr, lr=None, scale=None):
         self.hr = Path(hr).absolute()
@@ -216,12 +253,15 @@ class Div2kSource:
         if not len(self.files):
             raise DatasetError(f"{self.hr} holds no images ({', '.join(IMG_EXTENSIONS)}).")
         self.root, self.name, self.classes = str(self.hr), self.hr.name, ()
-        self.targets = np.arange(len(self.files), dtype=np.int64)
         self.lr, self.scale = (Path(lr).absolute() if lr else None), scale
-        self.has_pairs = self.lr is not None
+        self.schema = self.HR if self.lr is None else self.PAIRED
+        self._files = {"image": self._hr_path}
+        self._values = {"position": np.arange(len(self.files), dtype=np.int64)}
         self.pairs = None
         if self.lr is not None:
             self.pairs = self._find_pairs(scale)
+            self._files["lr"] = self._lr_path
+            self._divide = {"lr": scale}
 
     def _find_pairs(self, scale) -> np.ndarray:
         if scale not in (2, 3, 4, 8):
@@ -248,14 +288,11 @@ class Div2kSource:
     def __len__(self) -> int:
         return len(self.files)
 
-    def path(self, i: int) -> str:
+    def pack_metadata(self) -> dict:
+        return {"pair_scale": self.scale} if self.lr is not None else {}
+
+    def _hr_path(self, i: int) -> str:
         return str(self.hr / self.files[i])
 
-    def pair(self, i: int) -> str | None:
-        return None if self.pairs is None else str(self.lr / self.pairs[i])
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-
-    def record(self, i: int) -> SourceRecord:
-        return SourceRecord(self.path(i), i, pair=self.pair(i))
+    def _lr_path(self, i: int) -> str:
+        return str(self.lr / self.pairs[i])

@@ -8,7 +8,7 @@ and the change that would help most.
 Each stage is timed alone, in this process, on a sample of the real dataset through the real
 objects (fastload/pipeline.py builds them, as for training):
 
-    storage read    reader.read(i)                                   ms per image, one core
+    storage read    reader.get(i, "image")                             ms per image, one core
     decode          the backend's decode, its share of the backend's own decode+crop path
     augment         the crop/resize/flip share of that path, plus the dataset's other
                     per-sample work (e.g. dataset.task.item_cost_ms)
@@ -129,7 +129,7 @@ def sample_costs(s: Setup, n: int) -> dict:
     s.reader.before_epoch()  # cold_cache storages evict first: the read an epoch pays
     reads, datas = [], []
     for i in idx:
-        dt, (data, _) = timed(s.reader.read, i)
+        dt, data = timed(s.reader.get, i, "image")
         reads.append(dt)
         datas.append(data)
     transform = getattr(dataset, "transform", None)
@@ -330,7 +330,7 @@ def alternatives(s: Setup, n: int = 16) -> dict:
     dataset = s.task.dataset(s.cfg, "train", s.reader, s.backend, None)
     transform = getattr(dataset, "transform", None)
     idx = np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist()
-    datas = [s.reader.read(i)[0] for i in idx]
+    datas = [s.reader.get(i, "image") for i in idx]
     sides = [max(s.backend.decode_rgb(d).shape[:2]) for d in datas]
     s.backend.pop_counts()
     out = {"mean_side": statistics.fmean(sides), "backends": {}}

@@ -8,10 +8,11 @@ Two objects per storage option (one module + one yaml each):
     `open(root, split)`      -> the split's `Reader`;
     `finish(root, splits)`   once per node at the end (e.g. remove a tmpfs staging);
 * a `Reader`, one per split, handed to the dataset and pickled into every DataLoader worker:
-    `len()`, `read(i)` -> (bytes, int target), `describe(i)` (where sample i lives, for
-    errors), `classes`, `targets`, and for cold-cache runs `store_files()` / `store_root()`.
-    Optional: `boxes(i)` (detection targets) and `read_pair(i)` / `describe_pair(i)`
-    (super-resolution pairs).
+    `len()`, `schema` (the record's named fields, fastload/data/records.py),
+    `get(i, name)` (one field of record i), `column(name)` (an int field of every record),
+    `describe(i, name)` (where record i or its field lives, for errors), `classes`, and for
+    cold-cache runs `store_files()` / `store_root()`. A reader knows codecs, not tasks: the
+    dataset asks for the fields it needs by name.
 
 Read accounting (`Reader`): each process (main = slot 0, worker k = slot k + 1) adds its own
 bytes and seconds to its own row of a small shared-memory tensor, so no lock is needed and
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.host import fs_type
 
@@ -58,34 +60,35 @@ def evict_page_cache(paths) -> int:
 
 
 class Reader(abc.ABC):
-    """One split of a store: `(bytes, target)` by index, plus read accounting and cold-cache
-    eviction for the engine (`before_epoch()` / `epoch_stats()`).
+    """One split of a store: the named fields of each record, plus read accounting and
+    cold-cache eviction for the engine (`before_epoch()` / `epoch_stats()`).
 
-    A subclass calls `_init_stats()` in its constructor, sets `cold_cache`, and wraps its
-    reads in `self._account(nbytes, t0)`."""
+    A subclass sets `schema`, calls `_init_stats()` in its constructor, sets `cold_cache`,
+    and wraps its reads in `self._account(nbytes, t0)`."""
 
     cold_cache: bool = False
+    schema: Schema
     _unpicklable: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
 
     @abc.abstractmethod
-    def read(self, i: int) -> tuple[bytes, int]:
-        """Sample i's encoded image (bytes, or a read-only memoryview) and int target."""
+    def get(self, i: int, name: str):
+        """Field `name` of record i, decoded by its codec (an image field: bytes, or a
+        read-only memoryview for raw pixels)."""
 
     @abc.abstractmethod
-    def describe(self, i: int) -> str:
-        """Where sample i lives (file, record), for error messages."""
+    def column(self, name: str) -> np.ndarray:
+        """The int64 values of int field `name` for every record (no record is read)."""
+
+    @abc.abstractmethod
+    def describe(self, i: int, name: str | None = None) -> str:
+        """Where record i (its field `name`) lives (file, record), for error messages."""
 
     @property
     @abc.abstractmethod
     def classes(self) -> tuple[str, ...]: ...
-
-    @property
-    @abc.abstractmethod
-    def targets(self) -> np.ndarray:
-        """int64 target of every sample (class index; COCO image id; DIV2K position)."""
 
     @abc.abstractmethod
     def store_files(self) -> list[str]:
@@ -95,21 +98,19 @@ class Reader(abc.ABC):
     def store_root(self) -> str:
         """The folder the split lives in (tmpfs detection)."""
 
-    # -- optional parts ------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        """Whether the records hold field `name`."""
+        return name in self.schema
 
-    has_pairs = False
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Detection targets of sample i: boxes (n, 4) float32 x, y, w, h and labels (n,)."""
-        raise StorageError(f"{type(self).__name__} holds no boxes ({self.store_root()}).")
-
-    def read_pair(self, i: int) -> bytes:
-        """The paired record of sample i (DIV2K: the LR image)."""
-        raise StorageError(f"{type(self).__name__} holds no pairs ({self.store_root()}).")
-
-    def describe_pair(self, i: int) -> str:
-        """Where sample i's paired record lives, for error messages."""
-        return f"the paired record of {self.describe(i)}"
+    def field(self, name: str):
+        """The schema's field `name`; StorageError naming the store and its fields."""
+        if name not in self.schema:
+            raise StorageError(
+                f"{self.store_root()} holds no field {name!r} (its records have "
+                f"{', '.join(self.schema.names)}): it was written for another kind of data, "
+                f"or packed from a source without it; re-pack it from this dataset."
+            )
+        return self.schema[name]
 
     # -- accounting ----------------------------------------------------------------------
 
@@ -194,22 +195,24 @@ class Storage(abc.ABC):
 
 
 class PackedReader(Reader):
-    """A packed split (LMDB, shards): targets held in `_targets`, class names in the pack's
-    metadata `meta["classes"]`."""
+    """A packed split (LMDB, shards): its schema, int columns in `_columns`, class names
+    in the pack's metadata `meta["classes"]`."""
 
     meta: dict
-    _targets: np.ndarray
+    _columns: dict[str, np.ndarray]
 
     def __len__(self) -> int:
-        return len(self._targets)
+        return int(self.meta["count"])
 
     @property
     def classes(self) -> tuple[str, ...]:
         return tuple(self.meta["classes"])
 
-    @property
-    def targets(self) -> np.ndarray:
-        return self._targets
+    def column(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            self.field(name)  # names the fields there are
+            raise StorageError(f"field {name!r} of {self.store_root()} is not an int column.")
+        return self._columns[name]
 
 
 def dir_files(root: str | os.PathLike) -> list[str]:

@@ -11,19 +11,20 @@ import numpy as np
 
 from fastload.data.layouts import as_layout
 from fastload.data.sources import ImageFolderSource
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, StorageError
 from fastload.storage.base import Reader, Storage
 
 
 class SourceReader(Reader):
-    """`(bytes, target)` for each record of a Source (fastload/data/sources.py), plus its
-    boxes and paired image where the source has them; never decodes."""
+    """The fields of each record of a Source (fastload/data/sources.py): image fields read
+    from their files, the others from the source's arrays; never decodes."""
 
     def __init__(self, source, cold_cache: bool = False, throttle=None):
         self.source = source
+        self.schema = source.schema
         self.cold_cache = bool(cold_cache)
         self.throttle = throttle  # a ReadThrottle (storage=slow_disk), or None
-        self.has_pairs = bool(source.has_pairs)
+        self._images = frozenset(f.name for f in self.schema if f.coder.image)
         self._init_stats()
 
     def __len__(self) -> int:
@@ -34,46 +35,37 @@ class SourceReader(Reader):
         return tuple(self.source.classes)
 
     @property
-    def targets(self) -> np.ndarray:
-        return self.source.targets
-
-    @property
     def index(self):
         """The folder index of an ImageFolder source."""
         return self.source.index
 
-    def describe(self, i: int) -> str:
-        return self.source.path(i)
+    def describe(self, i: int, name: str | None = None) -> str:
+        if name in self._images:
+            return self.source.file(i, name)
+        return self.source.path(i) if name is None else f"field {name} of {self.source.path(i)}"
 
     def store_root(self) -> str:
         return str(self.source.root)
 
     def store_files(self) -> list[str]:
-        pairs = [self.source.pair(i) for i in range(len(self))] if self.has_pairs else []
-        return [self.source.path(i) for i in range(len(self))] + pairs
+        return [self.source.file(i, n) for n in sorted(self._images) for i in range(len(self))]
 
-    def _read_file(self, path: str) -> bytes:
+    def get(self, i: int, name: str):
+        if name not in self._images:
+            self.field(name)  # a field this source has
+            return self.source.value(i, name)
         t0 = time.perf_counter()
-        with open(path, "rb") as f:
+        with open(self.source.file(i, name), "rb") as f:
             data = f.read()
         if self.throttle is not None:
             self.throttle.wait(len(data), t0)
         self._account(len(data), t0)
         return data
 
-    def read(self, i: int) -> tuple[bytes, int]:
-        return self._read_file(self.source.path(i)), int(self.source.targets[i])
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return self.source.boxes(i)
-
-    def read_pair(self, i: int) -> bytes:
-        if not self.has_pairs:
-            return super().read_pair(i)
-        return self._read_file(self.source.pair(i))
-
-    def describe_pair(self, i: int) -> str:
-        return self.source.pair(i) or super().describe_pair(i)
+    def column(self, name: str) -> np.ndarray:
+        if not self.field(name).coder.column:
+            raise StorageError(f"field {name!r} of {self.store_root()} is not an int column.")
+        return self.source.column(name)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,22 @@
-"""storage=lmdb: one LMDB environment per split, key = index, value = target + image bytes.
+"""storage=lmdb: one LMDB environment per split, one value per field of each record.
 
 Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
 
-    b"%010d" % i   -> header (<q target, <I crc32 of the image bytes) + the image bytes
-                      (encoded, or a raw pixel record: kind=raw, fastload/data/rawimage.py)
-    b"%010d.boxes" -> (sources with boxes: COCO) <I crc32 of the rest | <I n | n x 4 float32
-                      boxes x, y, w, h (pixels of the stored image) | n int64 category ids
-    b"%010d.pair"  -> (paired sources: DIV2K LR) <I crc32 | the paired image's bytes
-    b"__meta__"    -> JSON: format, version, count, classes, params, checksum (crc32 of all
-                      image bytes in index order), source
-    (compression lz4, storage.compression: the image and pair bytes are an lz4 block each,
-    the crc32s are those of the decompressed bytes; meta says "compression")
-    b"__targets__" -> the int64 targets, raw little-endian (so opening needs no full scan)
-    b"__paths__"   -> the source path of each record, newline-separated (errors only)
+    b"%010d.<field>"    -> <I crc32 of the field's bytes | the bytes, as the field's codec
+                           writes them (fastload/data/records.py: an encoded image, a raw
+                           pixel record, .npy array, JSON), for every field stored as bytes
+    b"__column__.<f>"   -> int field f of every record, int64 little-endian (so opening
+                           needs no full scan)
+    b"__meta__"         -> JSON: format, version, schema (the fields and their codecs),
+                           count, classes, params, checksum (crc32 of all field bytes in
+                           record order), source
+    (compression lz4, storage.compression: each field's bytes are an lz4 block, the crc32s
+    are those of the decompressed bytes; meta says "compression")
+    b"__paths__"        -> the source path of each record, newline-separated (errors only)
 
-`python -m fastload.pack verify DST` checks every record's crc32 and the overall checksum
-(`verify_split`). No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
+`python -m fastload.pack verify DST` checks every field's crc32 and the overall checksum
+(`verify_split`). Packs of the earlier version (one image and one target per record) are
+refused with the re-pack command; storage.auto_pack re-packs them. No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
 so nobody guesses a map size up front. Readers open the environment lazily in their own
 process (readonly, lock=False, readahead=False) and drop it when pickled: an LMDB handle
 must never cross a fork (vision#689, pytorch#11929).
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
 from fastload.storage.packing import KINDS, PackedStorage
@@ -40,9 +42,17 @@ from fastload.storage.packing import KINDS, PackedStorage
 log = logging.getLogger("fastload")
 
 FORMAT = "fastload-lmdb"
-VERSION = 1
-HEADER = struct.Struct("<qI")
-META_KEY, TARGETS_KEY, PATHS_KEY = b"__meta__", b"__targets__", b"__paths__"
+VERSION = 2
+CRC = struct.Struct("<I")
+META_KEY, PATHS_KEY = b"__meta__", b"__paths__"
+
+
+def column_key(name: str) -> bytes:
+    return b"__column__." + name.encode()
+
+
+def field_key(i: int, name: str) -> bytes:
+    return b"%010d." % i + name.encode()
 
 
 def _lmdb():
@@ -113,10 +123,6 @@ def check_not_truncated(env, path: str) -> None:
         )
 
 
-def key(i: int) -> bytes:
-    return b"%010d" % i
-
-
 COMPRESSIONS = (None, "lz4")
 
 
@@ -139,38 +145,17 @@ def decompress(value, compression: str | None):
     return lz4.block.decompress(value)
 
 
-CRC, COUNT = struct.Struct("<I"), struct.Struct("<I")
-
-
-def encode_boxes(boxes, labels) -> bytes:
-    boxes = np.asarray(boxes, "<f4").reshape(-1, 4)
-    labels = np.zeros(len(boxes), "<i8") if labels is None else np.asarray(labels, "<i8")
-    if labels.shape != (len(boxes),):
-        raise ValueError(f"{len(boxes)} boxes but labels of shape {labels.shape}")
-    body = COUNT.pack(len(boxes)) + boxes.tobytes() + labels.tobytes()
-    return CRC.pack(zlib.crc32(body)) + body
-
-
-def decode_boxes(value: bytes) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(boxes (n, 4) float32, labels (n,) int64, crc ok)."""
-    (crc,) = CRC.unpack_from(value)
-    body = memoryview(value)[CRC.size :]
-    (n,) = COUNT.unpack_from(body)
-    boxes = np.frombuffer(body, "<f4", 4 * n, COUNT.size).reshape(n, 4).astype(np.float32)
-    labels = np.frombuffer(body, "<i8", n, COUNT.size + 16 * n).astype(np.int64)
-    ok = zlib.crc32(body) == crc and len(body) == COUNT.size + 24 * n
-    return boxes, labels, ok
-
-
 class LmdbWriter:
-    """Writes records in transactions of `batch` records; on MapFullError the transaction is
-    aborted, the map doubled, and the same records written again."""
+    """Writes records in transactions of `batch` values; on MapFullError the transaction is
+    aborted, the map doubled, and the same values written again."""
 
     def __init__(
-        self, out_dir, initial_map_size: int = 64 << 20, batch: int = 256, compression=None
-    ):
+        self, out_dir, schema: Schema, initial_map_size: int = 64 << 20, batch: int = 256,
+        compression=None,
+    ):  # fmt: skip
         lmdb = _lmdb()
-        # lz4: each value compressed (the crc32s stay those of the record bytes, so reads
+        self.schema = schema
+        # lz4: each value compressed (the crc32s stay those of the field bytes, so reads
         # and `verify` check what the decoder gets); the SR recipe's LMDB of pixel arrays.
         self.compression = compression
         self.record_bytes = self.stored_bytes = 0
@@ -188,42 +173,24 @@ class LmdbWriter:
         )
         self.batch = int(batch)
         self.pending: list[tuple[bytes, bytes]] = []
-        self.targets: list[int] = []
+        self.columns: dict[str, list[int]] = {f.name: [] for f in schema.columns}
         self.paths: list[str] = []
         self.crc = 0
         self.growths = 0
-        self.has_boxes = self.has_pairs = False
 
-    def add(
-        self,
-        data: bytes,
-        target: int,
-        *,
-        height: int = 0,
-        width: int = 0,
-        path: str = "",
-        boxes=None,
-        labels=None,
-        pair: bytes | None = None,
-        pair_hw=(0, 0),
-    ) -> None:
-        """One record (sizes are not stored: LMDB values are decoded like files)."""
-        i = len(self.targets)
-        stored = compress(data, self.compression)
-        self.pending.append((key(i), HEADER.pack(int(target), zlib.crc32(data)) + stored))
-        self.record_bytes += len(data) + (len(pair) if pair is not None else 0)
-        self.stored_bytes += len(stored)
-        if boxes is not None:
-            self.has_boxes = True
-            self.pending.append((key(i) + b".boxes", encode_boxes(boxes, labels)))
-        if pair is not None:
-            self.has_pairs = True
-            stored_pair = compress(pair, self.compression)
-            self.stored_bytes += len(stored_pair)
-            self.pending.append((key(i) + b".pair", CRC.pack(zlib.crc32(pair)) + stored_pair))
-        self.targets.append(int(target))
+    def add(self, values: dict, *, path: str = "") -> None:
+        """One record: {field name: value}, every field of the schema."""
+        i = len(self.paths)
+        for f in self.schema.blobs:
+            data = f.coder.encode(values[f.name])
+            stored = compress(data, self.compression)
+            self.pending.append((field_key(i, f.name), CRC.pack(zlib.crc32(data)) + stored))
+            self.record_bytes += len(data)
+            self.stored_bytes += len(stored)
+            self.crc = zlib.crc32(data, self.crc)
+        for f in self.schema.columns:
+            self.columns[f.name].append(int(values[f.name]))
         self.paths.append(path)
-        self.crc = zlib.crc32(data, self.crc)
         if len(self.pending) >= self.batch:
             self.flush()
 
@@ -251,23 +218,23 @@ class LmdbWriter:
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "count": len(self.targets),
+            "schema": self.schema.to_json(),
+            "count": len(self.paths),
             "classes": list(classes),
             "params": params,
             "checksum": f"crc32:{self.crc:08x}",
             "source": source,
             "map_size": self.map_size,
             "map_growths": self.growths,
-            "boxes": self.has_boxes,
-            "pairs": self.has_pairs,
             "compression": self.compression,
-            "record_bytes": self.record_bytes,  # before compression (images and pairs)
+            "record_bytes": self.record_bytes,  # before compression
             "stored_bytes": self.stored_bytes,  # as stored
         }
         # Metadata last: an environment without it is not a complete pack.
+        columns = [(column_key(n), np.asarray(v, "<i8").tobytes()) for n, v in self.columns.items()]
         self._put_all(
             [
-                (TARGETS_KEY, np.asarray(self.targets, "<i8").tobytes()),
+                *columns,
                 (PATHS_KEY, "\n".join(self.paths).encode()),
                 (META_KEY, json.dumps(meta).encode()),
             ]
@@ -278,7 +245,7 @@ class LmdbWriter:
 
 
 class LmdbReader(PackedReader):
-    """`(bytes, target)` from one split's LMDB; the environment opens on first read."""
+    """The fields of one split's LMDB; the environment opens on first read."""
 
     _unpicklable = ("_txn",)
 
@@ -299,13 +266,22 @@ class LmdbReader(PackedReader):
         except ValueError:
             self.meta = {}
         if self.meta.get("format") != FORMAT or self.meta.get("version") != VERSION:
-            raise StorageError(f"{self.dir} is not a {FORMAT} v{VERSION} pack; re-pack it.")
-        self._targets = np.frombuffer(self._get(TARGETS_KEY) or b"", "<i8").astype(np.int64)
-        if len(self._targets) != self.meta.get("count", len(self._targets)):
+            says = f"{self.meta.get('format')} v{self.meta.get('version')}"
             raise StorageError(
-                f"{self.dir}: {len(self._targets)} targets for {self.meta.get('count')} records: "
-                f"the pack is damaged. {REPACK.format(path=self.dir)}"
+                f"{self.dir} is not a {FORMAT} v{VERSION} pack (it says {says}). "
+                f"{REPACK.format(path=self.dir)}"
             )
+        self.schema = Schema.from_json(self.meta["schema"])
+        self._columns = {}
+        for f in self.schema.columns:
+            values = np.frombuffer(self._get(column_key(f.name)) or b"", "<i8").astype(np.int64)
+            if len(values) != self.meta["count"]:
+                raise StorageError(
+                    f"{self.dir}: {len(values)} values of field {f.name} for "
+                    f"{self.meta['count']} records: the pack is damaged. {REPACK.format(path=self.dir)}"
+                )
+            self._columns[f.name] = values
+        self._keys = {f.name: (f, b"." + f.name.encode()) for f in self.schema.blobs}
         self.compression = self.meta.get("compression")
         self._init_stats()
 
@@ -316,10 +292,11 @@ class LmdbReader(PackedReader):
             self._txn_pid = os.getpid()
         return self._txn
 
-    def describe(self, i: int) -> str:
+    def describe(self, i: int, name: str | None = None) -> str:
         paths = (self._get(PATHS_KEY) or b"").decode("utf-8", "replace").split("\n")
         src = f", packed from {paths[i]}" if i < len(paths) and paths[i] else ""
-        return f"{self.dir} key {key(i).decode()}{src}"
+        name = name if name in self._keys else self.schema.blobs[0].name
+        return f"{self.dir} key {field_key(i, name).decode()}{src}"
 
     def _get(self, k: bytes):
         """txn.get, with LMDB's errors on damaged pages (MDB_CORRUPTED, MDB_PAGE_NOTFOUND)
@@ -332,57 +309,31 @@ class LmdbReader(PackedReader):
                 f"{k.decode()}). {REPACK.format(path=self.dir)}"
             ) from None
 
-    def read(self, i: int) -> tuple[bytes, int]:
+    def get(self, i: int, name: str):
+        if name in self._columns:
+            return int(self._columns[name][i])
         t0 = time.perf_counter()
-        value = self._get(key(i))
+        field, suffix = self._keys.get(name) or (self.field(name),)
+        value = self._get(b"%010d" % i + suffix)  # field_key without a per-read encode
         if value is None:
-            raise StorageError(f"{self.describe(i)} is missing from the LMDB pack; re-pack it.")
+            raise StorageError(f"{self.describe(i, name)} is missing from the LMDB pack; re-pack.")
         self._account(len(value), t0)
-        target, crc = HEADER.unpack_from(value)
-        data = self._unpack(value[HEADER.size :], i)
-        if self.verify and zlib.crc32(data) != crc:
-            raise StorageError(
-                f"corrupt record: {self.describe(i)} fails its crc32 check; re-pack."
-            )
-        return data, target
-
-    def _unpack(self, stored, i: int, what: str = "record"):
+        (crc,) = CRC.unpack_from(value)
         try:
-            return decompress(stored, self.compression)
+            data = decompress(value[CRC.size :], self.compression)
         except Exception as exc:  # lz4's error on a damaged block
             raise StorageError(
-                f"corrupt {what}: {self.describe(i)} is not a valid {self.compression} block "
-                f"({exc}); re-pack."
+                f"corrupt record: {self.describe(i, name)} is not a valid {self.compression} "
+                f"block ({exc}); re-pack."
             ) from None
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Record i's boxes (n, 4) float32 x, y, w, h and category ids (n,) int64; n = 0
-        when it has none (or the pack has no boxes)."""
-        value = self._get(key(i) + b".boxes")
-        if value is None:
-            return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-        boxes, labels, ok = decode_boxes(value)
-        if self.verify and not ok:
-            raise StorageError(f"corrupt boxes of {self.describe(i)} (crc32/length); re-pack.")
-        return boxes, labels
-
-    @property
-    def has_pairs(self) -> bool:
-        return bool(self.meta.get("pairs"))
-
-    def read_pair(self, i: int) -> bytes:
-        """The paired record of record i (DIV2K: the LR image), crc-checked like `read`."""
-        value = self._get(key(i) + b".pair")
-        if value is None:
-            raise StorageError(
-                f"{self.describe(i)} has no paired record; pack the source with pairs "
-                f"(python -m fastload.pack lmdb DST --source div2k --hr .. --lr .. --scale S)."
-            )
-        (crc,) = CRC.unpack_from(value)
-        data = self._unpack(value[CRC.size :], i, "paired record")
         if self.verify and zlib.crc32(data) != crc:
-            raise StorageError(f"corrupt paired record of {self.describe(i)}; re-pack.")
-        return data
+            raise StorageError(
+                f"corrupt record: {self.describe(i, name)} fails its crc32 check; re-pack."
+            )
+        try:
+            return field.coder.decode(data)
+        except ValueError as exc:
+            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}; re-pack.") from None
 
     def store_root(self) -> str:
         return str(self.dir)
@@ -427,9 +378,9 @@ class LmdbStorage(PackedStorage):
         lz = f"-{self.compression}" if self.compression else ""
         return f"{str(root).rstrip('/')}.packs/lmdb-{tag}{lz}"
 
-    def writer(self, folder: Path) -> LmdbWriter:
+    def writer(self, folder: Path, schema: Schema) -> LmdbWriter:
         return LmdbWriter(
-            folder, initial_map_size=self.initial_map_size, compression=self.compression
+            folder, schema, initial_map_size=self.initial_map_size, compression=self.compression
         )
 
     def reader(self, split_dir: Path) -> LmdbReader:
@@ -458,39 +409,17 @@ def _unpacked(stored, compression) -> bytes | None:
         return None
 
 
-def _check_record(txn, i: int, targets, compression=None) -> tuple[bytes | None, list[str]]:
-    """Record i's image bytes (None when missing) and what is wrong with it, its boxes or its
-    paired record (each with its own crc32, over the decompressed bytes)."""
-    value = txn.get(key(i))
+def _check_field(txn, i: int, name: str, compression=None) -> tuple[bytes | None, str]:
+    """Field `name` of record i (None when missing or undecompressable) and what is wrong
+    with it ("" when nothing)."""
+    value = txn.get(field_key(i, name))
     if value is None:
-        return None, ["missing"]
-    bad = []
-    target, crc = HEADER.unpack_from(value)
-    data = _unpacked(value[HEADER.size :], compression)
-    if data is None:
-        bad.append(f"not a valid {compression} block")
-    elif zlib.crc32(data) != crc:
-        bad.append("crc32")
-    if targets is not None and i < len(targets) and targets[i] != target:
-        bad.append(f"target {target} vs {int(targets[i])} in {TARGETS_KEY.decode()}")
-    boxes = txn.get(key(i) + b".boxes")
-    if boxes is not None:
-        try:
-            ok = decode_boxes(boxes)[2]
-        except (struct.error, ValueError):
-            ok = False
-        if not ok:
-            bad.append("boxes crc32/length")
-    return data, bad
-
-
-def _check_pair(txn, i: int, compression=None) -> list[str]:
-    value = txn.get(key(i) + b".pair")
-    if value is None:
-        return ["paired record missing"]
+        return None, f"{name} missing"
     (crc,) = CRC.unpack_from(value)
     data = _unpacked(value[CRC.size :], compression)
-    return [] if data is not None and zlib.crc32(data) == crc else ["paired record crc32"]
+    if data is None:
+        return None, f"{name} not a valid {compression} block"
+    return data, ("" if zlib.crc32(data) == crc else f"{name} crc32")
 
 
 def _read_meta(txn, split_dir: Path) -> tuple[dict | None, list[str]]:
@@ -511,10 +440,9 @@ def _read_meta(txn, split_dir: Path) -> tuple[dict | None, list[str]]:
 
 
 def verify_split(split_dir) -> tuple[int, list[str]]:
-    """`python -m fastload.pack verify` for one split of an LMDB pack: every record's crc32
-    (its header), its boxes' and paired record's own crc32, the targets, and the meta's
-    overall checksum (crc32 of all image bytes in index order). Returns (records checked,
-    problems)."""
+    """`python -m fastload.pack verify` for one split of an LMDB pack: every field's crc32,
+    the int columns' lengths, and the meta's overall checksum (crc32 of all field bytes in
+    record order). Returns (records checked, problems)."""
     split_dir = Path(split_dir)
     try:
         env = reader_env(str(split_dir))
@@ -530,29 +458,33 @@ def _verify_records(env, split_dir: Path) -> tuple[int, list[str]]:
         meta, problems = _read_meta(txn, split_dir)
         if meta is None:
             return 0, problems
-        count = int(meta["count"])
-        raw_targets = txn.get(TARGETS_KEY)
-        targets = None if raw_targets is None else np.frombuffer(raw_targets, "<i8")
-        if targets is None or len(targets) != count:
-            have = "none" if targets is None else len(targets)
-            problems.append(f"{split_dir}: {have} targets for {count} records; re-pack.")
+        count, schema = int(meta["count"]), Schema.from_json(meta["schema"])
+        for f in schema.columns:
+            raw = txn.get(column_key(f.name))
+            have = "none" if raw is None else len(raw) // 8
+            if have != count:
+                problems.append(
+                    f"{split_dir}: {have} values of {f.name} for {count} records; re-pack."
+                )
         paths = (txn.get(PATHS_KEY) or b"").decode().split("\n")
         crc, bad = 0, []
         for i in range(count):
-            data, wrong = _check_record(txn, i, targets, meta.get("compression"))
-            if data is not None:
-                crc = zlib.crc32(data, crc)
-            if meta.get("pairs"):
-                wrong += _check_pair(txn, i, meta.get("compression"))
+            wrong = []
+            for f in schema.blobs:
+                data, why = _check_field(txn, i, f.name, meta.get("compression"))
+                if data is not None:
+                    crc = zlib.crc32(data, crc)
+                if why:
+                    wrong.append(why)
             if wrong:
                 src = f", {paths[i]}" if i < len(paths) and paths[i] else ""
-                bad.append(f"key {key(i).decode()} ({'; '.join(wrong)}{src})")
+                bad.append(f"record {i} ({'; '.join(wrong)}{src})")
     if bad:
         more = f", ... ({len(bad)} in all)" if len(bad) > 5 else ""
         problems.append(f"{split_dir / 'data.mdb'}: damaged records: {', '.join(bad[:5])}{more}")
     if f"crc32:{crc:08x}" != meta.get("checksum"):
         problems.append(
-            f"{split_dir / 'data.mdb'}: the image bytes' crc32 is {crc:08x}, the pack's "
+            f"{split_dir / 'data.mdb'}: the field bytes' crc32 is {crc:08x}, the pack's "
             f"checksum {str(meta.get('checksum')).removeprefix('crc32:')}; re-pack."
         )
     return count, problems

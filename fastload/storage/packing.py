@@ -9,8 +9,10 @@ Record kinds:
                      as they are), quality Q, 4:2:0: "store less data";
   raw, size S:       decoded RGB pixels, longer side S (aspect kept), no decode at training;
   raw, size null:    decoded RGB pixels at full resolution (super-resolution pairs).
-Paired sources (DIV2K LR): the LR image is resized to max_side / scale or size / scale, so
-the pair keeps its scale (to the rounding of a side); raw size null keeps both exact. LMDB can lz4-compress its values (`compression`,
+A record is the source's named fields (fastload/data/records.py); the kind applies to
+each of its image fields, a paired image (DIV2K LR) resized to max_side / scale or
+size / scale, so the pair keeps its scale (to the rounding of a side); raw size null keeps
+both exact. LMDB can lz4-compress its values (`compression`,
 a store option recorded with the others, so a pack made without it is not reused).
 """
 
@@ -35,6 +37,7 @@ from PIL import Image
 from fastload.atomic import AlreadyBuilt, building, is_disk_full, no_space_message
 from fastload.data import rawimage
 from fastload.data.layouts import as_layout
+from fastload.data.records import ImageFile, Schema
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
 from fastload.errors import DatasetError, StorageError
@@ -47,21 +50,11 @@ KINDS = ("jpeg", "raw")
 
 
 class PackWriter(Protocol):
-    """What a store's writer offers `pack_split` (LmdbWriter, ShardWriter)."""
+    """What a store's writer offers `pack_split` (LmdbWriter, ShardWriter, WdsWriter): built
+    with the pack's `Schema`, it takes each record as {field name: value} (image fields as
+    bytes) and writes every field by the schema's codecs."""
 
-    def add(
-        self,
-        record: bytes,
-        target: int,
-        *,
-        height: int = 0,
-        width: int = 0,
-        path: str = "",
-        boxes=None,
-        labels=None,
-        pair: bytes | None = None,
-        pair_hw=(0, 0),
-    ) -> None: ...
+    def add(self, values: dict, *, path: str = "") -> None: ...
 
     def close(self, *, classes, params: dict, source: str = "") -> dict: ...
 
@@ -106,39 +99,35 @@ class Unreadable(NamedTuple):
 
 
 def make_item(task):
-    """Worker: one pack record and, for paired sources (DIV2K LR), its pair's record; an
-    `Unreadable` for a file that cannot be decoded (truncated, not an image)."""
-    main, pair = task
-    try:
-        return make_record(main), (None if pair is None else make_record(pair))
-    except Exception as exc:  # any decoder's failure on bad bytes
-        bad = main[0] if pair is None or _readable(main[0]) else pair[0]
-        return Unreadable(bad, f"{type(exc).__name__}: {exc}")
-
-
-def _readable(path: str) -> bool:
-    try:
-        open_rgb(Path(path).read_bytes()).load()
-        return True
-    except Exception:
-        return False
+    """Worker: the stored bytes of one record's image fields ({name: make_record's tuple});
+    an `Unreadable` for a file that cannot be decoded (truncated, not an image)."""
+    out = {}
+    for name, image_task in task:
+        try:
+            out[name] = make_record(image_task)
+        except Exception as exc:  # any decoder's failure on bad bytes
+            return Unreadable(image_task[0], f"{type(exc).__name__}: {exc}")
+    return out
 
 
 def source_digest(records, source) -> tuple[str, int]:
-    """(fingerprint, total bytes) of what a pack is made from: every file's path, size and
-    modification time, its target and boxes, in record order. A file added, removed,
-    rewritten or relabelled changes it."""
+    """(fingerprint, total bytes) of what a pack is made from: every record's fields in
+    order, image files by path, size and modification time, other values by content. A file
+    added, removed, rewritten or relabelled changes it."""
     h, total = xxhash.xxh3_128(), 0
-    h.update(f"{source.kind}\0{len(records)}\n".encode())
+    h.update(f"{source.kind}\0{len(records)}\0{','.join(source.schema.names)}\n".encode())
     for r in records:
-        for path in (r.path, r.pair):
-            if path is not None:
-                st = os.stat(path)
+        for value in r.values():
+            if isinstance(value, ImageFile):
+                st = os.stat(value.path)
                 total += st.st_size
-                h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{r.target}\n".encode())
-        for extra in (r.boxes, r.labels):
-            if extra is not None:
-                h.update(np.ascontiguousarray(extra).tobytes())
+                h.update(f"{value.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            elif isinstance(value, np.ndarray):
+                h.update(
+                    f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+                )
+            else:
+                h.update(f"{value!r}\n".encode())
     return h.hexdigest(), total
 
 
@@ -146,7 +135,8 @@ SIDECAR = "fastload-pack.json"  # in every pack folder: what it was made from, a
 
 
 def _records(tasks, workers: int):
-    if workers <= 1 or all(not t[0][2] and t[0][1] == "jpeg" for t in tasks[:1]):
+    copies = all(t[1][1] == "jpeg" and not t[1][2] for t in (tasks[0] if tasks else ()))
+    if workers <= 1 or copies:  # the files' bytes as they are: nothing worth a pool
         yield from map(make_item, tasks)
         return
     with spawn_pool(workers) as pool:  # spawn: the caller may hold threads or CUDA
@@ -166,35 +156,50 @@ def record_options(
 
 
 def pack_params(source, kind: str, max_side, quality: int, size, compression=None) -> dict:
-    """What a pack records of how it was made (meta["params"])."""
+    """What a pack records of how it was made (meta["params"]), with what the source adds
+    of itself (`pack_metadata`: COCO's category ids and dropped annotations, ...)."""
     params = record_options(kind, max_side, quality, size, compression)
     params["source"] = source.kind
-    if hasattr(source, "category_ids"):
-        params["category_ids"] = source.category_ids.tolist()  # labels are these ids
-        params["dropped"] = dict(source.dropped)  # annotations left out, for the epoch row
-    if source.has_pairs:
-        params["pair_scale"] = getattr(source, "scale", None) or 1
-    return params
+    return {**params, **source.pack_metadata()}
 
 
-def _tasks(records, source, kind, max_side, quality, size) -> list:
-    scale = getattr(source, "scale", None) or 1
-    # Resized pairs keep the HR/LR ratio to within the rounding of each side (the pair
-    # dataset accepts LR = HR / scale rounded down or up); size null keeps both as they are.
-    pair_side = max_side and max(1, max_side // scale)
-    pair_size = size and max(1, size // scale)
+def pack_schema(source, kind: str) -> Schema:
+    """The pack's fields: the source's, its image fields as stored (kind=raw: pixels)."""
+    codec = "pixels" if kind == "raw" else "encoded"
+    schema = source.schema
+    for f in schema:
+        if f.coder.image:
+            schema = schema.replace(f.name, codec=codec)
+    return schema
+
+
+def _tasks(records, kind, max_side, quality, size) -> list:
+    # An image with `divide` (a DIV2K LR pair) is resized to max_side / divide, size /
+    # divide: the pair keeps its scale to within the rounding of each side (the pair dataset
+    # accepts LR = HR / scale rounded down or up); size null keeps every image as it is.
     return [
-        (
-            (r.path, kind, max_side, quality, size),
-            r.pair and (r.pair, kind, pair_side, quality, pair_size),
-        )
+        [
+            (
+                name,
+                (
+                    v.path,
+                    kind,
+                    max_side and max(1, max_side // v.divide),
+                    quality,
+                    size and max(1, size // v.divide),
+                ),
+            )  # fmt: skip
+            for name, v in r.items()
+            if isinstance(v, ImageFile)
+        ]
         for r in records
     ]
 
 
 def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, tally) -> list:
     """Feed the records to the writer; returns the skipped (unreadable) paths. `tally`
-    counts records and bytes written (for the space estimate of a full-disk error)."""
+    counts records and bytes written (for the space estimate of a full-disk error). Fields
+    marked `xywh` are rescaled with the record's first image."""
     skipped = []
     for r, result in zip(records, results, strict=True):
         bar.update()
@@ -207,28 +212,23 @@ def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, ta
                 )
             skipped.append(result.path)
             continue
-        (record, h, w, sx, sy), pair = result
-        boxes = r.boxes
-        if boxes is not None and (sx, sy) != (1.0, 1.0):
-            boxes = boxes * np.array([sx, sy, sx, sy], np.float32)  # x, y, w, h
-        writer.add(
-            record,
-            r.target,
-            height=h,
-            width=w,
-            path=r.path,
-            boxes=boxes,
-            labels=r.labels,
-            pair=pair and pair[0],
-            pair_hw=(pair[1], pair[2]) if pair else (0, 0),
-        )
+        values = dict(r)
+        scale = None
+        for name, (record, _h, _w, sx, sy) in result.items():
+            values[name] = record
+            scale = scale or (sx, sy)
+            tally[1] += len(record)
+        for f in writer.schema:
+            if f.xywh and scale not in (None, (1.0, 1.0)):
+                sx, sy = scale
+                values[f.name] = values[f.name] * np.array([sx, sy, sx, sy], np.float32)
+        writer.add(values, path=next(v.path for v in r.values() if isinstance(v, ImageFile)))
         tally[0] += 1
-        tally[1] += len(record) + (len(pair[0]) if pair else 0)
     return skipped
 
 
 def pack_split(
-    writer: Callable[[Path], PackWriter],
+    writer: Callable[[Path, Schema], PackWriter],
     src,
     dst,
     *,
@@ -240,12 +240,12 @@ def pack_split(
     workers: int | None = None,
     progress: bool | None = None,
     source=None,
-    label: str = "pack",
+    what: str = "pack",
     skip_corrupt: bool = False,
     replace: bool = False,
 ) -> dict:
     """Pack one split into `dst` (atomically; `replace`: over an outdated pack) with
-    `writer(folder)`; returns the metadata. The records come from `source`
+    `writer(folder, schema)`; returns the metadata. The records come from `source`
     (fastload/data/sources.py: COCO, DIV2K, ...), by default the ImageFolder split `src`.
     progress=None: a progress bar when stderr is a terminal. `compression` is recorded in
     the params; the writer (LmdbStorage.writer) compresses."""
@@ -257,10 +257,10 @@ def pack_split(
     source = source if source is not None else ImageFolderSource(src)
     records = [source.record(i) for i in range(len(source))]
     digest, source_bytes = source_digest(records, source)
-    tasks = _tasks(records, source, kind, max_side, quality, size)
+    tasks = _tasks(records, kind, max_side, quality, size)
     bar = tqdm(
         total=len(tasks),
-        desc=f"packing {source.root} -> {dst} ({label})",
+        desc=f"packing {source.root} -> {dst} ({what})",
         unit="img",
         file=sys.stderr,
         disable=not (sys.stderr.isatty() if progress is None else progress),
@@ -269,11 +269,16 @@ def pack_split(
     params = pack_params(source, kind, max_side, quality, size, compression)
     try:
         with building(dst, replace=replace) as tmp, bar:
-            out = writer(tmp)
+            out = writer(tmp, pack_schema(source, kind))
             results = _records(tasks, workers or usable_cores())
             skipped = _write_all(out, records, results, bar, skip_corrupt, tally)
             meta = out.close(classes=source.classes, params=params, source=str(source.root))
-            record = {"source": str(source.root), "source_digest": digest, "params": params}
+            record = {
+                "source": str(source.root),
+                "source_digest": digest,
+                "params": params,
+                "schema": out.schema.to_json(),
+            }
             (tmp / SIDECAR).write_text(json.dumps({**record, "skipped": skipped}, indent=1))
     except AlreadyBuilt:
         raise StorageError(
@@ -305,6 +310,8 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
         record = json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return f"it records nothing of what it was made from ({SIDECAR} is missing)"
+    if "schema" not in record:
+        return "it was packed by an older fastload (its records name no fields)"
     have = {k: v for k, v in record["params"].items() if k in OPTION_KEYS}
     want = record_options(**options)
     if have != want:
@@ -350,7 +357,7 @@ class PackedStorage(Storage):
         """Where the pack lives when storage.path is null: beside the dataset."""
 
     @abc.abstractmethod
-    def writer(self, folder: Path) -> PackWriter: ...
+    def writer(self, folder: Path, schema: Schema) -> PackWriter: ...
 
     @abc.abstractmethod
     def reader(self, split_dir: Path) -> Reader: ...
@@ -397,7 +404,7 @@ class PackedStorage(Storage):
             elif not self.auto_pack:
                 continue
             t0 = time.perf_counter()
-            options = {**self.pack_options(), "label": self.format, "skip_corrupt": skip_corrupt}
+            options = {**self.pack_options(), "what": self.format, "skip_corrupt": skip_corrupt}
             source = layout.source(split)
             try:
                 pack_split(self.writer, None, dst, source=source, replace=exists, **options)

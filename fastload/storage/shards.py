@@ -2,32 +2,29 @@
 
 Layout of one split (`python -m fastload.pack shards SRC DST` writes DST/<split>/):
 
-    meta.json          format, version, kind (jpeg | raw), count, classes, pack params, and
-                       per shard: file name, size in bytes, crc32 of the whole file
-    index.npy          one structured row per record: shard, offset, length, target, check
-                       (xxh3_64 of the record), height, width, box_start, box_count
-                       (memory-mapped, shared by workers)
-    boxes.npy          variable-length targets (COCO detection boxes x, y, w, h, float32, in
-                       pixels of the stored image), rows box_start .. box_start + box_count
-                       of each record (written when the source has boxes, even zero of them)
-    labels.npy         the category id (int64) of each row of boxes.npy
-    pairs.npy          paired records (DIV2K LR images), one row per record, the index's
-                       first columns (shard, offset, length, check, height, width); the pair's
-                       bytes follow its record in the same shard (optional)
+    meta.json          format, version, count, classes, pack params, schema (the records'
+                       named fields and codecs, fastload/data/records.py), and per shard:
+                       file name, size in bytes, crc32 of the whole file
+    index.npy          one structured row per record: the shard holding its fields, and
+                       per field stored as bytes `<name>.offset`, `<name>.length`,
+                       `<name>.check` (xxh3_64 of those bytes); per int field a column
+                       `<name>` (int64) (memory-mapped, shared by workers)
     paths.txt          the source path of each record, one per line (read for errors only)
-    shard-00000.bin    records back to back: encoded JPEG bytes (kind=jpeg) or a fastload raw
-    shard-00001.bin    pixel record (kind=raw, see fastload/data/rawimage.py)
+    shard-00000.bin    each record's fields back to back, in schema order: encoded images,
+    shard-00001.bin    raw pixel records (kind=raw, fastload/data/rawimage.py), .npy arrays,
+                       JSON, as their codecs write them
 
 Readers open nothing until the first read in their own process (fork and spawn safe): no
 per-file open/close, no locks, one page cache shared by every worker and rank on the node.
 
 Integrity: at open every shard's size is checked against meta.json (a truncated shard is
-named with the first record it cuts); at each read the record's checksum is checked, so a
+named with the first record it cuts); at each read the field's checksum is checked, so a
 flipped byte is reported with its file and record instead of being decoded as garbage.
-Version 2 packs use xxh3_64 per record: ~6 us for a 196 KB raw record on one core where
-zlib's crc32 takes ~35 us, a quarter of the whole raw-sample cost; version 1 packs (crc32)
-are still read. `python -m fastload.pack verify DST` checks whole-file crc32s and every
-record's checksum too (`verify_split`: reading everything, too slow for every start on 100 GB).
+The checksum is xxh3_64: ~6 us for a 196 KB raw record on one core where zlib's crc32
+takes ~35 us, a quarter of the whole raw-sample cost. `python -m fastload.pack verify DST`
+checks whole-file crc32s and every field's checksum too (`verify_split`: reading
+everything, too slow for every start on 100 GB). Packs of earlier versions (one image and
+one target per record) are refused with the re-pack command; storage.auto_pack re-packs.
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
 from fastload.storage.packing import KINDS, PackedStorage
@@ -50,35 +48,29 @@ from fastload.storage.packing import KINDS, PackedStorage
 log = logging.getLogger("fastload")
 
 FORMAT = "fastload-shards"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
-
-INDEX_DTYPE = np.dtype(
-    [
-        ("shard", "<u4"),
-        ("offset", "<u8"),
-        ("length", "<u8"),
-        ("target", "<i8"),
-        ("check", "<u8"),
-        ("height", "<u4"),
-        ("width", "<u4"),
-        ("box_start", "<u8"),
-        ("box_count", "<u4"),
-    ]
-)
-PAIR_DTYPE = np.dtype(
-    [(n, INDEX_DTYPE[n]) for n in ("shard", "offset", "length", "check")]
-    + [("height", "<u4"), ("width", "<u4")]
-)
+VERSION = 3
+READABLE_VERSIONS = (3,)
+CHECK_NAME = "xxh3_64"
 
 
 def record_check(data) -> int:
-    """The per-record checksum of version-2 packs."""
+    """The per-field checksum."""
     return xxhash.xxh3_64_intdigest(data)
 
 
-# Per pack version: the index column holding the record checksum, its function and name.
-CHECKS = {1: ("crc", zlib.crc32, "crc32"), 2: ("check", record_check, "xxh3_64")}
+def index_dtype(schema: Schema) -> np.dtype:
+    cols = [("shard", "<u4")]
+    for f in schema.blobs:
+        cols += [
+            (f"{f.name}.offset", "<u8"),
+            (f"{f.name}.length", "<u8"),
+            (f"{f.name}.check", "<u8"),
+        ]
+    return np.dtype(cols + [(f.name, "<i8") for f in schema.columns])
+
+
+def blob_columns(name: str) -> tuple[str, str, str]:
+    return f"{name}.offset", f"{name}.length", f"{name}.check"
 
 
 def shard_name(k: int) -> str:
@@ -89,19 +81,12 @@ class ShardWriter:
     """Append records to shards of about `shard_bytes` each; `close()` writes the index and
     the metadata (last: a folder without meta.json is not a pack)."""
 
-    def __init__(self, out_dir, kind: str, shard_bytes: int = 1 << 30):
-        if kind not in KINDS:
-            raise ValueError(kind)
+    def __init__(self, out_dir, schema: Schema, shard_bytes: int = 1 << 30):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.kind = kind
+        self.schema = schema
         self.shard_bytes = int(shard_bytes)
         self.rows: list[tuple] = []
-        self.boxes: list[np.ndarray] = []
-        self.labels: list[np.ndarray] = []
-        self.has_boxes = False
-        self.pairs: list[tuple] = []
-        self.n_boxes = 0
         self.paths: list[str] = []
         self.shards: list[dict] = []
         self._f = None
@@ -121,56 +106,19 @@ class ShardWriter:
             )
             self._f = None
 
-    def add(
-        self,
-        record: bytes,
-        target: int,
-        *,
-        height=0,
-        width=0,
-        boxes=None,
-        labels=None,
-        pair: bytes | None = None,
-        pair_hw=(0, 0),
-        path="",
-    ) -> None:
-        """One record; `boxes` (n, 4) float32 with `labels` (n,) int64 for detection sources,
-        `pair` the bytes of a paired image (written right after the record, same shard)."""
-        need = len(record) + (len(pair) if pair is not None else 0)
+    def add(self, values: dict, *, path: str = "") -> None:
+        """One record: {field name: value}, every field of the schema; the fields stored as
+        bytes go back to back into one shard."""
+        blobs = [f.coder.encode(values[f.name]) for f in self.schema.blobs]
+        need = sum(len(b) for b in blobs)
         if self._f is None or (self._size and self._size + need > self.shard_bytes):
             self._roll()
-        check = record_check(record)
-        nb = 0 if boxes is None else len(boxes)
-        if boxes is not None:
-            self.has_boxes = True
-        self.rows.append(
-            (
-                len(self.shards),
-                self._size,
-                len(record),
-                int(target),
-                check,
-                height,
-                width,
-                self.n_boxes,
-                nb,
-            )
-        )
-        if nb:
-            self.boxes.append(np.asarray(boxes, np.float32).reshape(nb, 4))
-            lab = np.zeros(nb, np.int64) if labels is None else np.asarray(labels, np.int64)
-            if lab.shape != (nb,):
-                raise ValueError(f"{path}: {nb} boxes but labels of shape {lab.shape}")
-            self.labels.append(lab)
-            self.n_boxes += nb
-        self._write(record)
-        if pair is not None:
-            self.pairs.append(
-                (len(self.shards), self._size, len(pair), record_check(pair), *pair_hw)
-            )
-            self._write(pair)
-        elif self.pairs:
-            raise ValueError(f"{path}: a paired pack needs a pair for every record")
+        row = [len(self.shards)]
+        for data in blobs:
+            row += [self._size, len(data), record_check(data)]
+            self._write(data)
+        row += [int(values[f.name]) for f in self.schema.columns]
+        self.rows.append(tuple(row))
         self.paths.append(path)
 
     def _write(self, data: bytes) -> None:
@@ -180,24 +128,14 @@ class ShardWriter:
 
     def close(self, *, classes, params: dict, source: str = "") -> dict:
         self._finish_shard()
-        index = np.array(self.rows, dtype=INDEX_DTYPE)
+        index = np.array(self.rows, dtype=index_dtype(self.schema))
         np.save(self.dir / "index.npy", index)
-        if self.has_boxes:
-            cat = np.concatenate if self.boxes else None
-            np.save(
-                self.dir / "boxes.npy", cat(self.boxes) if cat else np.zeros((0, 4), np.float32)
-            )
-            np.save(self.dir / "labels.npy", cat(self.labels) if cat else np.zeros(0, np.int64))
-        if self.pairs:
-            if len(self.pairs) != len(self.rows):
-                raise ValueError("a paired pack needs a pair for every record")
-            np.save(self.dir / "pairs.npy", np.array(self.pairs, dtype=PAIR_DTYPE))
         (self.dir / "paths.txt").write_text("\n".join(self.paths) + "\n", encoding="utf-8")
         meta = {
             "format": FORMAT,
             "version": VERSION,
-            "record_checksum": CHECKS[VERSION][2],
-            "kind": self.kind,
+            "record_checksum": CHECK_NAME,
+            "schema": self.schema.to_json(),
             "count": len(index),
             "classes": list(classes),
             "params": params,
@@ -212,9 +150,9 @@ class ShardWriter:
 
 
 class ShardReader(PackedReader):
-    """Reads `(bytes, target)` from one split's shard pack; never decodes."""
+    """The fields of one split's shard pack; never decodes an image."""
 
-    _unpicklable = ("_maps", "_index", "_boxes", "_labels", "_pairs")
+    _unpicklable = ("_maps", "_index")
 
     def __init__(self, split_dir, verify: bool = True, cold_cache: bool = False):
         self.dir = Path(split_dir)
@@ -226,27 +164,18 @@ class ShardReader(PackedReader):
                 f"{problems[0]} Delete it and re-pack (python -m fastload.pack shards)."
             )
         self.meta = meta
-        self._check_col, self._check_fn, self.check_name = CHECKS[self.meta["version"]]
-        if self.meta["version"] < VERSION:
-            log.info(
-                "%s is a v%d shard pack (crc32 record checks, ~6x slower than v%d's xxh3 on "
-                "raw records); delete it and re-pack to upgrade.",
-                self.dir,
-                self.meta["version"],
-                VERSION,
-            )
-        self.kind = self.meta["kind"]
+        self.schema = Schema.from_json(meta["schema"])
         self._check_sizes()
-        index = load_table(self.dir / "index.npy", INDEX_FIELDS)
+        index = load_table(self.dir / "index.npy", index_dtype(self.schema).names)
         if len(index) != self.meta["count"]:
             raise StorageError(
                 f"{self.dir / 'index.npy'} has {len(index)} records, meta.json says "
                 f"{self.meta['count']}: the pack is incomplete; delete {self.dir} and re-pack."
             )
-        self._targets = np.array(index["target"], dtype=np.int64)
+        self._columns = {f.name: np.array(index[f.name], np.int64) for f in self.schema.columns}
+        self._blob = {f.name: (f, *blob_columns(f.name)) for f in self.schema.blobs}
         self._index = None
         self._maps = None
-        self._boxes = self._labels = self._pairs = None
         self._init_stats()
 
     def _check_sizes(self) -> None:
@@ -263,15 +192,12 @@ class ShardReader(PackedReader):
                 ) from None
             if have != s["bytes"]:
                 if index is None:
-                    index = load_table(self.dir / "index.npy", INDEX_FIELDS)
-                rows = np.nonzero(
-                    (index["shard"] == k) & (index["offset"] + index["length"] > have)
-                )[0]
-                if not len(rows) and (self.dir / "pairs.npy").is_file():  # a cut LR pair
-                    pairs = load_table(self.dir / "pairs.npy", PAIR_FIELDS)
-                    rows = np.nonzero(
-                        (pairs["shard"] == k) & (pairs["offset"] + pairs["length"] > have)
-                    )[0]
+                    index = load_table(self.dir / "index.npy", ("shard",))
+                cut = np.zeros(len(index), bool)
+                for f_ in self.schema.blobs:
+                    off, n, _ = blob_columns(f_.name)
+                    cut |= (index["shard"] == k) & (index[off] + index[n] > have)
+                rows = np.nonzero(cut)[0]
                 first = f"; first damaged record: {int(rows[0])}" if len(rows) else ""
                 raise StorageError(
                     f"shard {f} is {'truncated' if have < s['bytes'] else 'longer than packed'}: "
@@ -283,10 +209,10 @@ class ShardReader(PackedReader):
 
     def _row(self, i: int):
         if self._index is None:
-            self._index = load_table(self.dir / "index.npy", INDEX_FIELDS)
+            self._index = load_table(self.dir / "index.npy")
         return self._index[i]
 
-    def describe(self, i: int) -> str:
+    def describe(self, i: int, name: str | None = None) -> str:
         row = self._row(i)
         src = ""
         try:
@@ -297,9 +223,12 @@ class ShardReader(PackedReader):
                         break
         except OSError:
             pass
+        name = name if name in self._blob else self.schema.blobs[0].name
+        off, n = (int(row[c]) for c in blob_columns(name)[:2])
+        what = "" if name == self.schema.blobs[0].name else f"field {name} of "
         return (
-            f"{self.dir / shard_name(int(row['shard']))} record {i} (offset {int(row['offset'])}, "
-            f"{int(row['length'])} bytes){src}"
+            f"{what}{self.dir / shard_name(int(row['shard']))} record {i} (offset {off}, "
+            f"{n} bytes){src}"
         )
 
     def _map(self, k: int):
@@ -312,62 +241,30 @@ class ShardReader(PackedReader):
             self._maps[k] = mm
         return mm
 
-    def read(self, i: int) -> tuple[bytes, int]:
-        """(record, target): bytes, or for kind=raw a read-only memoryview of the shard."""
+    def get(self, i: int, name: str):
+        """Field `name` of record i: raw pixels as a read-only memoryview of the shard (the
+        resize reads it once, no ~200 KB copy), other bytes copied for their codec."""
+        if name in self._columns:
+            return int(self._columns[name][i])
         t0 = time.perf_counter()
+        field, off_col, len_col, check_col = self._blob.get(name) or (self.field(name),)
         row = self._row(i)
-        off, n = int(row["offset"]), int(row["length"])
+        off, n = int(row[off_col]), int(row[len_col])
         mm = self._map(int(row["shard"]))
-        # Raw pixels: a read-only view of the map, not a ~200 KB copy (the resize reads it
-        # once); encoded records stay bytes for the decoders.
-        data = memoryview(mm)[off : off + n] if self.kind == "raw" else mm[off : off + n]
-        if self.verify and self._check_fn(data) != int(row[self._check_col]):
+        data = memoryview(mm)[off : off + n] if field.coder.zero_copy else mm[off : off + n]
+        if self.verify and record_check(data) != int(row[check_col]):
             raise StorageError(
-                f"corrupt record: {self.describe(i)} fails its {self.check_name} check. The shard file is "
-                f"damaged; run `python -m fastload.pack verify {self.dir}` and re-pack."
+                f"corrupt record: {self.describe(i, name)} fails its {CHECK_NAME} check. The "
+                f"shard file is damaged; run `python -m fastload.pack verify {self.dir}` and "
+                f"re-pack."
             )
         # Accounted after the checksum: for a raw view that pass is what pages the record in
         # (with verify=false a raw read is only a view and its "read time" is ~0).
         self._account(n, t0)
-        return data, int(self._targets[i])
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """The variable-length target of record i: boxes (n, 4) float32 x, y, w, h in pixels
-        of the stored image, and their category ids (n,) int64; n = 0 when it has none (or
-        the pack has no boxes at all)."""
-        row = self._row(i)
-        if self._boxes is None:
-            path = self.dir / "boxes.npy"
-            if not path.exists():
-                return np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-            self._boxes = load_table(path)
-            self._labels = load_table(self.dir / "labels.npy")
-        s, n = int(row["box_start"]), int(row["box_count"])
-        return np.array(self._boxes[s : s + n]), np.array(self._labels[s : s + n])
-
-    @property
-    def has_pairs(self) -> bool:
-        return (self.dir / "pairs.npy").is_file()
-
-    def read_pair(self, i: int) -> bytes:
-        """The paired record of record i (DIV2K: the LR image), crc-checked like `read`."""
-        if self._pairs is None:
-            path = self.dir / "pairs.npy"
-            if not path.is_file():
-                raise StorageError(
-                    f"{self.dir} has no paired records (pairs.npy); pack the source with "
-                    f"pairs (python -m fastload.pack shards DST --source div2k --hr .. --lr ..)."
-                )
-            self._pairs = load_table(path, PAIR_FIELDS)
-        row = self._pairs[i]
-        off, n = int(row["offset"]), int(row["length"])
-        data = self._map(int(row["shard"]))[off : off + n]
-        if self.verify and self._check_fn(data) != int(row[self._check_col]):
-            raise StorageError(
-                f"corrupt paired record of {self.describe(i)} fails its {self.check_name} check; run "
-                f"`python -m fastload.pack verify {self.dir}` and re-pack."
-            )
-        return data
+        try:
+            return field.coder.decode(data)
+        except ValueError as exc:
+            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}; re-pack.") from None
 
     # -- cold cache and the engine's hooks --------------------------------------------------
 
@@ -414,8 +311,8 @@ class ShardStorage(PackedStorage):
             tag = "jpeg-orig"
         return f"{os.fspath(root).rstrip('/')}.packs/shards-{tag}"
 
-    def writer(self, folder: Path) -> ShardWriter:
-        return ShardWriter(folder, self.kind, shard_bytes=self.shard_mb << 20)
+    def writer(self, folder: Path, schema: Schema) -> ShardWriter:
+        return ShardWriter(folder, schema, shard_bytes=self.shard_mb << 20)
 
     def reader(self, split_dir: Path) -> ShardReader:
         return ShardReader(split_dir, verify=self.verify, cold_cache=self.cold_cache)
@@ -461,10 +358,10 @@ def shard_problem(split_dir: Path, s: dict) -> str | None:
     return None
 
 
-def failing_records(path: Path, table, k: int, check) -> list[int]:
-    """Rows of `table` (the index, or pairs.npy) stored in shard k whose bytes are cut off or
-    fail their checksum; `check` = (index column, function) of the pack's version."""
-    col, fn = check
+def failing_records(path: Path, table, k: int, name: str) -> list[int]:
+    """Rows of the index stored in shard k whose field `name` is cut off or fails its
+    checksum."""
+    off_col, len_col, check_col = blob_columns(name)
     rows = np.nonzero(table["shard"] == k)[0]
     if not len(rows) or not path.is_file():
         return [int(i) for i in rows]
@@ -474,17 +371,13 @@ def failing_records(path: Path, table, k: int, check) -> list[int]:
     bad = []
     try:
         for i in rows:
-            off, n = int(table["offset"][i]), int(table["length"][i])
-            if off + n > size or fn(mm[off : off + n]) != int(table[col][i]):
+            off, n = int(table[off_col][i]), int(table[len_col][i])
+            if off + n > size or record_check(mm[off : off + n]) != int(table[check_col][i]):
                 bad.append(int(i))
     finally:
         if size:
             mm.close()
     return bad
-
-
-INDEX_FIELDS = ("shard", "offset", "length", "target")
-PAIR_FIELDS = ("shard", "offset", "length")
 
 
 def load_table(path: Path, fields: tuple[str, ...] = ()) -> np.ndarray:
@@ -500,7 +393,7 @@ def load_table(path: Path, fields: tuple[str, ...] = ()) -> np.ndarray:
             f"{path} is not a readable pack table ({why}): the pack is damaged; delete "
             f"{path.parent} and re-pack (python -m fastload.pack shards ...)."
         ) from None
-    missing = [f for f in fields if f not in (table.dtype.names or ())]
+    missing = [f for f in fields or () if f not in (table.dtype.names or ())]
     if missing:
         raise StorageError(
             f"{path} lacks the columns {', '.join(missing)}: it is not the table this pack "
@@ -530,17 +423,16 @@ def read_split_meta(split_dir: Path) -> tuple[dict | None, list[str]]:
 
 def verify_split(split_dir) -> tuple[int, list[str]]:
     """`python -m fastload.pack verify` for one split of a shard pack: meta.json and the
-    index agree, every shard's size and whole-file crc32 match meta.json, and every record
-    (and paired record) passes its checksum; a failing shard is reported with the records it
+    index agree, every shard's size and whole-file crc32 match meta.json, and every field
+    of every record passes its checksum; a failing shard is reported with the records it
     damages. Returns (records checked, problems)."""
     split_dir = Path(split_dir)
     meta, problems = read_split_meta(split_dir)
     if meta is None:
         return 0, problems
+    schema = Schema.from_json(meta["schema"])
     try:
-        index = load_table(split_dir / "index.npy", INDEX_FIELDS)
-        pairs_path = split_dir / "pairs.npy"
-        pairs = load_table(pairs_path, PAIR_FIELDS) if pairs_path.is_file() else None
+        index = load_table(split_dir / "index.npy", index_dtype(schema).names)
     except StorageError as exc:
         return 0, [exc.user_message]
     if len(index) != meta["count"]:
@@ -548,22 +440,23 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
             f"{split_dir / 'index.npy'} has {len(index)} records, meta.json says "
             f"{meta['count']}: the pack is incomplete; delete {split_dir} and re-pack."
         )
-    check, name = CHECKS[meta["version"]][:2], CHECKS[meta["version"]][2]
     try:
         paths = (split_dir / "paths.txt").read_text(encoding="utf-8").split("\n")
     except OSError:
         paths = []
+    first = schema.blobs[0].name
     for k, s in enumerate(meta["shards"]):
         f = split_dir / s["file"]
-        bad = [
-            f"record {i}" + (f" ({paths[i]})" if i < len(paths) and paths[i] else "")
-            for i in failing_records(f, index, k, check)
-        ]
-        if pairs is not None:
-            bad += [f"pair of record {i}" for i in failing_records(f, pairs, k, check)]
+        bad = []
+        for field in schema.blobs:
+            what = "" if field.name == first else f"field {field.name} of "
+            bad += [
+                f"{what}record {i}" + (f" ({paths[i]})" if i < len(paths) and paths[i] else "")
+                for i in failing_records(f, index, k, field.name)
+            ]
         whole = shard_problem(split_dir, s)
         if bad or whole:
             more = f", ... ({len(bad)} in all)" if len(bad) > 5 else ""
-            fails = f"; failing their {name} check: {', '.join(bad[:5])}{more}" if bad else ""
+            fails = f"; failing their {CHECK_NAME} check: {', '.join(bad[:5])}{more}" if bad else ""
             problems.append(f"{whole or f'{f}: whole-file crc32 ok'}{fails}")
     return len(index), problems

@@ -3,19 +3,19 @@ through a node-local shard cache, in a deterministic shard-aware order with exac
 
 Shards (`python -m fastload.pack webdataset SRC DST` writes DST/<split>/):
 
-    shard-000000.tar   tar members keyed by basename, the WebDataset convention:
-    shard-000001.tar     00000000.jpg (or .png: the source file's bytes, or re-encoded
-                         with --max-side) and 00000000.cls (the target, ASCII: the class
-                         index; COCO: the image id; DIV2K: the position); COCO adds
-                         00000000.json ({"boxes": [[x, y, w, h], ...] in pixels of the
-                         stored image, "labels": [category id, ...]}, written for every
-                         image, even with zero boxes), DIV2K with --lr adds 00000000.lr.png
-                         (the paired LR image)
-    manifest.json      format, version, count, classes, pack params (COCO: category ids),
-                       boxes / pairs (whether the .json / .lr.* members are there), and per
-                       shard: file, count, bytes, xxh3_64 of the whole file, targets. Written last: a
-                       folder without it is not a pack. Training knows the epoch length and
-                       every target from it, without listing the bucket.
+    shard-000000.tar   tar members keyed by basename, the WebDataset convention: one
+    shard-000001.tar     member per field of each record, <key>.<ext> as the field's codec
+                         names it (fastload/data/records.py): an ImageFolder record is
+                         00000000.jpg (or .png: the source file's bytes, or re-encoded with
+                         --max-side) and 00000000.cls (the class index, ASCII); COCO adds
+                         00000000.boxes.npy and 00000000.labels.npy (written for every
+                         image, even with zero boxes), DIV2K with --lr 00000000.lr.png
+    manifest.json      format, version, schema (the fields and their codecs), count,
+                       classes, pack params (COCO: category ids), and per shard: file,
+                       count, bytes, xxh3_64 of the whole file, and the values of every int
+                       field (`columns`). Written last: a folder without it is not a pack.
+                       Training knows the epoch length and every label from it, without
+                       listing the bucket.
 
 `storage.url` names where the shards are:
   * null: the local pack beside dataset.root (packed on first use, storage.auto_pack);
@@ -25,11 +25,12 @@ Shards (`python -m fastload.pack webdataset SRC DST` writes DST/<split>/):
     s3://bucket/imagenet/{split}-{000000..000146}.tar: the manifest.json beside the shards
     is used when it names them; otherwise (shards written by other tools) local rank 0
     reads every shard once (into the cache) and keeps the derived manifest in the cache
-    folder, classes named by their index;
+    folder, its fields those of the dataset's layout (an ImageFolder's: .jpg and .cls),
+    classes named by their index;
   * a mapping split -> folder or pattern (train and val with different shard counts).
 
-Reading: the reader is map-style like every other storage (`read(i)` -> (bytes, target)):
-sample i lies in shard k at member offset o. The shard is fetched whole into the node cache
+Reading: the reader is map-style like every other storage (`get(i, name)`: one field of
+record i): sample i lies in shard k at member offset o. The shard is fetched whole into the node cache
 (fastload/storage/wds_cache.py: one fetch per node, atomic rename, LRU size limit, retries)
 or, for a local folder, read where it is; its tar index comes from the tar headers, read
 once per process; the member's bytes are sliced from a memory map. The order that makes this
@@ -42,7 +43,8 @@ Integrity: a fetched shard's size and xxh3_64 are checked against the manifest b
 renamed into the cache; a local shard's, once per process when it is first read (verify).
 A shard that fails (or whose tar headers are cut or damaged) is named in the error; with
 dataset.skip_corrupt=true its samples are skipped and counted instead (the reader hands the
-decoder empty bytes, which the dataset's skip path counts under the shard's name).
+decoder empty bytes for an image field, None for any other, which the dataset's skip path
+counts under the shard's name).
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from fastload.data.layouts import as_layout
+from fastload.data.records import Schema
 from fastload.errors import ConfigError, StorageError
 from fastload.storage.base import Reader
 from fastload.storage.packing import KINDS, PackedStorage
@@ -79,11 +83,8 @@ from fastload.storage.wds_cache import (
 log = logging.getLogger("fastload")
 
 FORMAT = "fastload-webdataset"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-BOXES_EXT = "json"  # <key>.json: {"boxes": [[x, y, w, h], ...], "labels": [id, ...]}
-PAIR_EXTS = tuple(f"lr.{e}" for e in IMAGE_EXTS)  # <key>.lr.png: the paired (LR) image
 
 
 def shard_name(k: int) -> str:
@@ -133,39 +134,37 @@ def split_key(member: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
-def _image_ext(data) -> str:
-    head = bytes(data[:8])
-    if head.startswith(b"\x89PNG"):
-        return "png"
-    if head.startswith(b"RIFF"):
-        return "webp"
-    return "jpg"
-
-
 # -- writing ----------------------------------------------------------------------------------
 
 
 class WdsWriter:
-    """Append samples as tar members to shards of about `shard_bytes` (and at most
+    """Append records as tar members to shards of about `shard_bytes` (and at most
     `shard_samples`); `close()` writes the manifest, last (the pack's marker)."""
 
-    def __init__(self, out_dir, shard_bytes: int = 256 << 20, shard_samples: int | None = None):
+    def __init__(
+        self,
+        out_dir,
+        schema: Schema,
+        shard_bytes: int = 256 << 20,
+        shard_samples: int | None = None,
+    ):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.schema = schema
         self.shard_bytes = int(shard_bytes)
         self.shard_samples = int(shard_samples) if shard_samples else None
         self.shards: list[dict] = []
         self.count = 0
         self._tar = None
         self._cur: dict | None = None
-        self.has_boxes = self.has_pairs = False
 
     def _roll(self) -> None:
         self._finish()
         name = shard_name(len(self.shards))
         # USTAR: fixed 512-byte headers, readable by every tar reader (WebDataset, DALI).
         self._tar = tarfile.open(self.dir / name, "w", format=tarfile.USTAR_FORMAT)
-        self._cur = {"file": name, "count": 0, "bytes": 0, "targets": []}
+        columns = {f.name: [] for f in self.schema.columns}
+        self._cur = {"file": name, "count": 0, "bytes": 0, "columns": columns}
 
     def _finish(self) -> None:
         if self._tar is None:
@@ -185,42 +184,23 @@ class WdsWriter:
         self._tar.addfile(info, io.BytesIO(data))
         self._cur["bytes"] += 512 + -(-len(data) // 512) * 512
 
-    def add(
-        self, record, target: int, *, path: str = "", boxes=None, labels=None, pair=None, **_
-    ) -> None:
-        """One sample: its image and .cls; `boxes` (n, 4) x, y, w, h with `labels` (n,)
-        category ids (COCO) as <key>.json; `pair` the paired image's bytes (DIV2K LR) as
-        <key>.lr.<png|jpg>, in the same shard."""
-        if self.count and (boxes is not None) != self.has_boxes:
-            raise ValueError(f"{path}: a detection pack needs boxes for every record")
-        if self.count and (pair is not None) != self.has_pairs:
-            raise ValueError(f"{path}: a paired pack needs a pair for every record")
-        extra = None
-        if boxes is not None:
-            boxes = np.asarray(boxes, np.float32).reshape(-1, 4)
-            labels = np.zeros(len(boxes), np.int64) if labels is None else np.asarray(labels)
-            if labels.shape != (len(boxes),):
-                raise ValueError(f"{path}: {len(boxes)} boxes but labels of shape {labels.shape}")
-            # float32 -> Python float -> float32 is exact, so the boxes read back bit for bit.
-            doc = {"boxes": boxes.tolist(), "labels": labels.astype(np.int64).tolist()}
-            extra = json.dumps(doc, separators=(",", ":")).encode()
-        need = len(record) + (len(pair) if pair is not None else 0) + len(extra or b"")
+    def add(self, values: dict, *, path: str = "") -> None:
+        """One record: {field name: value}, every field of the schema, as one member each
+        in the same shard."""
+        members = [(f, f.coder.encode(values[f.name])) for f in self.schema]
+        need = sum(len(data) + 512 for _, data in members)
         full = self._cur is not None and (
-            (self._cur["count"] and self._cur["bytes"] + need + 2560 > self.shard_bytes)
+            (self._cur["count"] and self._cur["bytes"] + need + 2048 > self.shard_bytes)
             or (self.shard_samples and self._cur["count"] >= self.shard_samples)
         )
         if self._tar is None or full:
             self._roll()
         key = f"{self.count:08d}"
-        self._member(f"{key}.{_image_ext(record)}", bytes(record))
-        self._member(f"{key}.cls", str(int(target)).encode())
-        if extra is not None:
-            self._member(f"{key}.{BOXES_EXT}", extra)
-        if pair is not None:
-            self._member(f"{key}.lr.{_image_ext(pair)}", bytes(pair))
-        self.has_boxes, self.has_pairs = boxes is not None, pair is not None
+        for f, data in members:
+            self._member(f"{key}.{f.member_ext(data)}", data)
+        for f in self.schema.columns:
+            self._cur["columns"][f.name].append(int(values[f.name]))
         self._cur["count"] += 1
-        self._cur["targets"].append(int(target))
         self.count += 1
 
     def close(self, *, classes, params: dict, source: str = "") -> dict:
@@ -228,11 +208,10 @@ class WdsWriter:
         meta = {
             "format": FORMAT,
             "version": VERSION,
+            "schema": self.schema.to_json(),
             "count": self.count,
             "classes": list(classes),
             "params": params,
-            "boxes": self.has_boxes,
-            "pairs": self.has_pairs,
             "source": source,
             "shards": self.shards,
             "total_bytes": sum(s["bytes"] for s in self.shards),
@@ -246,14 +225,13 @@ class WdsWriter:
 # -- reading one shard ------------------------------------------------------------------------
 
 
-def tar_index(path, name: str = "") -> tuple[list[str], np.ndarray, np.ndarray, dict]:
-    """(keys, image offsets, image lengths, {ext: {key: (offset, length)}}) of a tar shard,
-    from its headers only, in the order the samples appear; the dict holds the other
-    members (cls, json, lr.png, ...) by extension. Damaged or cut headers
-    and members cut by the end of the file raise StorageError naming the shard."""
+def tar_index(path, name: str = "") -> tuple[list[str], dict]:
+    """(sample keys in the order they first appear, {ext: {key: (offset, length)}}) of a tar
+    shard, from its headers only. Damaged or cut headers and members cut by the end of the
+    file raise StorageError naming the shard."""
     name = name or str(path)
     size = os.path.getsize(path)
-    keys, offs, lens, extra = [], [], [], {}
+    keys, members = {}, {}
     try:
         with tarfile.open(path, "r:") as tf:
             for m in tf:
@@ -265,18 +243,19 @@ def tar_index(path, name: str = "") -> tuple[list[str], np.ndarray, np.ndarray, 
                         f"{m.offset_data + m.size}, the file has {size}."
                     )
                 key, ext = split_key(m.name)
-                if ext in IMAGE_EXTS:
-                    keys.append(key)
-                    offs.append(m.offset_data)
-                    lens.append(m.size)
-                else:
-                    extra.setdefault(ext, {})[key] = (m.offset_data, m.size)
+                keys.setdefault(key, None)
+                members.setdefault(ext, {})[key] = (m.offset_data, m.size)
     except tarfile.TarError as exc:
         raise CorruptShard(
             f"corrupt shard {name}: not a readable tar file ({exc}), damaged or cut. Re-write "
             f"it, or set dataset.skip_corrupt=true to skip and count its samples."
         ) from None
-    return keys, np.asarray(offs, np.int64), np.asarray(lens, np.int64), extra
+    return list(keys), members
+
+
+def field_members(field, members: dict) -> dict:
+    """{key: (offset, length)} of the members holding `field` (any extension it reads)."""
+    return {k: v for ext, by_key in members.items() if field.reads(ext) for k, v in by_key.items()}
 
 
 def check_shard_file(path, url: str) -> None:
@@ -284,8 +263,7 @@ def check_shard_file(path, url: str) -> None:
     sent instead (an HTML error or login page with status 200, an empty body) is named."""
     size = os.path.getsize(path)
     try:
-        keys, _, _, extra = tar_index(path, url)
-        if keys or extra:
+        if tar_index(path, url)[0]:
             return
         problem = "a tar file with no members"
     except CorruptShard as exc:
@@ -303,44 +281,43 @@ def check_shard_file(path, url: str) -> None:
     )
 
 
-def parse_cls(raw: bytes, shard: str, key: str) -> int:
-    """A sample's .cls member: a class index >= 0 as decimal text; StorageError naming the
-    shard and the sample otherwise."""
-    text = raw.decode("utf-8", "replace").strip()
-    if not text.isdigit():  # also refuses "-1", "1.7", "abc", ""
+def parse_column(field, raw: bytes, shard: str, key: str) -> int:
+    """A sample's member of int field `field` (.cls: a whole number >= 0 as decimal text);
+    StorageError naming the shard and the sample otherwise."""
+    try:
+        return field.coder.decode(raw)
+    except ValueError as exc:
+        ext = field.member_ext(raw)
         raise StorageError(
-            f"shard {shard}: sample {key} has .cls {text[:20]!r}, not a class index (a whole "
-            f"number >= 0). Fix the shard's .cls member, or re-pack the data (python -m "
-            f"fastload.pack webdataset SRC DST)."
-        )
-    return int(text)
+            f"shard {shard}: sample {key} has .{ext} {exc}. Fix the shard's .{ext} member, or "
+            f"re-pack the data (python -m fastload.pack webdataset SRC DST)."
+        ) from None
 
 
-def scan_shard(path, name: str) -> dict:
-    """A manifest entry for a shard written by another tool: its samples and .cls targets
-    (and whether it has .json boxes / .lr.* pairs)."""
-    keys, _, _, extra = tar_index(path, name)
-    cls = extra.get("cls", {})
-    targets = []
+def scan_shard(path, name: str, schema: Schema) -> dict:
+    """A manifest entry for a shard written by another tool: its samples (the keys that
+    have the schema's first field) and the values of its int fields."""
+    keys, members = tar_index(path, name)
+    keys = [k for k in keys if k in field_members(schema[0], members)]
+    columns = {}
     with open(path, "rb") as f:
-        for key in keys:
-            if key not in cls:
-                raise StorageError(f"shard {name}: sample {key} has no .cls member (its class).")
-            f.seek(cls[key][0])
-            targets.append(parse_cls(f.read(cls[key][1]), name, key))
-    return {
-        "file": name,
-        "count": len(keys),
-        "bytes": os.path.getsize(path),
-        "targets": targets,
-        "boxes": BOXES_EXT in extra,
-        "pairs": any(e in extra for e in PAIR_EXTS),
-    }
+        for field in schema.columns:
+            found, values = field_members(field, members), []
+            for key in keys:
+                if key not in found:
+                    ext = field.member_ext(b"")
+                    raise StorageError(
+                        f"shard {name}: sample {key} has no .{ext} member ({field.name})."
+                    )
+                f.seek(found[key][0])
+                values.append(parse_column(field, f.read(found[key][1]), name, key))
+            columns[field.name] = values
+    return {"file": name, "count": len(keys), "bytes": os.path.getsize(path), "columns": columns}
 
 
 class WdsReader(Reader):
-    """`(bytes, target)` of one split's shards; a shard is fetched (or opened) on first use
-    in each process, a few memory maps are kept open at a time."""
+    """The fields of one split's shards; a shard is fetched (or opened) on first use in each
+    process, a few memory maps are kept open at a time."""
 
     _unpicklable = ("_maps", "_verified", "_bad")
 
@@ -367,11 +344,18 @@ class WdsReader(Reader):
         self.shard_bytes = [s.get("bytes") for s in shards]
         self.shard_checks = [s.get("xxh3_64") for s in shards]
         self._starts = np.concatenate([[0], np.cumsum(self.shard_sizes)])
-        self._targets = np.asarray(
-            [t for s in shards for t in s["targets"]] or np.zeros(0), np.int64
-        )
-        if len(self._targets) != int(self._starts[-1]):
-            raise StorageError(f"{self.base}: the manifest's targets and counts disagree.")
+        self.schema = Schema.from_json(manifest["schema"])
+        self._columns = {
+            f.name: np.asarray(
+                [v for s in shards for v in s["columns"][f.name]] or np.zeros(0), np.int64
+            )
+            for f in self.schema.columns
+        }
+        for name, values in self._columns.items():
+            if len(values) != int(self._starts[-1]):
+                raise StorageError(
+                    f"{self.base}: the manifest's {name} values and counts disagree."
+                )
         self.cache = cache
         self.verify, self.skip_corrupt = bool(verify), bool(skip_corrupt)
         self.retries, self.retry_backoff_s = int(retries), float(retry_backoff_s)
@@ -384,25 +368,28 @@ class WdsReader(Reader):
         self._init_stats()
 
     def __len__(self) -> int:
-        return len(self._targets)
+        return int(self._starts[-1])
 
     @property
     def classes(self) -> tuple[str, ...]:
         return tuple(self.meta.get("classes") or ())
 
-    @property
-    def targets(self) -> np.ndarray:
-        return self._targets
+    def column(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            self.field(name)  # names the fields there are
+            raise StorageError(f"field {name!r} of {self.base} is not an int column.")
+        return self._columns[name]
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard, sample within it) of sample i."""
         k = int(np.searchsorted(self._starts, i, side="right")) - 1
         return k, i - int(self._starts[k])
 
-    def describe(self, i: int) -> str:
+    def describe(self, i: int, name: str | None = None) -> str:
         k, j = self.locate(i)
         why = f" (corrupt shard: {self._bad[k]})" if self._bad and k in self._bad else ""
-        return f"{self.urls[k]} sample {j} of {int(self.shard_sizes[k])}{why}"
+        what = "" if name in (None, self.schema[0].name) else f"the {name} member of "
+        return f"{what}{self.urls[k]} sample {j} of {int(self.shard_sizes[k])}{why}"
 
     # -- shards -----------------------------------------------------------------------------
 
@@ -441,8 +428,8 @@ class WdsReader(Reader):
         return path
 
     def _open(self, k: int):
-        """(memory map, image offsets, lengths, {"json"|"lr": (offsets, lengths)}) of shard k,
-        opened once per process; -1 where a sample has no such member."""
+        """(memory map, {field: (offsets, lengths)}) of shard k, opened once per process;
+        -1 where a sample has no member of that field."""
         if self._maps is None:
             self._maps, self._verified, self._bad = collections.OrderedDict(), set(), {}
         got = self._maps.get(k)
@@ -452,51 +439,55 @@ class WdsReader(Reader):
         for attempt in (0, 1):
             try:
                 path = self.local_path(k)
-                keys, offs, lens, extra = tar_index(path, self.urls[k])
+                keys, members = tar_index(path, self.urls[k])
                 fh = open(path, "rb")  # noqa: SIM115
                 break
             except FileNotFoundError:  # evicted by another process between fill and open
                 if attempt:
                     raise
+        first = field_members(self.schema[0], members)
+        keys = [key for key in keys if key in first]
         if len(keys) != int(self.shard_sizes[k]):
             raise CorruptShard(
-                f"corrupt shard {self.urls[k]}: {len(keys)} image members, the manifest says "
-                f"{int(self.shard_sizes[k])}."
+                f"corrupt shard {self.urls[k]}: {len(keys)} samples with a "
+                f"{self.schema[0].name} member, the manifest says {int(self.shard_sizes[k])}."
             )
+        fields = {}
+        for field in self.schema:
+            found = field_members(field, members)
+            at = [found.get(key, (-1, -1)) for key in keys]
+            fields[field.name] = (np.asarray([a[0] for a in at]), np.asarray([a[1] for a in at]))
         with fh:
-            self._check_labels(k, fh, keys, extra.get("cls", {}))
+            self._check_columns(k, fh, fields, keys)
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        members = {}
-        for name, exts in (("json", (BOXES_EXT,)), ("lr", PAIR_EXTS)):
-            found = {key: v for e in exts for key, v in extra.get(e, {}).items()}
-            if found:
-                at = [found.get(key, (-1, -1)) for key in keys]
-                members[name] = (np.asarray([a[0] for a in at]), np.asarray([a[1] for a in at]))
-        self._maps[k] = got = (mm, offs, lens, members)
+        self._maps[k] = got = (mm, fields)
         while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
             self._maps.popitem(last=False)[1][0].close()
         return got
 
-    def _check_labels(self, k: int, fh, keys: list[str], cls: dict) -> None:
-        """The shard's .cls members against the manifest's targets, once per opening (a few
-        microseconds a sample): a manifest written for other shards would train every
+    def _check_columns(self, k: int, fh, fields: dict, keys: list[str]) -> None:
+        """The shard's int members (.cls) against the manifest's values, once per opening (a
+        few microseconds a sample): a manifest written for other shards would train every
         sample under a wrong label."""
         start = int(self._starts[k])
-        for j, key in enumerate(keys):
-            if key not in cls:
-                continue
-            fh.seek(cls[key][0])
-            label, want = (
-                parse_cls(fh.read(cls[key][1]), self.urls[k], key),
-                self._targets[start + j],
-            )
-            if label != want:
-                raise StorageError(
-                    f"shard {self.urls[k]}: sample {key} has .cls {label}, but the manifest "
-                    f"({self.base}) says {int(want)}: the manifest was not written for these "
-                    f"shards. Re-pack the data (python -m fastload.pack webdataset SRC DST), or "
-                    f"remove the manifest to read the labels from the shards' .cls members."
-                )
+        for field in self.schema.columns:
+            offs, lens = fields[field.name]
+            for j, (off, n) in enumerate(zip(offs.tolist(), lens.tolist(), strict=True)):
+                if off < 0:
+                    continue
+                fh.seek(off)
+                key = keys[j]
+                value = parse_column(field, fh.read(n), self.urls[k], key)
+                want = int(self._columns[field.name][start + j])
+                if value != want:
+                    ext = field.member_ext(b"")
+                    raise StorageError(
+                        f"shard {self.urls[k]}: sample {key} has .{ext} {value}, but the manifest "
+                        f"({self.base}) says {want}: the manifest was not written for these "
+                        f"shards. Re-pack the data (python -m fastload.pack webdataset SRC "
+                        f"DST), or remove the manifest to read the values from the shards' "
+                        f".{ext} members."
+                    )
 
     def _shard(self, k: int):
         """`_open(k)`, or None for a corrupt shard skipped under skip_corrupt."""
@@ -511,74 +502,31 @@ class WdsReader(Reader):
             self._bad[k] = str(exc)
             return None
 
-    def read(self, i: int) -> tuple[bytes, int]:
+    def get(self, i: int, name: str):
+        """Field `name` of sample i; for a sample of a corrupt shard skipped under
+        skip_corrupt, b"" for an image field (undecodable: counted under describe(i)) and
+        None for any other."""
+        if name in self._columns:
+            return int(self._columns[name][i])
+        field = self.field(name)
         t0 = time.perf_counter()
         k, j = self.locate(i)
-        target = int(self._targets[i])
         got = self._shard(k)
         if got is None:
-            return b"", target  # skip_corrupt: undecodable, counted under describe(i)
-        mm, offs, lens, _ = got
+            return b"" if field.coder.image else None
+        mm, fields = got
+        offs, lens = fields[name]
         off, n = int(offs[j]), int(lens[j])
+        if off < 0:
+            raise StorageError(
+                f"{self.describe(i)} has no .{field.member_ext(b'')} member ({name}); re-pack."
+            )
         data = mm[off : off + n]
         self._account(n, t0)
-        return data, target
-
-    def _extra(self, i: int, name: str) -> bytes | None:
-        """Sample i's .json ("json") or .lr.* ("lr") member; None when it has none, b"" when
-        its shard is corrupt and skipped."""
-        k, j = self.locate(i)
-        got = self._shard(k)
-        if got is None:
-            return b""
-        mm, members = got[0], got[3]
-        if name not in members or int(members[name][0][j]) < 0:
-            return None
-        off, n = int(members[name][0][j]), int(members[name][1][j])
-        return mm[off : off + n]
-
-    def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample i's boxes (n, 4) float32 x, y, w, h in pixels of the stored image and their
-        category ids (n,) int64, from its <key>.json; n = 0 when it has none (or the pack
-        has no boxes at all, or its shard is corrupt and skipped)."""
-        none = np.zeros((0, 4), np.float32), np.zeros(0, np.int64)
-        if not self.meta.get("boxes"):
-            return none
-        raw = self._extra(i, "json")
-        if not raw:
-            return none
         try:
-            doc = json.loads(raw)
-            boxes = np.asarray(doc["boxes"], np.float32).reshape(-1, 4)
-            labels = np.asarray(doc["labels"], np.int64).reshape(-1)
-        except (ValueError, KeyError, TypeError) as exc:
-            raise StorageError(f"unreadable boxes (.json) of {self.describe(i)}: {exc}") from None
-        if len(labels) != len(boxes):
-            raise StorageError(
-                f"boxes (.json) of {self.describe(i)}: {len(boxes)} boxes, {len(labels)} labels"
-            )
-        return boxes, labels
-
-    @property
-    def has_pairs(self) -> bool:
-        return bool(self.meta.get("pairs"))
-
-    def read_pair(self, i: int) -> bytes:
-        """The paired record of sample i (DIV2K: the LR image, <key>.lr.png)."""
-        if not self.has_pairs:
-            raise StorageError(
-                f"{self.base} has no paired records (.lr.* members); pack the source with "
-                f"pairs (python -m fastload.pack webdataset DST --source div2k --hr .. --lr ..)."
-            )
-        t0 = time.perf_counter()
-        data = self._extra(i, "lr")
-        if data is None:
-            raise StorageError(f"{self.describe(i)} has no paired (.lr.*) member; re-pack.")
-        self._account(len(data), t0)
-        return data
-
-    def describe_pair(self, i: int) -> str:
-        return f"the .lr image of {self.describe(i)}"
+            return field.coder.decode(data)
+        except ValueError as exc:
+            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}") from None
 
     def _evict(self) -> None:
         """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
@@ -697,8 +645,8 @@ class WebDatasetStorage(PackedStorage):
         tag = f"{self.max_side}px-q{self.quality}" if self.max_side else "orig"
         return f"{os.fspath(root).rstrip('/')}.packs/webdataset-{tag}"
 
-    def writer(self, folder: Path) -> WdsWriter:
-        return WdsWriter(folder, int(self.shard_mb * (1 << 20)), self.shard_samples)
+    def writer(self, folder: Path, schema: Schema) -> WdsWriter:
+        return WdsWriter(folder, schema, int(self.shard_mb * (1 << 20)), self.shard_samples)
 
     def reader(self, split_dir: Path) -> WdsReader:
         manifest = read_manifest(str(split_dir / MANIFEST))
@@ -768,9 +716,10 @@ class WebDatasetStorage(PackedStorage):
                     f"{join(where, 'shard-{000000..000009}.tar')}."
                 )
             return self._reader(where, manifest)
-        return self._reader(parent(where), self._pattern_manifest(where, opts))
+        schema = as_layout(root).schema
+        return self._reader(parent(where), self._pattern_manifest(where, opts, schema))
 
-    def _pattern_manifest(self, pattern: str, opts) -> dict:
+    def _pattern_manifest(self, pattern: str, opts, schema: Schema) -> dict:
         urls = expand_braces(pattern)
         folder = parent(urls[0])
         beside = read_manifest(join(folder, MANIFEST), *opts)
@@ -780,7 +729,10 @@ class WebDatasetStorage(PackedStorage):
             if all(parent(u) == folder for u in urls) and all(n in by_name for n in names):
                 return {**beside, "count": None, "shards": [by_name[n] for n in names]}
         # Foreign shards: read each once (into the cache when remote) and keep the result.
-        derived = Path(self.cache_dir) / f"{xxhash.xxh3_64_hexdigest(pattern.encode())}.json"
+        derived = (
+            Path(self.cache_dir)
+            / f"{xxhash.xxh3_64_hexdigest(f'v{VERSION} {pattern}'.encode())}.json"
+        )
         Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
         with locked(derived.with_suffix(".lock")):
             if derived.is_file():
@@ -788,23 +740,32 @@ class WebDatasetStorage(PackedStorage):
             t0 = time.perf_counter()
             probe = WdsReader(
                 folder,
-                {"shards": [{"url": u, "count": 0, "targets": []} for u in urls]},
+                {
+                    "schema": schema.to_json(),
+                    "shards": [
+                        {"url": u, "count": 0, "columns": {f.name: [] for f in schema.columns}}
+                        for u in urls
+                    ],
+                },
                 cache=ShardCache(self.cache_dir, self.cache_bytes),
                 verify=False,
                 retries=self.retries,
                 retry_backoff_s=self.retry_backoff_s,
                 storage_options=self.storage_options,
             )
-            shards = [{**scan_shard(probe.local_path(k), u), "url": u} for k, u in enumerate(urls)]
-            top = check_label_range(shards)
+            shards = [
+                {**scan_shard(probe.local_path(k), u, schema), "url": u} for k, u in enumerate(urls)
+            ]
+            top = max(
+                (check_label_range(shards, f) for f in schema.columns if f.classes), default=-1
+            )
             manifest = {
                 "format": FORMAT,
                 "version": VERSION,
+                "schema": schema.to_json(),
                 "count": sum(s["count"] for s in shards),
                 "classes": [str(c) for c in range(top + 1)],
                 "params": {"derived_from": pattern},
-                "boxes": any(s.pop("boxes") for s in shards),
-                "pairs": any(s.pop("pairs") for s in shards),
                 "shards": shards,
             }
             derived.write_text(json.dumps(manifest), encoding="utf-8")
@@ -816,20 +777,20 @@ class WebDatasetStorage(PackedStorage):
             return manifest
 
 
-def check_label_range(shards: list[dict]) -> int:
-    """The largest .cls label of shards without a manifest (the classes are 0..that); a
-    single label far beyond all others (999999 among 0..2) is a damaged .cls, named,
-    not a million classes."""
-    labels = sorted({t for s in shards for t in s["targets"]})
-    if len(labels) >= 2 and labels[-1] >= 1000 and labels[-1] > 10 * (labels[-2] + 1):
-        shard = next(s for s in shards if labels[-1] in s["targets"])
+def check_label_range(shards: list[dict], field) -> int:
+    """The largest value of class field `field` (.cls) in shards without a manifest (the
+    classes are 0..that); a single label far beyond all others (999999 among 0..2) is a
+    damaged .cls, named, not a million classes."""
+    values = sorted({t for s in shards for t in s["columns"][field.name]})
+    if len(values) >= 2 and values[-1] >= 1000 and values[-1] > 10 * (values[-2] + 1):
+        shard = next(s for s in shards if values[-1] in s["columns"][field.name])
         raise StorageError(
-            f"shard {shard['url']}: a .cls label {labels[-1]} far beyond all others (up to "
-            f"{labels[-2]}): a damaged label? Class indices run 0..N-1. Fix that sample's .cls "
+            f"shard {shard['url']}: a .cls label {values[-1]} far beyond all others (up to "
+            f"{values[-2]}): a damaged label? Class indices run 0..N-1. Fix that sample's .cls "
             f"member, or write the shards with a manifest (python -m fastload.pack webdataset "
             f"SRC DST) that names the classes."
         )
-    return labels[-1] if labels else -1
+    return values[-1] if values else -1
 
 
 def _is_pattern(url: str) -> bool:
@@ -859,7 +820,7 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
         except StorageError as exc:
             problems.append(str(exc))
             continue
-        if len(keys) != s["count"]:
+        if len(keys) != s["count"]:  # a pack's every member belongs to one of its records
             problems.append(f"{f}: {len(keys)} samples, the manifest says {s['count']}")
     return int(meta["count"]), problems
 

@@ -99,7 +99,7 @@ class SuperResolutionTask(Task):
             )
         if d.layout.get("lr"):
             for reader in (train_reader, val_reader):
-                if not reader.has_pairs:
+                if not reader.has("lr"):
                     raise ConfigError(
                         f"dataset.layout.lr={d.layout.lr} names LR images, but "
                         f"{reader.store_root()} holds none (packed without --lr?). Delete that "
