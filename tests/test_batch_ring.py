@@ -167,7 +167,8 @@ def test_worker_targets_travel_inline_not_as_shared_tensors():
 
     import torch.multiprocessing  # noqa: F401  (registers the reductions workers use)
 
-    from fastload.data.batch import TARGET, InlineArray, collate
+    from fastload.data.batch import TARGET, collate
+    from fastload.loaders.transport import InlineArray
 
     ring = ring_mod.BatchRing(num_workers=1, slots=1, slot_bytes=64)
     samples = [(torch.zeros(3, 2, 2, dtype=torch.uint8), t) for t in (3, 1, 4)]

@@ -152,7 +152,7 @@ def test_no_function_over_80_lines():
     assert not long, long
 
 
-LOADER_CLASSES = {"BaselineLoader", "BackgroundLoader", "CudaPrefetchLoader"}
+LOADER_CLASSES = {"DataLoaderStream", "BackgroundLoader", "CudaPrefetchLoader"}
 LOADER_CLASSES |= {"PrefetchBackgroundLoader", "loader_factory"}
 
 
@@ -184,7 +184,7 @@ def test_the_loader_is_constructed_in_one_place():
         if (n := loader_constructions(ast.parse(path.read_text())))
     }
     assert places == {"fastload/pipeline.py": 1}, places
-    assert loader_constructions(ast.parse("BaselineLoader(ds, s)\ninstantiate(cfg.loader)")) == 2
+    assert loader_constructions(ast.parse("DataLoaderStream(ds, s)\ninstantiate(cfg.loader)")) == 2
 
 
 def test_private_torch_internals_are_all_still_there():
@@ -244,3 +244,38 @@ def test_no_store_names_a_tasks_field():
     assert named == {}, named
     # and the check sees a store that reads a task's field
     assert task_mentions(ast.parse('def f(r, i):\n    return r.boxes(i), r.get(i, "lr")'), fields)
+
+
+TRANSPORT = ("RingSlot", "InlineArray", "BatchPart", "merge_parts", "join_images", "SlotCollate")
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    return {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+
+
+def test_the_batch_contract_holds_no_transport():
+    """data/batch.py says what a batch is; how it travels (slots, inline arrays, a batch cut
+    across the workers and joined) lives beside the ring in fastload/loaders/."""
+    mods = modules()
+    assert not defined_names(mods["fastload.data.batch"]) & set(TRANSPORT)
+    assert {"InlineArray", "merge_parts", "join_images", "SlotCollate"} <= defined_names(
+        mods["fastload.loaders.transport"]
+    )
+    assert "RingSlot" in defined_names(mods["fastload.loaders.batch_ring"])
+
+
+def collate_fn_assignments(tree: ast.Module) -> list[int]:
+    """Lines that set `<something>.collate_fn = ...` (swapping a built DataLoader's collate)."""
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and target.attr == "collate_fn"
+    ]
+
+
+def test_no_dataloader_gets_its_collate_swapped_after_it_is_built():
+    swapped = {n: lines for n, t in modules().items() if (lines := collate_fn_assignments(t))}
+    assert swapped == {}, swapped
+    assert collate_fn_assignments(ast.parse("dl.collate_fn = partial(collate, ring=r)")) == [1]

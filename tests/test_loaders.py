@@ -660,8 +660,7 @@ def round_robin_load(items, workers: int) -> list[int]:
 def test_the_stream_tail_is_cut_so_every_worker_builds_the_same_share(
     samples, batch, drop_last, workers, cut
 ):
-    from fastload.data.batch import BatchPart
-    from fastload.data.sampling import EpochBatches, EpochSampler
+    from fastload.data.sampling import BatchPart, EpochBatches, EpochSampler
 
     sampler = EpochSampler(samples, rank=0, world_size=1, shuffle=True, seed=0)
     whole = EpochBatches(sampler, batch, drop_last)
@@ -690,8 +689,7 @@ def test_the_stream_tail_is_cut_so_every_worker_builds_the_same_share(
 def test_only_the_last_epoch_of_a_pipelined_stream_is_cut():
     """Across an epoch boundary the workers go on into the next epoch: nothing to balance
     there; the stream's end (3 x 31 batches on 2 workers) is."""
-    from fastload.data.batch import BatchPart
-    from fastload.data.sampling import EpochBatches, EpochSampler
+    from fastload.data.sampling import BatchPart, EpochBatches, EpochSampler
 
     sampler = EpochSampler(2000, rank=0, world_size=1, shuffle=True, seed=0)
     eb = EpochBatches(sampler, 64, True, tail_workers=2)
@@ -745,7 +743,7 @@ def test_cut_tail_batches_joined_under_pinned_memory_on_cuda(folder, strategy):
 
 
 def test_joined_images_fill_the_first_parts_slot_when_it_has_room():
-    from fastload.data.batch import join_images
+    from fastload.loaders.transport import join_images
 
     rng = torch.Generator().manual_seed(0)
     whole = torch.randint(0, 255, (5, 3, 4, 6), dtype=torch.uint8, generator=rng)

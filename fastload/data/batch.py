@@ -20,6 +20,7 @@ import math
 import numpy as np
 import torch
 
+from fastload.data.sampling import BatchPart
 from fastload.torch_internals import new_shared_storage
 
 IMAGE = "image"
@@ -29,7 +30,8 @@ the model's input (float or loader.input_dtype, normalised, in the model's memor
 None when every sample of the batch was skipped."""
 TARGET = "target"
 """int64 (N,) on the same device as the image; None when every sample was skipped. An
-`InlineArray` while it travels from a worker that stacks into a reused slot."""
+`InlineArray` (fastload/loaders/transport.py) while it travels from a worker that stacks
+into a reused slot."""
 SKIPPED = "skipped"
 """int: samples of this batch dropped as corrupt (dataset.skip_corrupt=true)."""
 COUNTS = "counts"
@@ -43,23 +45,9 @@ ENCODED = "encoded"
 their class's `collate`; IMAGE then holds only the samples decoded in the workers. Device
 prep replaces both with the decoded IMAGE."""
 PART = "part"
-"""(k, n) on a batch built from a `BatchPart` of keys: the k-th of n consecutive parts of one
-batch, which the loader's host stage joins (`merge_parts`) before anything else sees it."""
-
-
-class BatchPart(list):
-    """The keys (in a worker: the samples) of one part of a batch that the batch sampler cut
-    across the workers (fastload/data/sampling.py: `EpochBatches`, the stream's tail): a
-    list, so a dataset and a fetcher use it as any batch of keys, that remembers which part
-    it is. `collate` copies the mark onto the batch as PART."""
-
-    def __init__(self, items, part: int, parts: int):
-        super().__init__(items)
-        self.part, self.parts = part, parts
-
-    def like(self, items) -> BatchPart:
-        """`items` (this part's samples) with this part's mark."""
-        return BatchPart(items, self.part, self.parts)
+"""(k, n) on a batch built from a `BatchPart` of keys (fastload/data/sampling.py): the k-th of
+n consecutive parts of one batch, which the loader's host stage joins
+(fastload/loaders/transport.py: `merge_parts`) before anything else sees it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,33 +76,14 @@ class PendingImage(abc.ABC):
         return torch.from_numpy(hwc).permute(2, 0, 1)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class InlineArray:
-    """A small array a worker sends inside the batch's pickle (bytes through the pipe) rather
-    than as a tensor. torch sends every tensor a worker returns as a new shared-memory
-    segment whose file descriptor the main process fetches over a new connection to the
-    worker (authenticated, then the fd passed): ~150 us of main-process and ~200 us of worker
-    CPU per tensor on 2 cores, far more than 64 int64 targets are worth; the image slot
-    already travels as a `RingSlot`, so this was the batch's last tensor. The loader's host
-    stage makes it a tensor again (`BatchRing.resolve_batch`); the DataLoader's pin thread
-    calls `pin_memory`."""
-
-    array: np.ndarray
-
-    def tensor(self) -> torch.Tensor:
-        return torch.from_numpy(self.array)
-
-    def pin_memory(self, device=None) -> torch.Tensor:
-        return self.tensor().pin_memory()
-
-
 def collate(samples: list, ring=None) -> dict:
     """Samples -> one batch dict with the keys above; skipped (corrupt) samples, `None`, are
     dropped and counted.
 
-    With a `BatchRing` (in a DataLoader worker), the images are stacked into a reused
-    shared-memory slot and IMAGE is the slot's `RingSlot`, TARGET an `InlineArray`; the
-    loader's host stage swaps them for tensors (fastload/loaders/batch_ring.py)."""
+    With a `ring` (in a DataLoader worker: the loader's reused batch slots,
+    fastload/loaders/batch_ring.py), the images are stacked into a free slot and IMAGE is
+    what the ring hands back for it, TARGET what `ring.inline` makes of the labels; the
+    loader's host stage swaps them for tensors (fastload/loaders/transport.py)."""
     kept = [s for s in samples if s is not None and not isinstance(s, Skipped)]
     gone = [s.where for s in samples if isinstance(s, Skipped)]
     counts = sum_counts(s[2] for s in kept if len(s) > 2)
@@ -128,14 +97,14 @@ def collate(samples: list, ring=None) -> dict:
         if ring is None:
             targets = torch.tensor(labels, dtype=torch.int64)
         else:  # a worker stacking into reused slots: no shared segment for the targets either
-            targets = InlineArray(np.array(labels, dtype=np.int64))
+            targets = ring.inline(np.array(labels, dtype=np.int64))
         batch = {IMAGE: images, TARGET: targets, SKIPPED: len(samples) - len(kept)}
         if deferred:
             encoded = [kept[i][0] for i in deferred]
             batch[ENCODED] = type(encoded[0]).collate(encoded, deferred)
     put_optional(batch, counts, gone)
     if isinstance(samples, BatchPart):
-        batch[PART] = (samples.part, samples.parts)
+        batch[PART] = (samples.part, samples.parts)  # joined again by the host stage
     return batch
 
 
@@ -150,62 +119,11 @@ def sum_counts(many) -> dict[str, int]:
 
 def put_optional(batch: dict, counts: dict[str, int], gone: list[str]) -> None:
     """The optional COUNTS and SKIPPED_FILES keys of a batch, set only when non-empty (every
-    collate and `merge_parts` end with this)."""
+    collate, and the join of a cut batch's parts, end with this)."""
     if counts:
         batch[COUNTS] = counts
     if gone:
         batch[SKIPPED_FILES] = gone
-
-
-def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
-    """The batch that `parts` (collated `BatchPart`s of one batch, in order, their tensors
-    already out of their slots) were cut from: the same dict `collate` gives for the whole
-    batch. The images are joined by `join_images` (pinned when `pin_memory`), the targets,
-    counts and skipped files concatenated or summed; a batch's deferred (ENCODED) samples
-    cannot be joined, so the loader never cuts batches for a backend that defers its decode."""
-    if any(ENCODED in p for p in parts):
-        raise ValueError("merge_parts: parts with deferred (encoded) samples cannot be joined")
-    images = [p[IMAGE] for p in parts if p[IMAGE] is not None]
-    targets = [p[TARGET] for p in parts if p[TARGET] is not None]
-    batch = {IMAGE: None, TARGET: None, SKIPPED: sum(p[SKIPPED] for p in parts)}
-    if images:
-        batch[IMAGE] = join_images(images, pin_memory)
-        batch[TARGET] = torch.cat(targets)
-        if pin_memory:
-            batch[TARGET] = batch[TARGET].pin_memory()
-    counts = sum_counts(p.get(COUNTS, {}) for p in parts)
-    put_optional(batch, counts, [w for p in parts for w in p.get(SKIPPED_FILES, [])])
-    return batch
-
-
-def join_images(images: list[torch.Tensor], pin_memory: bool = False) -> torch.Tensor:
-    """The images of consecutive parts as one batch tensor with the first part's strides.
-
-    Where the first part sits at the start of a storage with room for the whole batch (a
-    reused slot: sized for a batch, and the consumer's until the batch is dropped), the
-    other parts are copied in after it and the batch is that storage: no new memory (a new
-    ~10 MB tensor costs more in page faults than the copy), a copy of the other parts only.
-    Else (pinned copies, fresh segments) a new tensor, pinned when `pin_memory`."""
-    first = images[0]
-    shape = (sum(len(x) for x in images), *first.shape[1:])
-    per_sample = math.prod(first.shape[1:])
-    dense = first.is_contiguous() or (
-        first.dim() == 4 and first.is_contiguous(memory_format=torch.channels_last)
-    )
-    storage = first.untyped_storage()
-    room = storage.nbytes() >= math.prod(shape) * first.element_size() and not pin_memory
-    if dense and first.storage_offset() == 0 and first.stride(0) == per_sample and room:
-        out = torch.empty(0, dtype=first.dtype).set_(storage, 0, shape, first.stride())
-    else:
-        nhwc = first.dim() == 4 and not first.is_contiguous()
-        fmt = torch.channels_last if nhwc else torch.contiguous_format
-        out = torch.empty(shape, dtype=first.dtype, memory_format=fmt, pin_memory=pin_memory)
-        out[: len(first)].copy_(first)
-    at = len(first)
-    for x in images[1:]:
-        out[at : at + len(x)].copy_(x)
-        at += len(x)
-    return out
 
 
 def is_image(x) -> bool:

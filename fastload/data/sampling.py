@@ -6,7 +6,7 @@ function of (seed, epoch, index) alone.
 
 `EpochBatches` is the DataLoader's batch sampler: it yields the batches of a *plan* of epochs
 back to back, so one DataLoader iterator can run from one epoch into the next and its workers
-never stop at an epoch boundary (fastload/loaders/baseline.py). Each epoch's batches are
+never stop at an epoch boundary (fastload/loaders/dataloader_stream.py). Each epoch's batches are
 exactly those of a fresh per-epoch iteration (same permutation, same grouping, same
 drop_last), so pipelining changes timing, never content.
 """
@@ -19,9 +19,22 @@ import numpy as np
 import torch
 from torch.utils.data import DistributedSampler
 
-from fastload.data.batch import BatchPart
-
 log = logging.getLogger("fastload")
+
+
+class BatchPart(list):
+    """The keys (in a worker: the samples) of one part of a batch that the batch sampler cut
+    across the workers (`EpochBatches`, the stream's tail): a
+    list, so a dataset and a fetcher use it as any batch of keys, that remembers which part
+    it is. `collate` (fastload/data/batch.py) copies the mark onto the batch as PART."""
+
+    def __init__(self, items, part: int, parts: int):
+        super().__init__(items)
+        self.part, self.parts = part, parts
+
+    def like(self, items) -> BatchPart:
+        """`items` (this part's samples) with this part's mark."""
+        return BatchPart(items, self.part, self.parts)
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -31,7 +31,7 @@ import weakref
 from prefetch_generator import BackgroundGenerator
 
 from fastload.errors import ConfigError
-from fastload.loaders.baseline import BaselineLoader
+from fastload.loaders.dataloader_stream import DataLoaderStream
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _close_all_at_exit() -> None:
         it.close(timeout=2.0)
 
 
-class BackgroundLoader(BaselineLoader):
+class BackgroundLoader(DataLoaderStream):
     """loader=bg: the DataLoader iterator runs in a background thread."""
 
     def __init__(self, *args, max_prefetch: int = 2, **kwargs):

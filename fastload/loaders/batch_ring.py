@@ -41,7 +41,6 @@ decrement) and then stored FREE.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import weakref
@@ -50,8 +49,8 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from fastload.data.batch import InlineArray
 from fastload.host import MB, SHM, SHM_FIX, shm_bytes
+from fastload.loaders.transport import InlineArray
 from fastload.torch_internals import has_use_count, new_shared_storage, use_count
 
 log = logging.getLogger("fastload.loaders")
@@ -191,6 +190,11 @@ class BatchRing:
                     batch[key] = value.pin_memory() if pin_memory else value.tensor()
         return batch
 
+    def inline(self, array: np.ndarray) -> InlineArray:
+        """A small array (the targets) as it travels from a worker stacking into this ring:
+        inside the batch's pickle, no shared segment of its own."""
+        return InlineArray(array)
+
     def stats(self) -> dict:
         """Batches stacked into a slot (hits) and into a fresh segment (misses), summed."""
         hits, misses = (int(v) for v in self.counters.sum(0))
@@ -199,8 +203,8 @@ class BatchRing:
 
 class LoaderSlots:
     """A loader's batch slots over its epochs: sized at construction, allocated at the first
-    epoch (a loader never iterated costs nothing), wired into the DataLoader's collate, and
-    released with `close()` (after each epoch when workers are not persistent, so the eval
+    epoch (a loader never iterated costs nothing), read by the DataLoader's collate
+    (fastload/loaders/transport.py: `SlotCollate`), and released with `close()` (after each epoch when workers are not persistent, so the eval
     loader's slots do not sit in /dev/shm while training runs). Counts hits and misses over
     every epoch."""
 
@@ -209,7 +213,7 @@ class LoaderSlots:
         self.ring: BatchRing | None = None
         self._totals = {"ring_hits": 0, "ring_misses": 0}
 
-    def open(self, dataloader, collate) -> BatchRing | None:
+    def open(self) -> BatchRing | None:
         """The slots (allocated if needed, before the workers start); None when /dev/shm
         has no room for them (this epoch then uses a new shared segment per batch)."""
         if self.ring is not None:
@@ -228,16 +232,14 @@ class LoaderSlots:
             )
             return None
         self.ring = BatchRing(self.num_workers, self.slots, self.slot_bytes)
-        dataloader.collate_fn = functools.partial(collate, ring=self.ring)
         return self.ring
 
-    def close(self, dataloader, collate) -> None:
+    def close(self) -> None:
         """Drop the slots (batches the consumer still holds keep their own slot alive)."""
         ring, self.ring = self.ring, None
         if ring is not None:
             for k, v in ring.stats().items():
                 self._totals[k] += v
-            dataloader.collate_fn = collate
 
     def stats(self) -> dict:
         now = self.ring.stats() if self.ring is not None else {}

@@ -32,14 +32,14 @@ import logging
 
 import torch
 
-from fastload.loaders.baseline import BaselineLoader
+from fastload.loaders.dataloader_stream import DataLoaderStream
 from fastload.loaders.device_prep import map_tensors
 
 log = logging.getLogger(__name__)
 _said_no_cuda = False
 
 
-class CudaPrefetchLoader(BaselineLoader):
+class CudaPrefetchLoader(DataLoaderStream):
     """loader=prefetch: one batch ahead, copied and converted on a side CUDA stream."""
 
     normalizes_on_device = True

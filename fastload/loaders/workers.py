@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from fastload.data.batch import BatchPart
+from fastload.data.sampling import BatchPart
 from fastload.errors import ConfigError, FastloadError
 from fastload.host import usable_cores
 from fastload.torch_internals import stuck_worker

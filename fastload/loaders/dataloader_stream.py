@@ -1,4 +1,7 @@
-"""loader=baseline: torch DataLoader, every knob from the config, transfer in the train thread.
+"""`DataLoaderStream`, what loader=baseline builds: a torch DataLoader, every knob from the
+config, a stream of epochs, transfer in the train thread. ("baseline" names the strategy that
+adds no thread and no CUDA stream, not the textbook loader: the workers stack into reused
+slots, the stream crosses epochs, a stream's tail is balanced over the workers.)
 
 Also the base of the other strategies. A loader is two stages that subclasses override:
 
@@ -39,11 +42,12 @@ import weakref
 import torch
 from torch.utils.data import DataLoader
 
-from fastload.data.batch import PART, collate, merge_parts
+from fastload.data.batch import PART, collate
 from fastload.data.sampling import EpochBatches
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
 from fastload.loaders.device_prep import DevicePrep, iter_tensors
+from fastload.loaders.transport import SlotCollate, merge_parts
 from fastload.loaders.workers import (
     WorkerSeeding,
     register_workers,
@@ -72,8 +76,9 @@ def _close_all_at_exit() -> None:
         loader.close()
 
 
-class BaselineLoader:
-    """Iterates device-ready batches: {"image": float NCHW on device, "target", ...}."""
+class DataLoaderStream:
+    """A stream of epochs over a torch DataLoader; iterates device-ready batches:
+    {"image": float NCHW on device, "target", ...}."""
 
     # A strategy that normalises on the device itself (loader=prefetch) sets this; the
     # builder then refuses loader.normalize_on=cpu, which would normalise twice (timm#73).
@@ -127,6 +132,7 @@ class BaselineLoader:
         self.slots = None
         if workers and reuse_batch_memory and collate_fn is None and sample_bytes:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
+            self.collate = SlotCollate(collate, self.slots)
         # Cut the stream's last round of batches across the workers (EpochBatches): only
         # with fastload's collate (it marks the parts) and no deferred decode (whose encoded
         # samples cannot be joined); the host stage joins the parts again.
@@ -184,7 +190,7 @@ class BaselineLoader:
     def _host_batches(self):
         """Collated CPU batches of the planned epochs from the DataLoader, started now (its
         workers start and the first tasks go out before this returns)."""
-        ring = self.slots.open(self.dataloader, collate) if self.slots is not None else None
+        ring = self.slots.open() if self.slots is not None else None
         if ring is not None:
             ring.reset()  # before the iterator exists: no batch of this stream is in flight
         it = iter(self.dataloader)
@@ -253,7 +259,7 @@ class BaselineLoader:
 
     def _close_slots(self) -> None:
         if self.slots is not None:
-            self.slots.close(self.dataloader, self.collate)
+            self.slots.close()
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         """The epoch the next `__iter__` yields, from its batch `skip_batches` (resume)."""
@@ -295,13 +301,13 @@ class _DataLoaderBatches:
     """One stream's DataLoader iterator: batches out of their reused slots, the stall
     watchdog, the first-batch checks; `close()` stops its workers unless they persist."""
 
-    def __init__(self, loader: BaselineLoader, it, ring, t0: float):
+    def __init__(self, loader: DataLoaderStream, it, ring, t0: float):
         # A proxy, not a reference: the loader holds this stream, and a cycle would keep a
         # dropped loader's workers alive until the garbage collector happens to run. What
         # `close()` needs is held directly, so it also works once the loader is gone.
         self.loader, self.it, self.ring, self.t0 = weakref.proxy(loader), it, ring, t0
         self.persistent = loader.dataloader.persistent_workers
-        self.release = (loader.slots, loader.dataloader, loader.collate)
+        self.slots = loader.slots
         self.closed = False
         loader.first_batch_s = None
 
@@ -356,6 +362,5 @@ class _DataLoaderBatches:
         self.closed = True
         if not self.persistent:
             shutdown_workers(self.it)
-            slots, dataloader, collate_fn = self.release
-            if slots is not None:
-                slots.close(dataloader, collate_fn)
+            if self.slots is not None:
+                self.slots.close()
