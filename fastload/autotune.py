@@ -244,8 +244,11 @@ class Probe:
 
 
 def timed(probe: Probe, loader, t: Trial) -> None:
-    """Fill in the trial's rate: a warm-up batch (worker start-up), then batches each
-    followed by the step's stand-in, until the batches or the budget run out."""
+    """Fill in the trial's rate: a warm-up batch (worker start-up; the model's step is
+    measured on it once), then batches each followed by the step's stand-in
+    (fastload/measure.py), until the batches or the budget run out."""
+    from fastload.measure import SleepStep, feed
+
     loader.set_epoch(0)
     it = iter(loader)
     batch = next(it, None)
@@ -253,21 +256,9 @@ def timed(probe: Probe, loader, t: Trial) -> None:
         return
     if probe.step_s is None:
         probe.step_s = measure_step(probe, batch)
-    t0 = time.perf_counter()
-    wait, n, images = 0.0, 0, 0
-    while n < probe.auto["batches"] and probe.remaining() > 0:
-        w0 = time.perf_counter()
-        batch = next(it, None)
-        if batch is None:
-            break
-        wait += time.perf_counter() - w0
-        time.sleep(probe.step_s)  # the model's step: releases the GIL, as a GPU step does
-        n += 1
-        images += len(batch["target"])
-    it.close()
-    total = time.perf_counter() - t0
-    t.batches, t.img_s = n, images / total if total > 0 else 0.0
-    t.data_wait = wait / total if total > 0 else 0.0
+    got = feed(it, SleepStep(1000 * probe.step_s), max_batches=probe.auto["batches"],
+               budget_s=probe.remaining())  # fmt: skip
+    t.batches, t.img_s, t.data_wait = got.batches, got.images_per_s, got.data_wait_share
 
 
 def measure_step(probe: Probe, batch) -> float:

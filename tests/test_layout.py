@@ -279,3 +279,40 @@ def test_no_dataloader_gets_its_collate_swapped_after_it_is_built():
     swapped = {n: lines for n, t in modules().items() if (lines := collate_fn_assignments(t))}
     assert swapped == {}, swapped
     assert collate_fn_assignments(ast.parse("dl.collate_fn = partial(collate, ring=r)")) == [1]
+
+
+def timing_loops(tree: ast.Module) -> list[str]:
+    """Functions with a loop that both pulls a batch (`next(...)`) and reads the clock
+    (`time.perf_counter()`): a loader-timing loop of their own."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for loop in ast.walk(fn):
+            if not isinstance(loop, (ast.For, ast.While)):
+                continue
+            calls = {ast.unparse(c.func) for c in ast.walk(loop) if isinstance(c, ast.Call)}
+            if "next" in calls and "time.perf_counter" in calls:
+                found.append(fn.name)
+                break
+    return found
+
+
+def test_one_measuring_module():
+    """bench loaders, the doctor and loader=auto time a loader with fastload/measure.py: one
+    SleepStep class and one timing loop in the project."""
+    files = [*PACKAGE.rglob("*.py"), *(REPO / "scripts").rglob("*.py")]
+    sleep_steps = [
+        str(p.relative_to(REPO))
+        for p in files
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ClassDef) and n.name == "SleepStep"
+    ]
+    assert sleep_steps == ["fastload/measure.py"]
+    loops = {n: found for n, t in modules().items() if (found := timing_loops(t))}
+    assert loops == {"fastload.measure": ["feed"]}, loops
+    for user in ("fastload.bench.loaders", "fastload.doctor.pipeline", "fastload.autotune"):
+        assert "fastload.measure" in fastload_imports(modules()[user], modules()), user
+    # and the check sees a private loop
+    own = "def f(it):\n    while True:\n        t = time.perf_counter()\n        next(it)\n"
+    assert timing_loops(ast.parse(own)) == ["f"]

@@ -19,7 +19,6 @@ them: extra overrides (backend=turbo, storage=shards, loader.timeout=60) apply.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from fastload.bench.common import (
     write_json,
 )
 from fastload.errors import ConfigError, DatasetError
+from fastload.measure import SleepStep, feed
 from fastload.pipeline import build_storage
 
 
@@ -51,19 +51,6 @@ def build_loader(strategy: str, workers: int, args, root: Path, device: torch.de
     return build(cfg, "train", device=device, channels_last=device.type == "cuda", storage=storage)
 
 
-class SleepStep:
-    """A consumer step of fixed duration that releases the GIL."""
-
-    def __init__(self, ms: float):
-        self.seconds = ms / 1000
-
-    def __call__(self, x, y) -> None:
-        time.sleep(self.seconds)
-
-    def sync(self) -> None:
-        pass
-
-
 class ModelStep:
     """One bf16 autocast, channels_last SGD step of a torchvision model on CUDA."""
 
@@ -75,9 +62,9 @@ class ModelStep:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.loss = torch.nn.CrossEntropyLoss()
 
-    def __call__(self, x, y) -> None:
+    def train(self, batch) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = self.loss(self.model(x), y)
+            loss = self.loss(self.model(batch["image"]), batch["target"])
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
@@ -87,33 +74,9 @@ class ModelStep:
 
 
 def measure(batches, step, warmup: int, steps: int) -> dict:
-    """Images/s and data-wait share over `steps` steps after `warmup` untimed ones."""
-    it = iter(batches)
-    try:
-        for _ in range(warmup):
-            b = next(it)
-            step(b["image"], b["target"])
-        step.sync()
-        wait = 0.0
-        images = 0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            t = time.perf_counter()
-            b = next(it)
-            wait += time.perf_counter() - t
-            step(b["image"], b["target"])
-            images += len(b["target"])
-        step.sync()
-        wall = time.perf_counter() - t0
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-    return {
-        "images_per_s": images / wall,
-        "data_wait_share": wait / wall,
-        "ms_per_step": 1000 * wall / steps,
-    }
+    """Images/s, data-wait share and ms per step over `steps` steps after `warmup` untimed
+    ones (fastload/measure.py)."""
+    return feed(batches, step, warmup=warmup, max_batches=steps).row()
 
 
 def resident_batches(args, device):

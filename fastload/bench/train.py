@@ -26,39 +26,7 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import compose, format_table, one_device, write_json
-from fastload.tasks.base import SumsEvaluator
-from fastload.tasks.classification import ClassificationStep
-
-EVAL_STEP_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
-
-
-class SleepStep:
-    """A step of fixed duration that releases the GIL; counts samples like ModelStep."""
-
-    def __init__(self, ms: float, device: torch.device):
-        self.seconds, self.device = ms / 1000, device
-
-    def train_mode(self) -> None:
-        pass
-
-    eval_mode = train_mode
-    after_step = train_mode
-
-    train_sums = ClassificationStep.train_sums
-    train_metrics = staticmethod(ClassificationStep.train_metrics)
-
-    def train(self, batch) -> torch.Tensor:
-        time.sleep(self.seconds)
-        n = len(batch["target"])
-        return torch.tensor([0.0, 0.0, n], dtype=torch.float64, device=self.device)
-
-    def evaluator(self) -> SumsEvaluator:
-        return SumsEvaluator(self.device, 4, self.eval_sums, ClassificationStep.val_metrics)
-
-    def eval_sums(self, batch) -> torch.Tensor:
-        time.sleep(self.seconds * EVAL_STEP_SHARE)
-        n = len(batch["target"])
-        return torch.tensor([0.0, 0.0, 0.0, n], dtype=torch.float64, device=self.device)
+from fastload.measure import EVAL_STEP_SHARE, SleepStep
 
 
 class Timeline:

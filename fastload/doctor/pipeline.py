@@ -231,8 +231,8 @@ def device_stage(s: Setup, prep, batch, reps: int = 5) -> tuple[float, dict]:
 
 def make_step(s: Setup, step_ms: float | None):
     """The configured model's step (a throwaway TrainState), or bench train's fixed step."""
-    from fastload.bench.train import SleepStep
     from fastload.engine import amp_dtype
+    from fastload.measure import SleepStep
     from fastload.train_state import TrainState
 
     if step_ms is not None:
@@ -264,6 +264,7 @@ def together(s: Setup, step, batches: int, step_s: float, budget_s: float = 15.0
     batch); fewer batches when the step is slow (a real model on a CPU)."""
     from omegaconf import open_dict
 
+    from fastload.measure import feed
     from fastload.pipeline import build_loader
 
     batches = max(2, min(batches, int(budget_s / max(step_s, 1e-6))))
@@ -272,20 +273,12 @@ def together(s: Setup, step, batches: int, step_s: float, budget_s: float = 15.0
         cfg.trainer.epochs, cfg.trainer.max_steps_per_epoch = 1, batches + 1
     loader = build_loader(cfg, "train", device=s.ctx.device, channels_last=s.channels_last,
                           storage=s.storage, backend=s.backend)  # fmt: skip
-    n, t0 = 0, None
+    loader.set_epoch(0)
     try:
-        loader.set_epoch(0)
-        for batch in loader:
-            step.train(batch)
-            if t0 is None:
-                sync(s.ctx.device)
-                t0 = time.perf_counter()
-                continue
-            n += len(batch["target"])
-        sync(s.ctx.device)
+        got = feed(loader, step, warmup=1, sync=lambda: sync(s.ctx.device))
     finally:
         loader.close()
-    return n / (time.perf_counter() - t0) if n else float("nan")
+    return got.images_per_s if got.images else float("nan")
 
 
 def stage_rows(s: Setup, costs: dict, loader: dict, prep_s: float, step_s: float) -> list:
