@@ -172,10 +172,8 @@ class Trial:
 @dataclass
 class Probe:
     cfg: DictConfig
+    plan: object  # the run's data plan (fastload/pipeline.py); trials change its loader
     ctx: object
-    storage: object
-    reader: object
-    backend: object
     model: object
     channels_last: bool
     amp: object
@@ -188,25 +186,20 @@ class Probe:
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
 
-    def trial_cfg(self, t: Trial) -> DictConfig:
-        cfg = self.cfg.copy()
-        with open_dict(cfg):
-            cfg.loader.num_workers = t.num_workers
-            cfg.loader.prefetch_factor = t.prefetch_factor
-            cfg.loader.pin_memory = t.pin_memory
-            cfg.trainer.epochs = 1
-            cfg.trainer.max_steps_per_epoch = self.auto["batches"] + 1
-            if t.backend != self.current_backend:
-                cfg.backend = backend_config(t.backend)
-        return cfg
+    def trial_plan(self, t: Trial, backend):
+        """The run's plan with the trial's loader options and backend, one short epoch."""
+        plan = self.plan.with_loader(
+            num_workers=t.num_workers, prefetch_factor=t.prefetch_factor, pin_memory=t.pin_memory
+        )
+        return plan.replace(backend=backend, epochs=1, max_steps_per_epoch=self.auto["batches"] + 1)
 
     @property
     def current_backend(self) -> str:
-        return getattr(self.backend, "name", "configured")
+        return getattr(self.plan.backend, "name", "configured")
 
     def backend_for(self, name: str):
         if name == self.current_backend:
-            return self.backend
+            return self.plan.backend
         if name not in self.backends:
             from hydra.utils import instantiate
 
@@ -219,12 +212,10 @@ class Probe:
         from fastload.pipeline import build_loader
 
         try:
-            backend = self.backend_for(t.backend)
+            plan = self.trial_plan(t, self.backend_for(t.backend))
             loader = build_loader(
-                self.trial_cfg(t), "train", device=self.ctx.device,
-                channels_last=self.channels_last, rank=self.ctx.rank,
-                world_size=self.ctx.world_size, local_world_size=self.ctx.local_world_size,
-                storage=self.storage, backend=backend, reader=self.reader,
+                plan, "train", device=self.ctx.device, channels_last=self.channels_last,
+                rank=self.ctx.rank, world_size=self.ctx.world_size,
             )  # fmt: skip
         except Exception as exc:  # e.g. a backend whose decoder is not installed here
             log.info("loader=auto: skipping %s (%s)", t.text(), exc)
@@ -268,7 +259,6 @@ def measure_step(probe: Probe, batch) -> float:
     import torch
 
     from fastload.dist import DistContext
-    from fastload.tasks.base import build_task
     from fastload.train_state import TrainState
 
     cfg = probe.cfg.copy()
@@ -277,7 +267,7 @@ def measure_step(probe: Probe, batch) -> float:
     state = TrainState.create(cfg, probe.ctx.device, 1, 1000, amp=probe.amp,
                               channels_last=probe.channels_last,
                               model=copy.deepcopy(probe.model))  # fmt: skip
-    step = build_task(cfg).step(state, cfg, DistContext(device=probe.ctx.device), probe.amp)
+    step = probe.plan.task.step(state, cfg, DistContext(device=probe.ctx.device), probe.amp)
     step.train_mode()
     step.train(batch)
     sync = torch.cuda.synchronize if probe.ctx.device.type == "cuda" else (lambda: None)
@@ -345,11 +335,12 @@ def search(p: Probe) -> Trial | None:
 # -- the entry point: fit calls it before building the data path --------------------------------
 
 
-def tune(cfg: DictConfig, ctx, storage, backend, model, *, channels_last: bool, amp):
-    """(cfg, backend) for the run: unchanged unless loader=auto, else the tuned settings
-    applied (the cached ones when this machine, dataset and config were probed before)."""
+def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp):
+    """The run's data plan (fastload/pipeline.py): as it is unless loader=auto, else with the
+    tuned loader options and backend (the cached ones when this machine, dataset and config
+    were probed before). The config is not changed: the run records the plan's options."""
     if "auto" not in cfg.loader:
-        return cfg, backend
+        return plan
     auto = settings(cfg)
     choice = None
     if ctx.is_main:
@@ -357,15 +348,13 @@ def tune(cfg: DictConfig, ctx, storage, backend, model, *, channels_last: bool, 
 
         cuda = [ctx.device] if ctx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # a probe leaves the run's RNGs as they were
-            choice = choose(cfg, ctx, storage, backend, model, auto, channels_last, amp)
+            choice = choose(plan, cfg, ctx, model, auto, channels_last, amp)
     choice = dist.broadcast_object(choice, ctx)
-    return apply(cfg, backend, choice)
+    return apply(plan, cfg, choice)
 
 
-def choose(cfg, ctx, storage, backend, model, auto, channels_last, amp) -> dict | None:
-    from fastload.pipeline import SPLIT_KEYS, build_layout
-
-    reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS["train"]])
+def choose(plan, cfg, ctx, model, auto, channels_last, amp) -> dict | None:
+    reader = plan.reader("train")
     key, fields = cache_key(cfg, ctx, reader)
     path = cache_dir() / "autotune" / f"{key}.json"
     if auto["cache"] and path.is_file():
@@ -380,7 +369,7 @@ def choose(cfg, ctx, storage, backend, model, auto, channels_last, amp) -> dict 
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("loader=auto: ignoring the unreadable cache %s (%s)", path, exc)
     t0 = time.perf_counter()
-    probe = Probe(cfg, ctx, storage, reader, backend, model, channels_last, amp, auto,
+    probe = Probe(cfg, plan, ctx, model, channels_last, amp, auto,
                   deadline=t0 + auto["budget_s"])  # fmt: skip
     log.info("loader=auto: probing for up to %g s (loader.auto.budget_s)", auto["budget_s"])
     chosen = search(probe)
@@ -420,16 +409,17 @@ def write_cache(path: Path, fields: dict, chosen: Trial, probe: Probe) -> None:
         )
 
 
-def apply(cfg: DictConfig, backend, choice: dict | None):
+def apply(plan, cfg: DictConfig, choice: dict | None):
+    """The plan with the chosen loader options (and backend, when another won)."""
     if choice is None:
-        return cfg, backend
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        for k in TUNED:
-            cfg.loader[k] = choice[k]
-        if choice["backend"] != getattr(backend, "name", None):
-            from hydra.utils import instantiate
+        return plan
+    plan = plan.with_loader(**{k: choice[k] for k in TUNED})
+    if choice["backend"] != getattr(plan.backend, "name", None):
+        from hydra.utils import instantiate
 
-            cfg.backend = backend_config(choice["backend"])
-            backend = instantiate(cfg.backend)
-    return cfg, backend
+        from fastload.pipeline import normalize_on
+
+        backend = instantiate(backend_config(choice["backend"]))
+        normalize_on(cfg, backend)  # a combination that cannot work is refused here too
+        plan = plan.replace(backend=backend)
+    return plan

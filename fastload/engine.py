@@ -29,9 +29,8 @@ from fastload.autotune import tune
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
-from fastload.pipeline import DataPath, build_backend, build_data, build_layout, prepare_data
+from fastload.pipeline import DataPath, build_backend, build_data, build_plan, prepare_data
 from fastload.preflight import preflight
-from fastload.tasks.base import build_task
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
@@ -323,7 +322,7 @@ def check_writable(run_dir: Path) -> None:
 class RunRecord:
     """What rank 0 writes: metrics.jsonl, summary.json, checkpoints and the logger sink."""
 
-    def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list, task):
+    def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list, task, plan=None):
         self.ctx, self.run_dir, self.task = ctx, run_dir, task
         self.checkpoints = cfg.trainer.checkpoint_every > 0  # 0: never (debug=fast)
         self.files = self.sink = None
@@ -331,7 +330,15 @@ class RunRecord:
             self.files = MetricsFiles(run_dir)
             self.files.rewrite_epochs(history)  # a resumed run's directory has the history
             self.sink = instantiate(cfg.logger) if cfg.logger else NullSink()
-            self.sink.start(config=OmegaConf.to_container(cfg, resolve=True), run_dir=run_dir)
+            config = OmegaConf.to_container(cfg, resolve=True)
+            if (
+                plan is not None
+            ):  # what the loader runs with (num_workers resolved, loader=auto's choice)
+                config["resolved"] = {
+                    "loader": plan.loader,
+                    "backend": getattr(plan.backend, "name", None),
+                }
+            self.sink.start(config=config, run_dir=run_dir)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -545,15 +552,18 @@ def fit(cfg: DictConfig) -> dict:
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
     preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
-    task = build_task(cfg)
-    model = task.build_model(cfg)  # so is a model made for another task
-    storage = prepare_data(cfg, ctx)  # once per node: generate, stage, pack
+    # The data path resolved once (storage, layout, backend, task, normalisation, loader
+    # options); everything below takes the plan, not the config.
+    plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
+    model = plan.task.build_model(cfg)  # so is a model made for another task
+    prepare_data(cfg, ctx, plan.storage)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
     amp = amp_dtype(cfg.trainer.precision, ctx.device)
     # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
-    cfg, backend = tune(cfg, ctx, storage, backend, model, channels_last=channels_last, amp=amp)
-    data = build_data(cfg, ctx, storage, channels_last=channels_last, backend=backend)
+    plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp)
+    data = build_data(plan, ctx, channels_last=channels_last)
+    task = plan.task
     state = TrainState.create(
         cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,
         model=model,
@@ -561,7 +571,7 @@ def fit(cfg: DictConfig) -> dict:
     if found is not None:
         state.load_state_dict(found[1], found[0])
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
-    record = RunRecord(cfg, ctx, run_dir, state.history, task)
+    record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     except RuntimeError as exc:  # torch's word for a dead worker names only a pid
@@ -572,7 +582,7 @@ def fit(cfg: DictConfig) -> dict:
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
-            storage.finish(build_layout(cfg), [cfg.dataset.train_split, cfg.dataset.val_split])
+            plan.storage.finish(plan.layout, list(plan.splits.values()))
     summary = record.finish(state)
     dist.barrier(ctx)
     return summary

@@ -2,9 +2,13 @@
 
     storage (conf/storage) -> reader -> dataset (+ backend, transform) -> sampler -> loader
 
-`build_loader(cfg, split)` builds one split's loader; `build_data(cfg, ctx)` both splits for
-training; `prepare_data(cfg, ctx)` runs the once-per-node steps before either. The engine,
-every benchmark and the tests call these, so a new loader argument is added here once.
+`build_plan(cfg)` resolves the config once into a `DataPlan` of objects and values: the
+storage, the layout, the backend, the task (with its settings), where normalisation happens,
+the loader's options with num_workers a whole number; every later step takes the plan, not
+the config. `build_loader(plan, split)` builds one split's loader; `build_data(plan, ctx)`
+both splits for training; `prepare_data(cfg, ctx)` runs the once-per-node steps before
+either. The engine, every benchmark and the tests call these, so a new loader argument is
+added here once.
 
 The builder decides where normalisation happens (`loader.normalize_on`) and tells both sides:
 the dataset gets the `Normalize` (cpu) or device prep does (device), never both. It refuses
@@ -14,6 +18,7 @@ device-normalising loader with normalize_on=cpu.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ from fastload.data.dataset import Normalize
 from fastload.data.sampling import EpochSampler, ShardSampler, ShardStreamSampler
 from fastload.errors import ConfigError
 from fastload.loaders.device_prep import DTYPES, DevicePrep
+from fastload.loaders.workers import resolve_num_workers
 from fastload.tasks.base import build_task
 
 SPLIT_KEYS = {"train": "train_split", "val": "val_split"}
@@ -77,11 +83,11 @@ def build_layout(cfg: DictConfig):
     return instantiate(cfg.dataset.layout)
 
 
-def prepare_data(cfg: DictConfig, ctx):
+def prepare_data(cfg: DictConfig, ctx, storage=None):
     """Once per node (local rank 0) before training: the dataset's `prepare` (generate the
     synthetic set) and the storage's (stage to tmpfs, pack); the other ranks wait. Returns
-    the storage object."""
-    storage = build_storage(cfg)
+    the storage object (`storage`, or the config's)."""
+    storage = storage if storage is not None else build_storage(cfg)
     if ctx.is_local_main:
         if cfg.dataset.prepare is not None:
             instantiate(cfg.dataset.prepare)
@@ -115,47 +121,105 @@ def normalize_on(cfg: DictConfig, backend=None) -> str:
     return where
 
 
-def loader_factory(cfg: DictConfig):
-    """conf/loader/<name>.yaml without the two keys the builder owns (normalize_on and
-    input_dtype): a partial of the loader class, given the rest at `build_loader`."""
+def loader_options(cfg: DictConfig, local_world_size: int = 1) -> dict:
+    """conf/loader/<name>.yaml as the loader class takes it: without the keys the builder
+    owns (normalize_on, input_dtype) and loader=auto's probe settings (fastload/autotune.py
+    resolves those into the keys here at the start of a run), num_workers a whole number."""
     opts = OmegaConf.to_container(cfg.loader, resolve=True)
     for key in ("normalize_on", "input_dtype"):
         opts.pop(key)
-    # loader=auto: the probe's settings (fastload/autotune.py), resolved at the start
-    # of a run into the keys above; a loader built without the probe uses its base values.
     opts.pop("auto", None)
-    return instantiate(opts)
+    opts["num_workers"] = resolve_num_workers(opts["num_workers"], local_world_size)
+    return opts
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """A run's data path, resolved once from the config (`build_plan`)."""
+
+    storage: object  # fastload.storage.base.Storage
+    layout_config: object  # dataset.layout; built on first use (a custom dataset needs none)
+    backend: object  # fastload.decode.base.DecodeBackend
+    task: object  # fastload.tasks.base.Task, with its settings
+    splits: dict  # "train" / "val" -> the split's folder name
+    normalize_on: str  # "device" | "cpu"
+    normalize: Normalize
+    input_dtype: torch.dtype
+    loader: dict  # `loader_options`: the loader class (_target_) and its arguments
+    batch_size: int
+    seed: int
+    epochs: int
+    max_steps_per_epoch: int | None
+    local_world_size: int = 1
+    readers: dict = dataclasses.field(default_factory=dict, compare=False)
+    built: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def layout(self):
+        """How the dataset lies under dataset.root (fastload/data/layouts.py), built once."""
+        if "layout" not in self.built:
+            self.built["layout"] = instantiate(self.layout_config)
+        return self.built["layout"]
+
+    def reader(self, split: str):
+        """The split's reader, opened once."""
+        if split not in self.readers:
+            self.readers[split] = self.storage.open(self.layout, self.splits[split])
+        return self.readers[split]
+
+    def replace(self, **changes) -> DataPlan:
+        """The same plan with some parts changed (the readers kept when the storage is)."""
+        keep = "storage" not in changes and "layout_config" not in changes
+        return dataclasses.replace(
+            self, **changes, readers=self.readers if keep else {}, built=self.built if keep else {}
+        )
+
+    def with_loader(self, **options) -> DataPlan:
+        """The plan with some loader options changed (loader=auto's trials and its choice)."""
+        return self.replace(loader={**self.loader, **options})
+
+
+def build_plan(cfg: DictConfig, *, local_world_size: int = 1, storage=None, backend=None,
+               task=None) -> DataPlan:  # fmt: skip
+    """The config resolved once; `storage` / `backend` / `task` are the ones already built
+    (the engine builds the backend and the task before preparing the data)."""
+    backend = backend if backend is not None else build_backend(cfg)
+    where = normalize_on(cfg, backend)
+    return DataPlan(
+        storage=storage if storage is not None else build_storage(cfg),
+        layout_config=cfg.dataset.layout,
+        backend=backend,
+        task=task if task is not None else build_task(cfg),
+        splits={split: cfg.dataset[key] for split, key in SPLIT_KEYS.items()},
+        normalize_on=where,
+        normalize=Normalize(cfg.dataset.mean, cfg.dataset.std),
+        input_dtype=DTYPES[cfg.loader.input_dtype],
+        loader=loader_options(cfg, local_world_size),
+        batch_size=int(cfg.trainer.batch_size),
+        seed=int(cfg.seed),
+        epochs=int(cfg.trainer.epochs),
+        max_steps_per_epoch=cfg.trainer.max_steps_per_epoch,
+        local_world_size=local_world_size,
+    )
 
 
 def build_loader(
-    cfg: DictConfig,
+    plan: DataPlan,
     split: str,
     *,
     device="cpu",
     channels_last: bool = False,
     rank: int = 0,
     world_size: int = 1,
-    local_world_size: int = 1,
-    storage=None,
-    backend=None,
     dataset=None,
     collate_fn=None,
-    reader=None,
 ):
-    """One split's loader (split: train | val). `storage` / `backend` / `reader` (the split's
-    opened reader) reuse objects built already; `dataset` (with `collate_fn`) replaces the
-    image dataset, e.g. in tests."""
-    train = split == "train"
-    task = build_task(cfg)
+    """One split's loader (split: train | val); `dataset` (with `collate_fn`) replaces the
+    task's dataset, e.g. in tests."""
+    train, task, backend = split == "train", plan.task, plan.backend
+    cpu = plan.normalize if plan.normalize_on == "cpu" else None
     if dataset is None:
-        backend = backend if backend is not None else build_backend(cfg)
-        if reader is None:
-            storage = storage if storage is not None else build_storage(cfg)
-            reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS[split]])
-    where = normalize_on(cfg, backend)
-    normalize = Normalize(cfg.dataset.mean, cfg.dataset.std)
-    if dataset is None:
-        dataset = task.dataset(cfg, split, reader, backend, normalize if where == "cpu" else None)
+        dataset = task.dataset(split, plan.reader(split), backend, cpu)
         collate_fn = collate_fn or task.collate
     shard_sizes = getattr(getattr(dataset, "reader", None), "shard_sizes", None)
     # A store read shard by shard (storage=webdataset), when the dataset's index is the
@@ -167,61 +231,53 @@ def build_loader(
             shard_sizes,
             rank=rank,
             world_size=world_size,
-            seed=cfg.seed,
+            seed=plan.seed,
             train=train,
             window=dataset.reader.shuffle_buffer,
             remainder=dataset.reader.remainder,
         )
     elif train:
         sampler = EpochSampler(
-            len(dataset), rank=rank, world_size=world_size, shuffle=True, seed=cfg.seed
+            len(dataset), rank=rank, world_size=world_size, shuffle=True, seed=plan.seed
         )
     else:
         sampler = ShardSampler(len(dataset), rank=rank, world_size=world_size)
     prep = DevicePrep(
         torch.device(device),
-        normalize if where == "device" else None,
+        plan.normalize if plan.normalize_on == "device" else None,
         channels_last,
-        DTYPES[cfg.loader.input_dtype],
+        plan.input_dtype,
         decoder=getattr(backend, "device_decoder", None),
     )
-    return loader_factory(cfg)(
+    return instantiate(plan.loader)(
         dataset,
         sampler,
-        batch_size=cfg.trainer.batch_size,
+        batch_size=plan.batch_size,
         device_prep=prep,
         train=train,
-        seed=cfg.seed,
+        seed=plan.seed,
         rank=rank,
-        local_world_size=local_world_size,
-        sample_bytes=task.sample_bytes(dataset, where) if collate_fn is None else None,
-        epochs=cfg.trainer.epochs if train else None,
-        max_batches=cfg.trainer.max_steps_per_epoch if train else None,
+        local_world_size=plan.local_world_size,
+        sample_bytes=task.sample_bytes(dataset, plan.normalize_on) if collate_fn is None else None,
+        epochs=plan.epochs if train else None,
+        max_batches=plan.max_steps_per_epoch if train else None,
         collate_fn=collate_fn,
     )
 
 
-def build_data(cfg: DictConfig, ctx, storage, *, channels_last: bool, backend=None) -> DataPath:
-    """Both splits for training on this rank, sharing one backend."""
-    backend = backend if backend is not None else build_backend(cfg)
+def build_data(plan: DataPlan, ctx, *, channels_last: bool) -> DataPath:
+    """Both splits for training on this rank, from one plan (one backend, one task)."""
     common = dict(
-        device=ctx.device,
-        channels_last=channels_last,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-        local_world_size=ctx.local_world_size,
-        storage=storage,
-        backend=backend,
+        device=ctx.device, channels_last=channels_last, rank=ctx.rank, world_size=ctx.world_size
     )
-    train = build_loader(cfg, "train", **common)
-    val = build_loader(cfg, "val", **common)
+    train = build_loader(plan, "train", **common)
+    val = build_loader(plan, "val", **common)
     if len(train) == 0:
         per_rank = len(train.sampler)
         raise ConfigError(
-            f"trainer.batch_size={cfg.trainer.batch_size} is larger than the {per_rank} training "
-            f"images each of the {ctx.world_size} rank(s) gets from {cfg.dataset.root}, and "
+            f"trainer.batch_size={plan.batch_size} is larger than the {per_rank} training "
+            f"images each of the {ctx.world_size} rank(s) gets from {plan.layout.root}, and "
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
-    task = build_task(cfg)
-    task.check(cfg, train.dataset.reader, val.dataset.reader)
-    return DataPath(train, val, backend, storage, train.dataset.reader, task)
+    plan.task.check(train.dataset.reader, val.dataset.reader)
+    return DataPath(train, val, plan.backend, plan.storage, train.dataset.reader, plan.task)

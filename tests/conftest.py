@@ -89,7 +89,7 @@ def build_test_loader(
 ):
     """A loader from the real config through the one builder (fastload/pipeline.py): the
     image folder `folder` with 24 px crops, or a custom `dataset` (kw, with `collate_fn`)."""
-    from fastload.pipeline import build_loader
+    from fastload.pipeline import build_loader, build_plan
 
     base = [f"dataset.root={folder}"] if folder is not None else []
     base += [
@@ -101,7 +101,9 @@ def build_test_loader(
         f"seed={seed}",
     ]
     cfg = compose_config([*base, *overrides])
-    return build_loader(cfg, split, device=device, channels_last=channels_last, **kw)
+    parts = {k: kw.pop(k) for k in ("storage", "backend") if k in kw}  # built already
+    plan = build_plan(cfg, **parts)
+    return build_loader(plan, split, device=device, channels_last=channels_last, **kw)
 
 
 @functools.cache

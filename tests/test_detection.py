@@ -145,11 +145,11 @@ def test_collate_keeps_variable_sizes_and_device_prep_keeps_every_target_field(c
 def test_loaders_deliver_every_target_field(coco_root, loader):
     """The CUDA prefetcher (CPU fallback here; the cuda test below on a GPU) and the
     background loader move the list-of-dicts targets like any batch."""
-    from fastload.pipeline import build_loader
+    from fastload.pipeline import build_loader, build_plan
 
     cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.prepare=null",
                           f"loader={loader}", "loader.num_workers=1", "trainer.batch_size=3"])  # fmt: skip
-    val = build_loader(cfg, "val")
+    val = build_loader(build_plan(cfg), "val")
     got = [t for b in val for t in b[TARGET]]
     val.close()
     ds = val.dataset
@@ -162,11 +162,11 @@ def test_loaders_deliver_every_target_field(coco_root, loader):
 
 @pytest.mark.cuda
 def test_cuda_prefetcher_moves_targets_to_the_gpu(coco_root):
-    from fastload.pipeline import build_loader
+    from fastload.pipeline import build_loader, build_plan
 
     cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.prepare=null",
                           "loader=prefetch", "loader.num_workers=1", "trainer.batch_size=3"])  # fmt: skip
-    val = build_loader(cfg, "val", device="cuda")
+    val = build_loader(build_plan(cfg), "val", device="cuda")
     batch = next(iter(val))
     val.close()
     assert all(x.is_cuda and x.dtype == torch.float32 for x in batch[IMAGE])
@@ -239,7 +239,7 @@ def test_num_classes_must_match_the_categories(coco_root):
     cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.num_classes=80"])
     reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
     with pytest.raises(ConfigError, match="set dataset.num_classes=3"):
-        DetectionTask().check(cfg, reader, reader)
+        DetectionTask(data=cfg.dataset).check(reader, reader)
 
 
 def test_classification_model_on_coco_is_refused(coco_root, tmp_path):

@@ -260,21 +260,20 @@ def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, ca
 
 
 def tune_with(root, caplog, *extra: str, model=None):
-    """fastload.autotune.tune as fit calls it, on `root`; (chosen cfg, trial log lines,
-    cache-hit log lines)."""
+    """fastload.autotune.tune as fit calls it, on `root`; (the tuned plan's loader options,
+    trial log lines, cache-hit log lines)."""
     from fastload.autotune import tune
     from fastload.dist import DistContext
-    from fastload.pipeline import build_backend, build_storage
+    from fastload.pipeline import build_plan
 
     over = [o for o in doctor_overrides(root) if not o.startswith("loader.num_workers")]
     cfg = compose_config([*over, "loader=auto", "loader.auto.backends=[]", *extra])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="fastload"):
-        tuned, _ = tune(cfg, DistContext(), build_storage(cfg), build_backend(cfg), model,
-                        channels_last=False, amp=None)  # fmt: skip
+        tuned = tune(build_plan(cfg), cfg, DistContext(), model, channels_last=False, amp=None)
     lines = [r.getMessage() for r in caplog.records]
     return (
-        tuned,
+        tuned.loader,
         [m for m in lines if m.startswith("loader=auto trial")],
         [m for m in lines if "cache hit" in m],
     )
@@ -296,17 +295,17 @@ def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, ca
     )
     tuned, trials, hits = tune_with(tune_folder, caplog, *extra)
     assert not hits and len(trials) >= 3, trials
-    assert tuned.loader.num_workers >= 1, trials
+    assert tuned["num_workers"] >= 1, trials
     rate = {int(m.split("num_workers=")[1].split()[0]): float(m.split(": ")[-1].split()[0])
             for m in trials if "prefetch_factor=2 " in m}  # fmt: skip
-    assert rate[0] < rate[tuned.loader.num_workers], trials
-    assert any(f"chose num_workers={tuned.loader.num_workers}" in r.getMessage()
+    assert rate[0] < rate[tuned["num_workers"]], trials
+    assert any(f"chose num_workers={tuned['num_workers']}" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     # the second run starts directly from the cache: logged, no trial
     again, trials2, hits2 = tune_with(tune_folder, caplog, *extra)
     assert hits2 and not trials2, caplog.text
-    assert again.loader.num_workers == tuned.loader.num_workers
-    assert again.loader.prefetch_factor == tuned.loader.prefetch_factor
+    assert again["num_workers"] == tuned["num_workers"]
+    assert again["prefetch_factor"] == tuned["prefetch_factor"]
     # a changed config (batch size) is another key: probed again
     _, trials3, hits3 = tune_with(tune_folder, caplog, *extra, "trainer.batch_size=2")
     assert trials3 and not hits3

@@ -153,11 +153,11 @@ def test_no_function_over_80_lines():
 
 
 LOADER_CLASSES = {"DataLoaderStream", "BackgroundLoader", "CudaPrefetchLoader"}
-LOADER_CLASSES |= {"PrefetchBackgroundLoader", "loader_factory"}
+LOADER_CLASSES |= {"PrefetchBackgroundLoader"}
 
 
 def loader_constructions(tree: ast.Module) -> int:
-    """Calls of a fastload loader class, of loader_factory(...), or instantiate(<...loader>)."""
+    """Calls of a fastload loader class, or instantiate(<...loader>)."""
     n = 0
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):

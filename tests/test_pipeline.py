@@ -55,17 +55,19 @@ def test_a_gpu_decoder_with_cpu_normalisation_is_refused_before_any_worker():
 
 def test_build_data_shares_one_backend_and_refuses_a_batch_too_big(tiny_folder):
     from fastload.dist import DistContext
-    from fastload.pipeline import build_storage
+    from fastload.pipeline import build_plan, build_storage
 
     over = [f"dataset.root={tiny_folder}", "dataset.prepare=null", "dataset.num_classes=3"]
     cfg = compose_config([*over, "trainer.batch_size=4", "loader.num_workers=0"])
-    data = build_data(cfg, DistContext(), build_storage(cfg), channels_last=False)
+    data = build_data(
+        build_plan(cfg, storage=build_storage(cfg)), DistContext(), channels_last=False
+    )
     assert data.train.dataset.backend is data.val.dataset.backend is data.backend
     assert len(data.train.dataset) == 18 and len(data.val.dataset) == 9
     assert data.train_reader is data.train.dataset.reader
     big = compose_config([*over, "trainer.batch_size=64"])
     with pytest.raises(ConfigError, match="trainer.batch_size=64 is larger than the 18"):
-        build_data(big, DistContext(), build_storage(big), channels_last=False)
+        build_data(build_plan(big), DistContext(), channels_last=False)
 
 
 # -- fastload/atomic.py: build in a temporary folder, rename into place ------------------------

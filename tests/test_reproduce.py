@@ -187,7 +187,7 @@ def test_item_cost_adds_cpu_work_per_sample(tiny_folder, tmp_path):
     cfg = compose_config([f"dataset.root={tiny_folder}", "dataset.num_classes=3",
                           "dataset.task.item_cost_ms=40"], tmp_path)  # fmt: skip
     reader = build_storage(cfg).open(build_layout(cfg), "train")
-    ds = build_task(cfg).dataset(cfg, "train", reader, build_backend(cfg))
+    ds = build_task(cfg).dataset("train", reader, build_backend(cfg))
     assert ds.item_cost_ms == 40
     cpu0, wall0 = time.process_time(), time.perf_counter()
     ds[(0, 0)]

@@ -163,12 +163,13 @@ def data_overrides(root, *, split: str = "train", crop: int = 224, batch_size: i
     ]
 
 
-def product_loader(cfg, **kwargs):
+def product_loader(cfg, **parts):
     """The training split's loader exactly as training builds it (fastload/pipeline.py), on
-    the CPU; benchmarks time its host stage (`host_epoch`): read, decode, augment, collate."""
-    from fastload.pipeline import build_loader
+    the CPU, from `parts` built already (storage=, backend=); benchmarks time its host stage
+    (`host_epoch`): read, decode, augment, collate."""
+    from fastload.pipeline import build_loader, build_plan
 
-    return build_loader(cfg, "train", device="cpu", **kwargs)
+    return build_loader(build_plan(cfg, **parts), "train", device="cpu")
 
 
 def host_epoch(loader, epoch: int) -> dict:

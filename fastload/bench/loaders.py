@@ -42,13 +42,15 @@ def build_loader(strategy: str, workers: int, args, root: Path, device: torch.de
     """loader=<strategy> as train.py builds it (fastload/pipeline.py), with the command's
     overrides (backend=, storage=, loader.*) honoured."""
     from fastload.pipeline import build_loader as build
+    from fastload.pipeline import build_plan
 
     overrides = data_overrides(root, crop=args.size, batch_size=args.batch_size)
     overrides += [f"loader={strategy}", f"loader.num_workers={workers}", *args.override]
     cfg = compose(overrides)
     storage = build_storage(cfg)
     storage.prepare(root, [cfg.dataset.train_split])
-    return build(cfg, "train", device=device, channels_last=device.type == "cuda", storage=storage)
+    plan = build_plan(cfg, storage=storage)
+    return build(plan, "train", device=device, channels_last=device.type == "cuda")
 
 
 class ModelStep:

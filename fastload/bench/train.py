@@ -195,7 +195,7 @@ def build(args):
     """(config, rank context, data path, autocast dtype, channels_last) as fit builds them."""
     from fastload.engine import amp_dtype
     from fastload.errors import ConfigError
-    from fastload.pipeline import build_data, prepare_data
+    from fastload.pipeline import build_data, build_plan, prepare_data
 
     overrides = [*args.override, "logger=none", "trainer.progress=false"]
     overrides += [f"trainer.epochs={args.epochs}"]
@@ -210,7 +210,7 @@ def build(args):
     ctx, channels_last = one_device(cfg)
     device = ctx.device
     storage = prepare_data(cfg, ctx)
-    data = build_data(cfg, ctx, storage, channels_last=channels_last)
+    data = build_data(build_plan(cfg, storage=storage), ctx, channels_last=channels_last)
     return cfg, ctx, data, amp_dtype(cfg.trainer.precision, device), channels_last
 
 

@@ -59,6 +59,15 @@ class Setup:
     workers: int  # the loader's resolved num_workers
     cores: int  # usable cores
 
+    def plan(self, cfg):
+        """`cfg` (this setup's, with a few trainer settings changed) as a data plan over the
+        storage, backend, task and reader built already."""
+        from fastload.pipeline import build_plan
+
+        plan = build_plan(cfg, storage=self.storage, backend=self.backend, task=self.task)
+        plan.readers["train"] = self.reader
+        return plan
+
 
 @dataclass
 class Report:
@@ -94,11 +103,11 @@ def setup(args) -> Setup:
     """The config as train.py composes it, the storage prepared, the training split opened."""
     from fastload.bench.common import compose, one_device
     from fastload.host import usable_cores
-    from fastload.loaders.workers import resolve_num_workers
     from fastload.pipeline import (
         SPLIT_KEYS,
         build_backend,
         build_layout,
+        loader_options,
         prepare_data,
     )
     from fastload.tasks.base import build_task
@@ -108,7 +117,7 @@ def setup(args) -> Setup:
     storage = prepare_data(cfg, ctx)
     backend = build_backend(cfg)
     reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS["train"]])
-    workers = resolve_num_workers(cfg.loader.num_workers, 1)
+    workers = loader_options(cfg)["num_workers"]
     return Setup(cfg, ctx, storage, backend, reader, build_task(cfg), channels_last, workers,
                  usable_cores())  # fmt: skip
 
@@ -123,8 +132,7 @@ def sample_costs(s: Setup, n: int) -> dict:
     """Per-image milliseconds of each worker stage, on `n` images spread over the split."""
     from fastload.data.dataset import sample_rng
 
-    cfg = s.cfg
-    dataset = s.task.dataset(cfg, "train", s.reader, s.backend, None)
+    dataset = s.task.dataset("train", s.reader, s.backend, None)
     idx = np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist()
     s.reader.before_epoch()  # cold_cache storages evict first: the read an epoch pays
     reads, datas = [], []
@@ -186,8 +194,8 @@ def loader_stages(s: Setup, batches: int) -> dict:
     cfg = s.cfg.copy()
     with open_dict(cfg):
         cfg.trainer.epochs, cfg.trainer.max_steps_per_epoch = 3, batches
-    loader = build_loader(cfg, "train", device=s.ctx.device, channels_last=s.channels_last,
-                          storage=s.storage, backend=s.backend)  # fmt: skip
+    loader = build_loader(s.plan(cfg), "train", device=s.ctx.device,
+                          channels_last=s.channels_last)  # fmt: skip
     try:
         first = host_epoch(loader, 0)
         loader.set_epoch(1)
@@ -271,8 +279,8 @@ def together(s: Setup, step, batches: int, step_s: float, budget_s: float = 15.0
     cfg = s.cfg.copy()
     with open_dict(cfg):
         cfg.trainer.epochs, cfg.trainer.max_steps_per_epoch = 1, batches + 1
-    loader = build_loader(cfg, "train", device=s.ctx.device, channels_last=s.channels_last,
-                          storage=s.storage, backend=s.backend)  # fmt: skip
+    loader = build_loader(s.plan(cfg), "train", device=s.ctx.device,
+                          channels_last=s.channels_last)  # fmt: skip
     loader.set_epoch(0)
     try:
         got = feed(loader, step, warmup=1, sync=lambda: sync(s.ctx.device))
@@ -320,7 +328,7 @@ def alternatives(s: Setup, n: int = 16) -> dict:
     from fastload.config import conf_dir
     from fastload.data.dataset import sample_rng
 
-    dataset = s.task.dataset(s.cfg, "train", s.reader, s.backend, None)
+    dataset = s.task.dataset("train", s.reader, s.backend, None)
     transform = getattr(dataset, "transform", None)
     idx = np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist()
     datas = [s.reader.get(i, "image") for i in idx]

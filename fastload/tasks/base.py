@@ -9,13 +9,17 @@ other before anything is built. A `Task`:
     kind                       "classification" | "detection" | "super_resolution"
     metric                     the validation metric that decides "best" (e.g. "val_acc1"),
                                `higher_is_better`, and how the summary table shows it
-    dataset(cfg, split, reader, backend, normalize)
-                               -> the torch Dataset of a split, indexed by (epoch, index) keys
+    data, seed                 its settings, given at construction (`build_task`): the
+                               dataset yaml's section (transforms, skip_corrupt, num_classes,
+                               scale, ...) and the run's seed
+    dataset(split, reader, backend, normalize)
+                               -> the torch Dataset of a split, indexed by (epoch, index) keys;
+                               it reads the records' fields by name (fastload/data/records.py)
     collate                    the batch function (None: fastload/data/batch.collate, which
                                can reuse shared-memory batch slots)
     sample_bytes(dataset, where)
                                bytes of one collated image for the reused slots, or None
-    check(cfg, train_reader, val_reader)
+    check(train_reader, val_reader)
                                what must agree before training (class counts, ...)
     epoch_info(reader)         extra entries for every epoch row (e.g. annotations dropped)
     build_model(cfg)           the model of conf/model/<name>.yaml, checked against the task
@@ -40,7 +44,7 @@ from __future__ import annotations
 import abc
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
@@ -66,16 +70,20 @@ class Task(abc.ABC):
     higher_is_better = True
     collate = None  # None: fastload.data.batch.collate
 
+    def __init__(self, *, data: DictConfig | None = None, seed: int = 0):
+        self.data = data if data is not None else OmegaConf.create({})  # the dataset section
+        self.seed = int(seed)
+
     @abc.abstractmethod
-    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
+    def dataset(self, split: str, reader, backend, normalize=None):
         """The split's Dataset: (epoch, index) keys -> samples `collate` batches."""
 
     def sample_bytes(self, dataset, where: str) -> int | None:
         """Bytes of one collated image, for the reused batch slots; None: no slots."""
         return None
 
-    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
-        """What must agree between the config and the data before training."""
+    def check(self, train_reader, val_reader) -> None:
+        """What must agree between the settings and the data before training."""
         return None
 
     def epoch_info(self, reader) -> dict:
@@ -132,7 +140,8 @@ def _choice(cfg, group: str) -> str:
 
 
 def build_task(cfg: DictConfig) -> Task:
-    """The dataset yaml's `task:`."""
+    """The dataset yaml's `task:`, given its settings (the dataset section, the seed): built
+    once per run (fastload/pipeline.py: `build_plan`) and handed down."""
     spec = cfg.dataset.get("task")
     if spec is None:
         raise ConfigError(
@@ -140,7 +149,11 @@ def build_task(cfg: DictConfig) -> Task:
             f"fastload.tasks.classification.ClassificationTask}}` (or the detection / "
             f"super_resolution task) to its yaml, as conf/dataset/synthetic.yaml does."
         )
-    return instantiate(spec)
+    # Constructed directly rather than through instantiate, which would merge and resolve
+    # `data` (the dataset section: its layout, transforms and prepare nodes are built where
+    # they are used, and its root may not resolve when a test supplies its own dataset).
+    params = OmegaConf.to_container(spec, resolve=True)
+    return get_class(params.pop("_target_"))(**params, data=cfg.dataset, seed=cfg.seed)
 
 
 class TrainStep(abc.ABC):

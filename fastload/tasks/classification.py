@@ -17,20 +17,21 @@ class ClassificationTask(Task):
     metric, metric_label, metric_unit = "val_acc1", "best top-1", " %"
     models = ("resnet18", "resnet50")
 
-    def __init__(self, item_cost_ms: float = 0.0):
+    def __init__(self, item_cost_ms: float = 0.0, **settings):
+        super().__init__(**settings)
         if not isinstance(item_cost_ms, (int, float)) or item_cost_ms < 0:
             raise ConfigError(
                 f"dataset.task.item_cost_ms={item_cost_ms!r}: use a number of milliseconds >= 0."
             )
         self.item_cost_ms = float(item_cost_ms)
 
-    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
+    def dataset(self, split: str, reader, backend, normalize=None):
         return ImageDataset(
             reader,
             backend,
-            instantiate(cfg.dataset[f"{split}_transform"]),
-            seed=cfg.seed,
-            skip_corrupt=cfg.dataset.skip_corrupt,
+            instantiate(self.data[f"{split}_transform"]),
+            seed=self.seed,
+            skip_corrupt=self.data.skip_corrupt,
             normalize=normalize,
             item_cost_ms=self.item_cost_ms,
         )
@@ -44,7 +45,7 @@ class ClassificationTask(Task):
             return None
         return 3 * size * size * (4 if where == "cpu" else 1)
 
-    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
+    def check(self, train_reader, val_reader) -> None:
         """dataset.num_classes against the class folders, and the splits against each other,
         before training: a model with too few outputs fails part-way through an epoch
         (IndexError: Target 2 is out of bounds), too many trains silently, and val class
@@ -55,10 +56,10 @@ class ClassificationTask(Task):
                 f"{where} has no class folders: classification needs <split>/<class>/<image> "
                 f"(an ImageFolder); for COCO use dataset=coco, for DIV2K dataset=div2k."
             )
-        if cfg.dataset.num_classes != len(classes):
+        if self.data.num_classes != len(classes):
             shown = ", ".join(classes[:6]) + (", ..." if len(classes) > 6 else "")
             raise ConfigError(
-                f"dataset.num_classes={cfg.dataset.num_classes}, but {where} has "
+                f"dataset.num_classes={self.data.num_classes}, but {where} has "
                 f"{len(classes)} class folders ({shown}): set dataset.num_classes={len(classes)}."
             )
         if tuple(val_reader.classes) != tuple(classes):

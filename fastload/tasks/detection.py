@@ -54,19 +54,19 @@ class DetectionTask(Task):
     suggest = "model=fcos_tiny on a CPU, model=fasterrcnn_resnet50_fpn on a GPU"
     collate = staticmethod(collate_detection)
 
-    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
-        transform = instantiate(cfg.dataset[f"{split}_transform"])
-        common = dict(seed=cfg.seed, skip_corrupt=cfg.dataset.skip_corrupt, normalize=normalize)
+    def dataset(self, split: str, reader, backend, normalize=None):
+        transform = instantiate(self.data[f"{split}_transform"])
+        common = dict(seed=self.seed, skip_corrupt=self.data.skip_corrupt, normalize=normalize)
         return DetectionDataset(reader, backend, transform, train=split == "train", **common)
 
-    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
+    def check(self, train_reader, val_reader) -> None:
         """dataset.num_classes against the annotation file's categories (a model with too few
         outputs fails mid-epoch; too many trains outputs no label ever uses), and the two
         splits' categories against each other (labels would mean different things)."""
         ids = category_ids(train_reader)
-        if cfg.dataset.num_classes != len(ids):
+        if self.data.num_classes != len(ids):
             raise ConfigError(
-                f"dataset.num_classes={cfg.dataset.num_classes}, but {where(train_reader)} has "
+                f"dataset.num_classes={self.data.num_classes}, but {where(train_reader)} has "
                 f"{len(ids)} categories (ids {ids[:8].tolist()}{' ...' if len(ids) > 8 else ''}):"
                 f" set dataset.num_classes={len(ids)} (object categories; the model adds the "
                 f"background class itself)."

@@ -59,15 +59,15 @@ class SuperResolutionTask(Task):
     suggest = "model=srcnn optim=adam (or experiment=srcnn_div2k)"
     collate = staticmethod(collate_pairs)
 
-    def dataset(self, cfg: DictConfig, split: str, reader, backend, normalize=None):
-        d, train = cfg.dataset, split == "train"
+    def dataset(self, split: str, reader, backend, normalize=None):
+        d, train = self.data, split == "train"
         return PairDataset(
             reader,
             backend,
             scale=d.scale,
             patch_size=d.patch_size if train else d.val_patch_size,
             train=train,
-            seed=cfg.seed,
+            seed=self.seed,
             repeat=d.repeat if train else 1,
             skip_corrupt=d.skip_corrupt,
             normalize=normalize,
@@ -76,10 +76,19 @@ class SuperResolutionTask(Task):
     def step(self, state, cfg: DictConfig, ctx, amp):
         return SRStep(state, cfg, ctx, amp)
 
-    def check(self, cfg: DictConfig, train_reader, val_reader) -> None:
+    def build_model(self, cfg: DictConfig) -> torch.nn.Module:
+        """The model, whose scale follows dataset.scale (an override that differs is refused)."""
+        if cfg.model.get("scale") not in (None, self.data.scale):
+            raise ConfigError(
+                f"model.scale={cfg.model.scale} but dataset.scale={self.data.scale}: drop the "
+                f"model.scale override (it follows dataset.scale)."
+            )
+        return super().build_model(cfg)
+
+    def check(self, train_reader, val_reader) -> None:
         """The scale, patch and repeat settings, and that LR files the layout names are in
         the store (a pack made without them would silently train on generated LR)."""
-        d = cfg.dataset
+        d = self.data
         if not isinstance(d.scale, int) or d.scale < 2:
             raise ConfigError(f"dataset.scale={d.scale!r}: use 2, 3, 4 or 8 (DIV2K's X2..X8).")
         for key in ("patch_size", "val_patch_size", "repeat"):
@@ -91,11 +100,6 @@ class SuperResolutionTask(Task):
                 f"dataset.mean={list(d.mean)}, dataset.std={list(d.std)}: super-resolution "
                 f"reads its input as x / 255 (the model adds its output to the bicubic input, "
                 f"and the PSNR compares [0, 1] pixels); keep mean [0, 0, 0] and std [1, 1, 1]."
-            )
-        if cfg.model.get("scale") not in (None, d.scale):
-            raise ConfigError(
-                f"model.scale={cfg.model.scale} but dataset.scale={d.scale}: drop the "
-                f"model.scale override (it follows dataset.scale)."
             )
         if d.layout.get("lr"):
             for reader in (train_reader, val_reader):
