@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,6 +260,7 @@ def measure_step(probe: Probe, batch) -> float:
     import torch
 
     from fastload.dist import DistContext
+    from fastload.measure import step_times
     from fastload.train_state import TrainState
 
     cfg = probe.cfg.copy()
@@ -269,14 +271,8 @@ def measure_step(probe: Probe, batch) -> float:
                               model=copy.deepcopy(probe.model))  # fmt: skip
     step = probe.plan.task.step(state, cfg, DistContext(device=probe.ctx.device), probe.amp)
     step.train_mode()
-    step.train(batch)
     sync = torch.cuda.synchronize if probe.ctx.device.type == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        step.train(batch)
-    sync()
-    seconds = (time.perf_counter() - t0) / 3
+    seconds = statistics.fmean(step_times(step, batch, steps=3, warmup=1, sync=sync))
     log.info("loader=auto: the model's step takes %.1f ms (eager, measured once)", 1000 * seconds)
     return seconds
 

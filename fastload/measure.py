@@ -9,6 +9,8 @@ with this module, so their numbers mean the same thing.
 * `feed(batches, step, ...)` -> `Feed`: `warmup` batches through the step untimed (worker
   start-up), then batches until `max_batches`, the end of the data or `budget_s`, timing the
   wait inside `next()` (the data wait) and the whole (wall).
+* `step_times(step, batch, ...)`: seconds of each of a step's calls on one resident batch
+  (its own cost, no loading): the doctor's model stage and loader=auto's step time.
 
 It sits beside the engine, not in bench/ or doctor/: loader=auto runs inside a training run,
 which imports no tool (tests/test_layout.py).
@@ -121,3 +123,19 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
         if close is not None:
             close()
     return out
+
+
+def step_times(step, batch, *, steps: int, warmup: int, sync) -> list[float]:
+    """Seconds of each of `steps` calls of `step.train(batch)` after `warmup` untimed ones
+    (lazy set-up, cuDNN's algorithm search, the allocator growing). `sync` runs after each,
+    so a GPU step's queued work is timed with it."""
+    for _ in range(warmup):
+        step.train(batch)
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step.train(batch)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times

@@ -254,16 +254,10 @@ def make_step(s: Setup, step_ms: float | None):
 def model_stage(s: Setup, step, batch, steps: int) -> float:
     """Seconds per training step on a resident batch: the median of `steps` steps after two
     warm-up steps (robust to a busy machine's outliers)."""
+    from fastload.measure import step_times
+
     step.train_mode()
-    for _ in range(2):
-        step.train(batch)
-    sync(s.ctx.device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step.train(batch)
-        sync(s.ctx.device)
-        times.append(time.perf_counter() - t0)
+    times = step_times(step, batch, steps=steps, warmup=2, sync=lambda: sync(s.ctx.device))
     return statistics.median(times)
 
 
