@@ -9,6 +9,8 @@ with this module, so their numbers mean the same thing.
 * `feed(batches, step, ...)` -> `Feed`: `warmup` batches through the step untimed (worker
   start-up), then batches until `max_batches`, the end of the data or `budget_s`, timing the
   wait inside `next()` (the data wait) and the whole (wall).
+* `host_epoch(loader, epoch)`: one epoch of a loader's host stage alone (read, decode,
+  augment, collate), over the whole epoch and from its first batch on.
 * `step_times(step, batch, ...)`: seconds of each of a step's calls on one resident batch
   (its own cost, no loading): the doctor's model stage and loader=auto's step time.
 
@@ -139,3 +141,20 @@ def step_times(step, batch, *, steps: int, warmup: int, sync) -> list[float]:
         sync()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def host_epoch(loader, epoch: int) -> dict:
+    """One epoch of a loader's host stage: images/s over the whole epoch and from its first
+    batch on (steady: leaves out start-up and the first batch)."""
+    loader.set_epoch(epoch)
+    t0 = time.perf_counter()
+    t_first, n, n_first = None, 0, 0
+    for batch in loader.host_batches():
+        n += len(batch["target"])
+        if t_first is None:
+            t_first, n_first = time.perf_counter(), n
+    t1 = time.perf_counter()
+    return {
+        "epoch_img_s": n / (t1 - t0),
+        "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
+    }

@@ -166,29 +166,10 @@ def data_overrides(root, *, split: str = "train", crop: int = 224, batch_size: i
 def product_loader(cfg, **parts):
     """The training split's loader exactly as training builds it (fastload/pipeline.py), on
     the CPU, from `parts` built already (storage=, backend=); benchmarks time its host stage
-    (`host_epoch`): read, decode, augment, collate."""
+    (fastload/measure.py: `host_epoch`): read, decode, augment, collate."""
     from fastload.pipeline import build_loader, build_plan
 
     return build_loader(build_plan(cfg, **parts), "train", device="cpu")
-
-
-def host_epoch(loader, epoch: int) -> dict:
-    """One epoch of a loader's host stage: images/s over the whole epoch and from its first
-    batch on (steady: leaves out start-up and the first batch)."""
-    import time
-
-    loader.set_epoch(epoch)
-    t0 = time.perf_counter()
-    t_first, n, n_first = None, 0, 0
-    for batch in loader.host_batches():
-        n += len(batch["target"])
-        if t_first is None:
-            t_first, n_first = time.perf_counter(), n
-    t1 = time.perf_counter()
-    return {
-        "epoch_img_s": n / (t1 - t0),
-        "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
-    }
 
 
 def same_round_target(ours: list[float], refs: list[float], factor: float) -> dict:

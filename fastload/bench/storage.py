@@ -55,7 +55,6 @@ from fastload.bench.common import (
     data_overrides,
     default_dataset,
     format_table,
-    host_epoch,
     pick_names,
     product_loader,
     run_dali,
@@ -65,6 +64,7 @@ from fastload.bench.common import (
     write_json,
 )
 from fastload.host import fs_type, usable_cores
+from fastload.measure import host_epoch
 from fastload.storage.base import du_bytes
 
 STORES = ("disk", "tmpfs", "lmdb", "shards-jpeg", "shards-raw", "webdataset", "webdataset-http")

@@ -188,7 +188,7 @@ def loader_stages(s: Setup, batches: int) -> dict:
     collated batch for the device stages."""
     from omegaconf import open_dict
 
-    from fastload.bench.common import host_epoch
+    from fastload.measure import host_epoch
     from fastload.pipeline import build_loader
 
     cfg = s.cfg.copy()
