@@ -281,9 +281,21 @@ def test_no_dataloader_gets_its_collate_swapped_after_it_is_built():
     assert collate_fn_assignments(ast.parse("dl.collate_fn = partial(collate, ring=r)")) == [1]
 
 
+CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns")
+# Where a loop may time batches: the tools' one measuring module, and the training run's own
+# per-epoch timer (the engine's StepTimer, whose data wait `feed` counts the same way).
+TIMING_MODULES = {
+    "fastload.measure": ["feed", "host_epoch", "step_times"],
+    "fastload.telemetry.timer": ["iter"],
+}
+
+
 def timing_loops(tree: ast.Module) -> list[str]:
-    """Functions with a loop that both pulls a batch (`next(...)`) and reads the clock
-    (`time.perf_counter()`): a loader-timing loop of their own."""
+    """Functions with a loop that reads the clock (`perf_counter` or `monotonic`, however
+    imported or aliased) and either takes batches, by `next(...)` or by iterating something
+    named a loader or batches (`for batch in loader`), or calls a training step
+    (`step.train(...)`): a loader- or step-timing loop of their own. A loop that only repeats
+    a timed call (`for _ in range(n)`) or times other work (packing a split) is not one."""
     found = []
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -291,8 +303,12 @@ def timing_loops(tree: ast.Module) -> list[str]:
         for loop in ast.walk(fn):
             if not isinstance(loop, (ast.For, ast.While)):
                 continue
-            calls = {ast.unparse(c.func) for c in ast.walk(loop) if isinstance(c, ast.Call)}
-            if "next" in calls and "time.perf_counter" in calls:
+            calls = [ast.unparse(c.func) for c in ast.walk(loop) if isinstance(c, ast.Call)]
+            clock = any(c.rsplit(".", 1)[-1] in CLOCKS for c in calls)
+            over = ast.unparse(loop.iter) if isinstance(loop, ast.For) else ""
+            pulls = "next" in calls or "loader" in over or "batch" in over
+            steps = any(c.endswith(".train") for c in calls)
+            if clock and (pulls or steps):
                 found.append(fn.name)
                 break
     return found
@@ -309,10 +325,20 @@ def test_one_measuring_module():
         if isinstance(n, ast.ClassDef) and n.name == "SleepStep"
     ]
     assert sleep_steps == ["fastload/measure.py"]
-    loops = {n: found for n, t in modules().items() if (found := timing_loops(t))}
-    assert loops == {"fastload.measure": ["feed"]}, loops
-    for user in ("fastload.bench.loaders", "fastload.doctor.pipeline", "fastload.autotune"):
+    loops = {n: sorted(found) for n, t in modules().items() if (found := timing_loops(t))}
+    assert loops == TIMING_MODULES, loops
+    users = ("fastload.bench.loaders", "fastload.bench.train", "fastload.bench.storage")
+    users += ("fastload.doctor.pipeline", "fastload.autotune")
+    for user in users:
         assert "fastload.measure" in fastload_imports(modules()[user], modules()), user
-    # and the check sees a private loop
+    # and the check sees a private loop, in each of its shapes
     own = "def f(it):\n    while True:\n        t = time.perf_counter()\n        next(it)\n"
     assert timing_loops(ast.parse(own)) == ["f"]
+    loop = "def f(loader):\n    for batch in loader:\n        t0 = perf_counter()\n"
+    assert timing_loops(ast.parse(loop)) == ["f"]
+    step = (
+        "def f(s, b):\n    for _ in range(3):\n        t0 = clock.monotonic()\n        s.train(b)\n"
+    )
+    assert timing_loops(ast.parse(step)) == ["f"]
+    repeat = "def f(g):\n    for _ in range(3):\n        t0 = time.perf_counter()\n        g()\n"
+    assert timing_loops(ast.parse(repeat)) == []
