@@ -83,16 +83,17 @@ def build_layout(cfg: DictConfig):
     return instantiate(cfg.dataset.layout)
 
 
-def prepare_data(cfg: DictConfig, ctx, storage=None):
+def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     """Once per node (local rank 0) before training: the dataset's `prepare` (generate the
-    synthetic set) and the storage's (stage to tmpfs, pack); the other ranks wait. Returns
-    the storage object (`storage`, or the config's)."""
+    synthetic set) and the storage's (stage to tmpfs, pack) for `splits` (train, val: a
+    benchmark that reads the training split alone stages and packs nothing else); the other
+    ranks wait. Returns the storage object (`storage`, or the config's)."""
     storage = storage if storage is not None else build_storage(cfg)
     if ctx.is_local_main:
         if cfg.dataset.prepare is not None:
             instantiate(cfg.dataset.prepare)
-        splits = [cfg.dataset[k] for k in SPLIT_KEYS.values()]
-        storage.prepare(build_layout(cfg), splits, skip_corrupt=cfg.dataset.skip_corrupt)
+        names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
+        storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
     dist.barrier(ctx)
     return storage
 

@@ -33,24 +33,22 @@ from fastload.bench.common import (
     pick_names,
     write_json,
 )
+from fastload.dist import DistContext
 from fastload.errors import ConfigError, DatasetError
 from fastload.measure import SleepStep, feed
-from fastload.pipeline import build_storage
+from fastload.pipeline import build_loader, build_plan, prepare_data
 
 
-def build_loader(strategy: str, workers: int, args, root: Path, device: torch.device):
-    """loader=<strategy> as train.py builds it (fastload/pipeline.py), with the command's
-    overrides (backend=, storage=, loader.*) honoured."""
-    from fastload.pipeline import build_loader as build
-    from fastload.pipeline import build_plan
-
+def strategy_loader(strategy: str, workers: int, args, root: Path, device: torch.device):
+    """loader=<strategy> as train.py builds it (fastload/pipeline.py: prepare_data, then
+    build_plan and build_loader), with the command's overrides (backend=, storage=, loader.*)
+    honoured; only the training split is prepared, the one timed (a --root needs no val/)."""
     overrides = data_overrides(root, crop=args.size, batch_size=args.batch_size)
     overrides += [f"loader={strategy}", f"loader.num_workers={workers}", *args.override]
     cfg = compose(overrides)
-    storage = build_storage(cfg)
-    storage.prepare(root, [cfg.dataset.train_split])
+    storage = prepare_data(cfg, DistContext(device=device), splits=("train",))
     plan = build_plan(cfg, storage=storage)
-    return build(plan, "train", device=device, channels_last=device.type == "cuda")
+    return build_loader(plan, "train", device=device, channels_last=device.type == "cuda")
 
 
 class ModelStep:
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for workers in [int(w) for w in args.workers.split(",")]:
         for strategy in args.strategies.split(","):
-            loader = build_loader(strategy, workers, args, root, device)
+            loader = strategy_loader(strategy, workers, args, root, device)
             if args.warmup + args.steps > len(loader):
                 loader.close()
                 raise DatasetError(
