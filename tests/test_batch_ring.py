@@ -199,3 +199,20 @@ def test_pinned_path_copies_each_slot_out_at_once(folder, reference):
         got.append((x.clone(), b["target"]))
     assert_same(got, reference[0])
     assert loader.ring_stats() == {"ring_hits": len(reference[0]), "ring_misses": 0}
+
+
+def test_a_stream_without_slots_still_sends_its_targets_inline():
+    """No room for slots in /dev/shm: the workers stack each batch into a segment of its
+    own, and the targets still travel inside the batch's pickle. A tensor would be moved to
+    shared memory by the worker's queue feeder thread, where a full /dev/shm fails without
+    reaching the main process: the batch is lost and the run waits forever."""
+    from fastload.data.batch import IMAGE, TARGET, collate
+    from fastload.loaders.transport import InlineArray, SlotCollate, resolve_inline
+
+    slots = ring_mod.LoaderSlots(num_workers=1, slots=1, slot_bytes=64)  # never opened
+    assert slots.ring is None
+    samples = [(torch.zeros(3, 2, 2, dtype=torch.uint8), t) for t in (3, 1, 4)]
+    batch = SlotCollate(collate, slots)(samples)
+    assert isinstance(batch[TARGET], InlineArray) and torch.is_tensor(batch[IMAGE])
+    got = resolve_inline(batch)
+    assert got[TARGET].dtype == torch.int64 and got[TARGET].tolist() == [3, 1, 4]

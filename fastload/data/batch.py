@@ -81,9 +81,10 @@ def collate(samples: list, ring=None) -> dict:
     dropped and counted.
 
     With a `ring` (in a DataLoader worker: the loader's reused batch slots,
-    fastload/loaders/batch_ring.py), the images are stacked into a free slot and IMAGE is
-    what the ring hands back for it, TARGET what `ring.inline` makes of the labels; the
-    loader's host stage swaps them for tensors (fastload/loaders/transport.py)."""
+    fastload/loaders/batch_ring.py, or fresh segments when it has none), the images are
+    stacked into what `ring.acquire` hands out (a free slot: IMAGE is then its handle) and
+    TARGET is what `ring.inline` makes of the labels; the loader's host stage swaps them for
+    tensors (fastload/loaders/transport.py)."""
     kept = [s for s in samples if s is not None and not isinstance(s, Skipped)]
     gone = [s.where for s in samples if isinstance(s, Skipped)]
     counts = sum_counts(s[2] for s in kept if len(s) > 2)

@@ -47,7 +47,7 @@ from fastload.data.sampling import EpochBatches
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
 from fastload.loaders.device_prep import DevicePrep, iter_tensors
-from fastload.loaders.transport import SlotCollate, merge_parts
+from fastload.loaders.transport import SlotCollate, merge_parts, resolve_inline
 from fastload.loaders.workers import (
     WorkerSeeding,
     register_workers,
@@ -354,6 +354,8 @@ class _DataLoaderBatches:
             loader.first_batch_s = time.perf_counter() - self.t0
         if self.ring is not None:
             batch = self.ring.resolve_batch(batch, loader.pin_memory)
+        elif loader.slots is not None:  # a stream without slots: its targets came inline
+            batch = resolve_inline(batch, loader.pin_memory)
         return batch
 
     def close(self) -> None:

@@ -52,18 +52,42 @@ class InlineArray:
         return self.tensor().pin_memory()
 
 
+def resolve_inline(batch, pin_memory: bool = False):
+    """A batch dict with its `InlineArray` values made tensors again (pinned when pinning);
+    `BatchRing.resolve_batch` does this and the slots' views for a stream with slots."""
+    if isinstance(batch, dict):
+        for key, value in batch.items():
+            if isinstance(value, InlineArray):
+                batch[key] = value.pin_memory() if pin_memory else value.tensor()
+    return batch
+
+
+class FreshSegments:
+    """What collate stacks into when a stream has no slots (/dev/shm without room for them):
+    each batch's images in a new shared segment made by the worker itself, its small arrays
+    inline. A targets tensor would instead be moved to shared memory by the worker's queue
+    feeder thread, where a full /dev/shm fails without an error reaching the main process:
+    the batch is lost and the run waits for it forever."""
+
+    def acquire(self, shape, dtype):
+        return None
+
+    def inline(self, array: np.ndarray) -> InlineArray:
+        return InlineArray(array)
+
+
 class SlotCollate:
     """The DataLoader's collate_fn when its workers stack into reused batch slots: the batch
-    contract's `collate` into the ring of `slots` (None while a stream has no slots: /dev/shm
-    without room, or none opened yet; then a new shared segment per batch). Built with the
-    DataLoader, never swapped in later: each stream's workers take a copy of it when they
-    start, after `LoaderSlots.open` made that stream's ring."""
+    contract's `collate` into the ring of `slots`, or `FreshSegments` while a stream has none
+    (/dev/shm without room). Built with the DataLoader, never swapped in later: each
+    stream's workers take a copy of it when they start, after `LoaderSlots.open` made that
+    stream's ring."""
 
     def __init__(self, collate, slots):
         self.collate, self.slots = collate, slots
 
     def __call__(self, samples):
-        return self.collate(samples, ring=self.slots.ring)
+        return self.collate(samples, ring=self.slots.ring or FreshSegments())
 
 
 def merge_parts(parts: list[dict], pin_memory: bool = False) -> dict:
