@@ -72,6 +72,17 @@ def memory_limit_available() -> int | None:
     return None
 
 
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph")
+NETWORK_FS += ("glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "9p")
+NETWORK_FS += ("fuse.rclone", "fuse.blobfuse", "fuse.mountpoint-s3", "fuse.juicefs")
+
+
+def is_network_fs(kind: str) -> bool:
+    """Whether a file system type (`fs_type`) is a network or FUSE one: every small read a
+    round trip."""
+    return kind in NETWORK_FS or kind.startswith("fuse.")
+
+
 def fs_type(path: str | os.PathLike) -> str:
     """The file system type of the mount holding `path` (longest /proc/mounts prefix)."""
     path = os.path.realpath(path)

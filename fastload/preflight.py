@@ -24,7 +24,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fastload.errors import ConfigError
 from fastload.host import MB, SHM, fs_type, shm_bytes, total_ram, usable_cores
@@ -32,20 +32,9 @@ from fastload.host import MB, SHM, fs_type, shm_bytes, total_ram, usable_cores
 log = logging.getLogger("fastload")
 
 OK, WARN, FATAL = "ok", "warn", "fatal"
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph")
-NETWORK_FS += ("glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.goofys", "9p")
-NETWORK_FS += ("fuse.rclone", "fuse.blobfuse", "fuse.mountpoint-s3", "fuse.juicefs")
 NOFILE_FLOOR = 1024  # below this, torch's file_descriptor sharing runs out with a few workers
 PIN_RAM_SHARE = 0.5  # pinned memory above half the RAM starves the page cache and the workers
 
-# backend _target_ -> (config name, the module its decoder needs)
-BACKENDS = {
-    "fastload.decode.turbo.TurboBackend": ("turbo", "simplejpeg"),
-    "fastload.decode.pil.PILBackend": ("pil", "PIL"),
-    "fastload.decode.pillow_simd.PillowSIMDBackend": ("pillow-simd", "PIL"),
-    "fastload.decode.accimage.AccimageBackend": ("accimage", "accimage"),
-    "fastload.decode.nvjpeg.NvjpegBackend": ("nvjpeg", "torchvision"),
-}
 DECODER_MODULES = ("simplejpeg", "PIL", "accimage", "cv2", "torchvision")
 
 
@@ -154,54 +143,6 @@ def roi_decode_status() -> dict[str, str]:
     return roi_decoders.status()
 
 
-def _version(dist: str) -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
-
-
-def region_decoder(roi_option: str, status: dict[str, str]) -> str | None:
-    """The region decoder backend=turbo will use for `backend.roi`, or None."""
-    from fastload.decode import roi_decoders
-
-    return next((k for k in roi_decoders.candidates(roi_option) if status.get(k) == ""), None)
-
-
-def jpeg_libraries(backend: str, kind: str | None) -> str:
-    """Which library (and version) decodes this run's JPEGs, for the decoders line; `kind`:
-    backend=turbo's region decoder, or None for whole-image decodes only."""
-    from fastload.decode.pil import pillow_name
-
-    if backend != "turbo":
-        try:
-            from PIL import features
-
-            turbo = features.version("libjpeg_turbo")
-        except Exception:  # an old Pillow without the feature table
-            turbo = None
-        lib = f"libjpeg-turbo {turbo}" if turbo else "libjpeg"
-        return (
-            f"JPEGs decoded by {pillow_name()} ({lib})" if backend in ("pil", "pillow-simd") else ""
-        )
-    whole = f"simplejpeg {_version('simplejpeg')}"
-    if kind == "libjpeg":
-        from fastload.decode import roi_libjpeg
-
-        return (f"JPEG crop regions (DCT-scaled where the box allows) decoded by fastload's "
-                f"region decoder on {pillow_name()}'s libjpeg-turbo "
-                f"{roi_libjpeg.library_version()}, progressive files whole by {whole}")  # fmt: skip
-    if kind == "nvimgcodec":
-        from fastload.decode import roi_nvimgcodec
-
-        return (f"JPEG crop regions decoded by nvImageCodec {roi_nvimgcodec.package_version()} "
-                f"(its CPU libjpeg-turbo), whole images (progressive, boxes >= 2x the "
-                f"output) by {whole}")  # fmt: skip
-    return f"JPEGs decoded whole by {whole} (no ROI decode)"
-
-
 # -- what the config asks for ------------------------------------------------------------------
 
 
@@ -240,8 +181,31 @@ def ask(cfg: DictConfig, facts: Facts, ranks: int) -> Ask:
     cap = loader.get("pin_memory_max_mb")
     if cap == "auto":
         cap = facts.ram_total * 0.25 / ranks / MB
-    name, module = BACKENDS.get(cfg.backend.get("_target_"), ("custom", ""))
+    backend = backend_class(cfg)
+    name = getattr(backend, "name", "custom") if backend is not None else "custom"
+    module = getattr(backend, "decoder_module", "") if backend is not None else ""
     return Ask(workers, prefetch, batch, ranks, pin, cap, name, module, on_cuda, auto)
+
+
+def backend_class(cfg: DictConfig):
+    """The backend's class, which states what it needs (fastload/decode/base.py:
+    `DecodeBackend.needs`); importing it imports no decoder. None when it does not import."""
+    from hydra.utils import get_class
+
+    try:
+        return get_class(cfg.backend._target_)
+    except Exception:  # a custom backend whose module is not importable here
+        return None
+
+
+def backend_needs(cfg: DictConfig, facts: Facts, a: Ask, check: str) -> list:
+    """The lines the backend adds under `check` (its `needs`), worst first."""
+    backend = backend_class(cfg)
+    if backend is None or not hasattr(backend, "needs"):
+        return []
+    options = OmegaConf.to_container(cfg.backend, resolve=True)
+    needs = [n for n in backend.needs(options, facts, a.on_cuda) if n.check == check]
+    return sorted(needs, key=lambda n: n.status != FATAL)
 
 
 # -- the checks ---------------------------------------------------------------------------------
@@ -381,38 +345,30 @@ def check_cores(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     return Check(name, OK, f"{mask}; {what}")
 
 
-def check_avx2(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
+def check_cpu_flags(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
+    """The CPU's AVX2, and what the backend needs of the CPU (its `needs`)."""
     name = "CPU flags"
-    x86 = facts.arch in ("x86_64", "AMD64", "i686")
-    if a.backend != "pillow-simd":
-        flags = facts.cpu_flags or frozenset()
-        return Check(name, OK, f"{facts.arch}, AVX2 {'yes' if 'avx2' in flags else 'no'}")
-    if not x86:
-        return Check(name, FATAL, f"backend=pillow-simd on {facts.arch}: Pillow-SIMD is x86 "
-                     "only (it does not build on aarch64)",
-                     "Use backend=turbo (libjpeg-turbo, as fast or faster) or backend=pil.")  # fmt: skip
-    if facts.cpu_flags is not None and "avx2" not in facts.cpu_flags:
-        return Check(name, WARN, "backend=pillow-simd on a CPU without AVX2: a Pillow-SIMD "
-                     "built with -mavx2 (e.g. in an image built on another machine) dies "
-                     "with 'Illegal instruction'",
-                     "Rebuild it on this machine with `bash scripts/install_pillow_simd.sh` "
-                     "(SSE4 build without AVX2), or use backend=turbo.")  # fmt: skip
-    return Check(name, OK, f"{facts.arch}, AVX2 yes (backend=pillow-simd)")
+    for need in backend_needs(cfg, facts, a, name):
+        return Check(name, need.status, need.message, need.fix)
+    flags = facts.cpu_flags or frozenset()
+    return Check(name, OK, f"{facts.arch}, AVX2 {'yes' if 'avx2' in flags else 'no'}")
 
 
 def check_dataset_fs(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
+    """The dataset root's file system, judged by the storage (its `needs`)."""
     name = "dataset file system"
     root = cfg.dataset.get("root")
     if not facts.dataset_fs:
         return Check(name, OK, f"{root} is not there yet (generated or mounted later)")
-    kind = facts.dataset_fs
-    if kind in NETWORK_FS or kind.startswith("fuse."):
-        return Check(name, WARN, f"{root} is on {kind}, a network file system: every image is "
-                     "a round trip, and many workers' small reads queue on the server",
-                     "Stage it to local RAM once per node (storage=tmpfs), or pack it into a "
-                     "few large files read sequentially (storage=shards, or storage=lmdb); "
-                     "storage=shards storage.max_side=256 also stores less data.")  # fmt: skip
-    return Check(name, OK, f"{root} on {kind}")
+    try:
+        from hydra.utils import instantiate
+
+        needs = instantiate(cfg.storage).needs(facts.dataset_fs)
+    except Exception:  # a storage that cannot be built here says so when the run builds it
+        needs = []
+    for status, message, fix in needs:
+        return Check(name, status, f"{root} is on {message}", fix)
+    return Check(name, OK, f"{root} on {facts.dataset_fs}")
 
 
 def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
@@ -440,48 +396,25 @@ def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
 
 
 def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
+    """The backend's decoder module is installed, and what else the backend needs (its
+    `needs`: a GPU, OpenCV, a region decoder, ...); the OK line says which library decodes."""
     name = "decoders"
     have = [m for m, ok in facts.decoders.items() if ok]
     text = f"importable: {', '.join(have) or 'none'}; PIL is {facts.pillow}"
-    missing = a.decoder_module and not facts.decoders.get(a.decoder_module, True)
-    if missing:
-        install = {"simplejpeg": "pip install simplejpeg",
-                   "accimage": "conda install -c conda-forge accimage",
-                   "torchvision": "pip install torchvision"}.get(a.decoder_module, "")  # fmt: skip
+    if a.decoder_module and not facts.decoders.get(a.decoder_module, True):
+        install = getattr(backend_class(cfg), "install", "")
         return Check(name, FATAL, f"backend={a.backend} needs {a.decoder_module}, which is not "
                      f"installed ({text})", f"{install}, or pick another backend "
                      "(backend=turbo | pil).")  # fmt: skip
-    if a.backend == "pillow-simd" and facts.pillow != "pillow-simd":
-        return Check(name, FATAL, f"backend=pillow-simd, but the loaded PIL is plain Pillow ({text})",
-                     "bash scripts/install_pillow_simd.sh, or backend=pil.")  # fmt: skip
-    if a.backend == "nvjpeg" and not a.on_cuda:
-        return Check(name, FATAL, "backend=nvjpeg decodes on the GPU, and none is used here",
-                     "Run on a GPU machine, or backend=turbo.")  # fmt: skip
-    if a.backend == "turbo" and not facts.decoders.get("cv2", True):
-        return Check(name, WARN, f"backend=turbo without OpenCV resizes with PIL ({text})",
-                     "pip install opencv-python-headless (about 7x faster crops).")  # fmt: skip
-    roi_option = str(cfg.backend.get("roi", "auto")) if a.backend == "turbo" else "off"
-    status = facts.roi_decode
-    if roi_option == "off" or status is None:  # not asked for, or not known
-        libraries = jpeg_libraries(a.backend, None) if roi_option == "off" else ""
-        return Check(
-            name, OK, f"backend={a.backend}; {libraries + '; ' if libraries else ''}{text}"
-        )
-    kind = region_decoder(roi_option, status)
-    libraries = jpeg_libraries(a.backend, kind)
-    text = f"{libraries}; {text}"
-    if kind is None:
-        reasons = "; ".join(f"{k}: {status[k]}" for k in status if status[k])
-        return Check(name, WARN, f"backend=turbo decodes whole images, not crop regions "
-                     f"({reasons}); {libraries}", f"{status.get('libjpeg', '')} (crops decode "
-                     "~1.2x faster with it), or pip install nvidia-nvimgcodec-cu13.")  # fmt: skip
-    if kind == "nvimgcodec" and status.get("libjpeg") and roi_option in ("auto", "on"):
-        return Check(name, WARN, f"{libraries}; fastload's own region decoder (10-18 % faster a "
-                     f"sample) is not available", status["libjpeg"])  # fmt: skip
-    return Check(name, OK, f"backend={a.backend}; {text}")
+    for need in backend_needs(cfg, facts, a, name):
+        return Check(name, need.status, f"{need.message} ({text})", need.fix)
+    backend = backend_class(cfg)
+    options = OmegaConf.to_container(cfg.backend, resolve=True)
+    libraries = backend.libraries(options, facts) if hasattr(backend, "libraries") else ""
+    return Check(name, OK, f"backend={a.backend}; {libraries + '; ' if libraries else ''}{text}")
 
 
-CHECKS = (check_shm, check_nofile, check_ram_pin, check_cores, check_avx2, check_dataset_fs,
+CHECKS = (check_shm, check_nofile, check_ram_pin, check_cores, check_cpu_flags, check_dataset_fs,
           check_gpu, check_decoders)  # fmt: skip
 
 

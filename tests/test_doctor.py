@@ -152,6 +152,8 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     assert "libjpeg" in checks(["backend=pil"])["decoders"].message
     nfs = checks(dataset_fs="nfs4")["dataset file system"]
     assert nfs.status == "warn" and "storage=tmpfs" in nfs.fix and "storage=shards" in nfs.fix
+    # the storage judges it: staged to RAM or packed, the root is read once, not per epoch
+    assert checks(["storage=tmpfs"], dataset_fs="nfs4")["dataset file system"].status == "ok"
     cores = checks(["loader.num_workers=8"], ranks=4, usable_cores=8)["cores"]
     assert cores.status == "warn" and "loader.num_workers=auto (= 2 per rank" in cores.fix
     gpu = checks(["trainer.device=cuda"])["GPU"]

@@ -342,3 +342,31 @@ def test_one_measuring_module():
     assert timing_loops(ast.parse(step)) == ["f"]
     repeat = "def f(g):\n    for _ in range(3):\n        t0 = time.perf_counter()\n        g()\n"
     assert timing_loops(ast.parse(repeat)) == []
+
+
+def test_the_preflight_names_no_backend_or_storage():
+    """Backends and storages state what they need (`DecodeBackend.needs`, `Storage.needs`):
+    the pre-flight holds no table of them and compares no option with one of their names."""
+    conf = REPO / "conf"
+    names = {p.stem for group in ("backend", "storage") for p in (conf / group).glob("*.yaml")}
+    assert {"turbo", "pillow-simd", "nvjpeg", "disk", "tmpfs"} <= names
+    from fastload import preflight
+
+    names -= set(preflight.DECODER_MODULES)  # modules whose presence is a fact (accimage)
+    tree = modules()["fastload.preflight"]
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+    }
+    named = sorted(
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and n.value in names and id(n) not in docs
+    )
+    assert named == [], named
+    targets = [n for n in ast.walk(tree) if isinstance(n, ast.Constant)
+               and isinstance(n.value, str) and n.value.startswith("fastload.decode.")]  # fmt: skip
+    assert targets == []

@@ -40,6 +40,7 @@ def import_accimage():
 
 class AccimageBackend(JpegOnlyBackend):
     name = "accimage"
+    decoder_module, install = "accimage", "conda install -c conda-forge accimage"
 
     def __init__(self, scratch_dir: str | None = None):
         self.accimage = import_accimage()

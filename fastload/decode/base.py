@@ -34,6 +34,7 @@ read JPEG only (accimage, turbo, nvjpeg).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import io
 from collections.abc import Callable
 
@@ -58,9 +59,36 @@ class DeferredSample(abc.ABC):
 DeviceDecoder = Callable[..., "object"]  # (cpu_images | None, encoded: dict, device) -> NCHW
 
 
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """A line a backend adds to the pre-flight (fastload/preflight.py) under one of its checks
+    (`check`: "CPU flags" or "decoders"): warn or fatal, what is wrong and the fix."""
+
+    check: str
+    status: str  # "warn" | "fatal"
+    message: str
+    fix: str = ""
+
+
 class DecodeBackend(abc.ABC):
     name: str
     device_decoder: DeviceDecoder | None = None
+    # What the pre-flight checks of a backend before any data work, stated by the backend
+    # (the checks know none by name). Read from the class: nothing here imports a decoder.
+    decoder_module = "PIL"  # the module its decoder imports
+    install = ""  # how to install that module
+
+    @classmethod
+    def needs(cls, options: dict, facts, on_cuda: bool) -> list[Need]:
+        """What this backend needs of the machine beyond its module (CPU flags, a GPU, a
+        library), judged on the pre-flight's `facts` (fastload/preflight.py: Facts) and the
+        backend's yaml `options`; nothing by default."""
+        return []
+
+    @classmethod
+    def libraries(cls, options: dict, facts) -> str:
+        """Which library decodes this run's JPEGs, for the pre-flight's decoders line."""
+        return ""
 
     @abc.abstractmethod
     def load(self, data: bytes, transform, rng: np.random.Generator):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fastload.decode.base import DeferredSample, JpegOnlyBackend
+from fastload.decode.base import DeferredSample, JpegOnlyBackend, Need
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
 from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
@@ -166,6 +166,14 @@ class NvjpegDecoder:
 
 class NvjpegBackend(JpegOnlyBackend):
     name = "nvjpeg"
+    decoder_module, install = "torchvision", "pip install torchvision"
+
+    @classmethod
+    def needs(cls, options: dict, facts, on_cuda: bool) -> list[Need]:
+        if on_cuda:
+            return []
+        return [Need("decoders", "fatal", "backend=nvjpeg decodes on the GPU, and none is used "
+                     "here", "Run on a GPU machine, or backend=turbo.")]  # fmt: skip
 
     def __init__(self):
         if not torch.cuda.is_available():

@@ -34,6 +34,18 @@ class PILBackend(DecodeBackend):
 
     name = "pil"
 
+    @classmethod
+    def libraries(cls, options: dict, facts) -> str:
+        try:
+            from PIL import features
+
+            turbo = features.version("libjpeg_turbo")
+        except Exception:  # an old Pillow without the feature table
+            turbo = None
+        return (
+            f"JPEGs decoded by {pillow_name()} ({f'libjpeg-turbo {turbo}' if turbo else 'libjpeg'})"
+        )
+
     def __init__(self, draft: bool = False):
         self.draft = bool(draft)
         self.counts = Counts("decode_dct_scaled") if self.draft else None

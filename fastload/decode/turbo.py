@@ -52,7 +52,7 @@ from PIL import Image
 from fastload.data.transforms import resized_crop
 from fastload.decode import roi as roi_decode
 from fastload.decode import roi_decoders
-from fastload.decode.base import JpegOnlyBackend, load_with_box
+from fastload.decode.base import JpegOnlyBackend, Need, load_with_box
 from fastload.decode.jpeg_header import (
     FALLBACK_REASONS,
     Counts,
@@ -203,6 +203,64 @@ def cv2_resized_crop(
 
 class TurboBackend(JpegOnlyBackend):
     name = "turbo"
+    decoder_module, install = "simplejpeg", "pip install simplejpeg"
+
+    @classmethod
+    def region_decoder(cls, options: dict, facts) -> str | None:
+        """The region decoder backend.roi gets on this machine (the first of its candidates
+        that loads, facts.roi_decode), or None: whole-image decodes only."""
+        status = facts.roi_decode or {}
+        roi = str(options.get("roi", "auto"))
+        return next((k for k in roi_decoders.candidates(roi) if status.get(k) == ""), None)
+
+    @classmethod
+    def needs(cls, options: dict, facts, on_cuda: bool) -> list[Need]:
+        """OpenCV for the resize; a region decoder when backend.roi asks for one (its fix
+        otherwise), fastload's own one before nvImageCodec's."""
+        out = []
+        if not facts.decoders.get("cv2", True):
+            out.append(Need("decoders", "warn", "backend=turbo without OpenCV resizes with PIL",
+                            "pip install opencv-python-headless (about 7x faster crops)."))  # fmt: skip
+        roi, status = str(options.get("roi", "auto")), facts.roi_decode
+        if roi == "off" or status is None:  # not asked for, or not known
+            return out
+        kind, libraries = cls.region_decoder(options, facts), cls.libraries(options, facts)
+        if kind is None:
+            reasons = "; ".join(f"{k}: {status[k]}" for k in status if status[k])
+            out.append(Need("decoders", "warn", f"backend=turbo decodes whole images, not crop "
+                            f"regions ({reasons}); {libraries}", f"{status.get('libjpeg', '')} "
+                            "(crops decode ~1.2x faster with it), or pip install "
+                            "nvidia-nvimgcodec-cu13."))  # fmt: skip
+        elif kind == "nvimgcodec" and status.get("libjpeg") and roi in ("auto", "on"):
+            out.append(Need("decoders", "warn", f"{libraries}; fastload's own region decoder "
+                            f"(10-18 % faster a sample) is not available", status["libjpeg"]))  # fmt: skip
+        return out
+
+    @classmethod
+    def libraries(cls, options: dict, facts) -> str:
+        import importlib.metadata
+
+        try:
+            whole = f"simplejpeg {importlib.metadata.version('simplejpeg')}"
+        except importlib.metadata.PackageNotFoundError:
+            whole = "simplejpeg ?"
+        off = str(options.get("roi", "auto")) == "off"
+        if not off and facts.roi_decode is None:  # asked for, but not known here
+            return ""
+        kind = None if off else cls.region_decoder(options, facts)
+        if kind == "libjpeg":
+            from fastload.decode import roi_libjpeg
+
+            return (f"JPEG crop regions (DCT-scaled where the box allows) decoded by fastload's "
+                    f"region decoder on {pillow_name()}'s libjpeg-turbo "
+                    f"{roi_libjpeg.library_version()}, progressive files whole by {whole}")  # fmt: skip
+        if kind == "nvimgcodec":
+            from fastload.decode import roi_nvimgcodec
+
+            return (f"JPEG crop regions decoded by nvImageCodec "
+                    f"{roi_nvimgcodec.package_version()} (its CPU libjpeg-turbo), whole images "
+                    f"(progressive, boxes >= 2x the output) by {whole}")  # fmt: skip
+        return f"JPEGs decoded whole by {whole} (no ROI decode)"
 
     def __init__(
         self,

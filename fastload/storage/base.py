@@ -177,6 +177,12 @@ class Reader(abc.ABC):
 class Storage(abc.ABC):
     """What conf/storage/<name>.yaml builds: the store's settings and its once-per-node steps."""
 
+    def needs(self, dataset_fs: str) -> list[tuple[str, str, str]]:
+        """What this storage needs of the machine, for the pre-flight (fastload/preflight.py):
+        (status, message, fix) lines given the dataset root's file system type (`fs_type`);
+        none by default (a store that copies or packs the root reads it once)."""
+        return []
+
     def prepare(
         self, root: str | os.PathLike, splits: list[str], skip_corrupt: bool = False
     ) -> None:
