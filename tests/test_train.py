@@ -217,7 +217,8 @@ def test_default_run_learns_the_builtin_dataset(tmp_path):
         timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    (run_dir,) = (tmp_path / "synthetic-resnet18-baseline").iterdir()
+    # name: dataset-model-backend-storage-loader (conf/config.yaml)
+    (run_dir,) = (tmp_path / "synthetic-resnet18-turbo-disk-baseline").iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 6
     assert summary["best_acc1"] > 30  # 10 classes: chance is 10 %
