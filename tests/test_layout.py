@@ -206,10 +206,9 @@ def test_readme_points_only_inside_the_repository():
 TASK_WORDS = ("boxes", "labels", "pair", "targets", "read_pair", "has_pairs", "describe_pair")
 
 
-def task_mentions(tree: ast.Module, fields: set[str]) -> list[str]:
-    """Where a module names a task's field: a string constant (docstrings aside) that is a
-    field name, or an attribute, function or argument named after a task's data."""
-    docs = {
+def docstring_ids(tree: ast.Module) -> set[int]:
+    """id() of every docstring constant in `tree` (module, class, function)."""
+    return {
         id(node.body[0].value)
         for node in ast.walk(tree)
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
@@ -217,6 +216,12 @@ def task_mentions(tree: ast.Module, fields: set[str]) -> list[str]:
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
+
+
+def task_mentions(tree: ast.Module, fields: set[str]) -> list[str]:
+    """Where a module names a task's field: a string constant (docstrings aside) that is a
+    field name, or an attribute, function or argument named after a task's data."""
+    docs = docstring_ids(tree)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and node.value in fields and id(node) not in docs:
@@ -354,13 +359,7 @@ def test_the_preflight_names_no_backend_or_storage():
 
     names -= set(preflight.DECODER_MODULES)  # modules whose presence is a fact (accimage)
     tree = modules()["fastload.preflight"]
-    docs = {
-        id(n.body[0].value)
-        for n in ast.walk(tree)
-        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
-        and n.body
-        and isinstance(n.body[0], ast.Expr)
-    }
+    docs = docstring_ids(tree)
     named = sorted(
         n.value
         for n in ast.walk(tree)
