@@ -44,6 +44,7 @@ NOT_SHAPING = (
     "doctor",
     "trainer.progress",
     "trainer.checkpoint_every",
+    "trainer.checkpoint_every_steps",
     "trainer.eval_every",
     "trainer.device",
     "trainer.dist_backend",

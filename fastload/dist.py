@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, FastloadError
 
 
 def _from_slurm() -> None:
@@ -110,12 +110,51 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
     if ctx.distributed and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if use_cuda else "gloo"
+        timeout = datetime.timedelta(minutes=30)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         dist.init_process_group(
             backend=backend,
-            timeout=datetime.timedelta(minutes=30),
+            store=dist.PrefixStore(attempt_prefix(), store),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
             device_id=dev if use_cuda else None,
         )
     return ctx
+
+
+def attempt_prefix() -> str:
+    """The store keys of this launch attempt. torchrun's agent shares one TCP store with its
+    workers and keeps it across `--max-restarts` restarts, and the addresses a process group
+    publishes there stay from the attempt before: a restarted group can read its dead ranks'
+    addresses and fail to connect (gloo: "connectFullMesh failed ... Connection refused").
+    Each attempt (TORCHELASTIC_RESTART_COUNT) so keeps its own keys."""
+    return f"fastload/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+class RankLost(FastloadError):
+    """Another rank of the run died, or its node went away, during a collective."""
+
+
+# gloo's and NCCL's words for a peer that is gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "NCCL communicator was aborted")  # fmt: skip
+
+
+def lost_rank_error(exc: BaseException, ctx: DistContext) -> RankLost | None:
+    """The clear error for a collective that failed because another rank is gone (torch
+    names only a socket); None for any other error."""
+    text = str(exc).strip()
+    if not ctx.distributed or not any(words in text for words in PEER_GONE):
+        return None
+    first = text.splitlines()[0][:200] if text else type(exc).__name__
+    return RankLost(
+        f"rank {ctx.rank} lost another rank of the run during a collective: its process died "
+        f"or its node went away (its own log says why; here: {first}). Continue from the "
+        f"run's newest checkpoint with the same command plus resume=auto (on any number of "
+        f"ranks); under torchrun --max-restarts=K that happens by itself, and "
+        f"trainer.checkpoint_every_steps=N bounds what such a failure costs to N steps."
+    )
 
 
 def barrier(ctx: DistContext) -> None:

@@ -115,10 +115,11 @@ class EpochResult:
 
 
 def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, watch,
-                    budget, hooks=None) -> EpochResult:  # fmt: skip
+                    budget, hooks=None, after_step=None) -> EpochResult:  # fmt: skip
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
-    step k (the evaluation loader's warm start). It ends early, on every rank at the same
-    step, on a signal, a non-finite loss (`watch`) or too many skipped samples (`budget`)."""
+    step k (the evaluation loader's warm start), `after_step(k)` after it (checkpoints
+    inside the epoch). It ends early, on every rank at the same step, on a signal, a
+    non-finite loss (`watch`) or too many skipped samples (`budget`)."""
     totals = None  # the step's sums (loss sum, ..., count), on the device: no host sync
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
     skipped_files: list[str] = []
@@ -143,6 +144,8 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
             timer.add_samples(len(batch["target"]))
         step.after_step()
         steps += 1
+        if after_step is not None:
+            after_step(steps)
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
         if stop_agreed(stopper, ctx, steps, span.max_steps, watch, budget.exceeded_early(skipped)):
             break
@@ -288,6 +291,7 @@ TRAINER_MINIMUMS = {
     "epochs": (1, "epochs to train"),
     "eval_every": (1, "evaluate every N epochs"),
     "checkpoint_every": (0, "write a checkpoint every N epochs; 0: never"),
+    "checkpoint_every_steps": (0, "also write one every N steps inside an epoch; 0: never"),
 }
 
 
@@ -324,7 +328,10 @@ class RunRecord:
 
     def __init__(self, cfg: DictConfig, ctx, run_dir: Path, history: list, task, plan=None):
         self.ctx, self.run_dir, self.task = ctx, run_dir, task
-        self.checkpoints = cfg.trainer.checkpoint_every > 0  # 0: never (debug=fast)
+        # both 0: never (debug=fast)
+        self.checkpoints = (
+            cfg.trainer.checkpoint_every > 0 or cfg.trainer.checkpoint_every_steps > 0
+        )
         self.files = self.sink = None
         if ctx.is_main:
             self.files = MetricsFiles(run_dir)
@@ -463,14 +470,17 @@ class Epochs:
         cfg, ctx, state, data = self.cfg, self.ctx, self.state, self.data
         if state.step == 0:
             torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
-        data.train.set_epoch(epoch, skip_batches=state.step)
+        data.train.set_epoch(epoch, skip_batches=state.step, stretches=state.stretches)
         data.before_epoch()
         sampler.reset()
-        span = EpochSpan(epoch, state.step, state.steps_per_epoch)
+        span = EpochSpan(epoch, state.step, data.train.batches_in(epoch))
+        if state.stretches and ctx.is_main:
+            self.continued(epoch, span)
         hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
         done = train_one_epoch(
             self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
             progress=cfg.trainer.progress, watch=self.watch, budget=self.budget, hooks=hooks,
+            after_step=self.checkpoint_inside(epoch, span),
         )  # fmt: skip
         steps, timing, metrics = done.steps, done.timing, done.metrics
         lr = state.optimizer.param_groups[0]["lr"]
@@ -481,10 +491,10 @@ class Epochs:
         self.budget.check(epoch, "training", metrics["skipped_corrupt"], done.trained,
                           done.skipped_files)  # fmt: skip
         resources = sampler.snapshot()
-        if stopper.signum is not None and steps < state.steps_per_epoch:
+        if stopper.signum is not None and steps < span.max_steps:
             state.epoch, state.step = epoch, steps
             self.stop(stopper, f"at epoch {epoch} step {steps}")
-        state.epoch, state.step = epoch + 1, 0
+        state.epoch, state.step, state.stretches = epoch + 1, 0, []
         row = {"epoch": epoch, **metrics, "lr": lr}
         if self.evaluates(epoch):
             t0 = time.perf_counter()
@@ -501,10 +511,36 @@ class Epochs:
         self.record.skipped(epoch, done.skipped_files)
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
-        if every and (last or (epoch + 1) % every == 0):
+        if (every and (last or (epoch + 1) % every == 0)) or cfg.trainer.checkpoint_every_steps:
             self.record.save(state)
         if stopper.signum is not None and not last:
             self.stop(stopper, f"after epoch {epoch}", saved=True)
+
+    def continued(self, epoch: int, span: EpochSpan) -> None:
+        """Say how an epoch begun at another world size goes on (fastload/data/elastic.py)."""
+        runs = ", ".join(f"{steps} step(s) on {w} rank(s)" for w, steps in self.state.stretches)
+        left = self.data.train.left_out
+        log.info(
+            "epoch %d was trained for %s; it goes on with the samples it had left: %d step(s) "
+            "on %d rank(s)%s",
+            epoch, runs, span.max_steps, self.ctx.world_size,
+            f"; {left} sample(s) left out (too few to give every rank 2 in a last step)"
+            if left else "",
+        )  # fmt: skip
+
+    def checkpoint_inside(self, epoch: int, span: EpochSpan):
+        """trainer.checkpoint_every_steps=N: a checkpoint after every N-th step of the epoch
+        (a SIGKILL or a lost node, which gives no time for one, then loses fewer than N)."""
+        every = self.cfg.trainer.checkpoint_every_steps
+        if not every:
+            return None
+
+        def after_step(steps: int) -> None:
+            if steps % every == 0 and steps < span.max_steps:
+                self.state.epoch, self.state.step = epoch, steps
+                self.record.save(self.state)
+
+        return after_step
 
     def stop(self, stopper, where: str, saved: bool = False) -> None:
         if not saved:
@@ -574,8 +610,8 @@ def fit(cfg: DictConfig) -> dict:
     record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
-    except RuntimeError as exc:  # torch's word for a dead worker names only a pid
-        died = dead_worker_error(exc)
+    except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket
+        died = dead_worker_error(exc) or dist.lost_rank_error(exc, ctx)
         if died is None:
             raise
         raise died from None

@@ -7,6 +7,7 @@ it back. Resuming from it continues bit for bit (tests/test_train.py).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,8 @@ from omegaconf import DictConfig
 from fastload import checkpoint as ckpt
 from fastload.errors import CheckpointError
 from fastload.optim import build_optimizer, warmup_cosine
+
+log = logging.getLogger("fastload")
 
 
 def model_config(cfg: DictConfig) -> dict:
@@ -32,8 +35,13 @@ class TrainState:
     steps_per_epoch: int
     model_config: dict
     run_config: dict  # the config keys that shape the result (checkpoint.run_config)
+    world_size: int = 1  # the ranks this run trains on
+    batch_size: int = 0  # per rank
     epoch: int = 0  # the epoch to run next
-    step: int = 0  # steps of `epoch` already done (a mid-epoch checkpoint)
+    step: int = 0  # steps of `epoch` already done at this world size (a mid-epoch checkpoint)
+    # (world size, steps) of each stretch of `epoch` run at another world size before this
+    # one (a run resumed on fewer or more ranks; fastload/data/elastic.py)
+    stretches: list = field(default_factory=list)
     best_metric: float | None = None  # the task's validation metric at its best
     history: list = field(default_factory=list)
 
@@ -68,7 +76,7 @@ class TrainState:
         scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
         return cls(
             model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg),
-            ckpt.run_config(cfg),
+            ckpt.run_config(cfg), world_size, int(cfg.trainer.batch_size),
         )  # fmt: skip
 
     def state_dict(self) -> dict:
@@ -80,6 +88,8 @@ class TrainState:
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
             "step_in_epoch": self.step,
+            "world_size": self.world_size,
+            "epoch_stretches": [list(x) for x in self.stretches],
             "best_metric": self.best_metric,
             "history": self.history,
             "rng": ckpt.rng_state(),
@@ -108,13 +118,56 @@ class TrainState:
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
+        self.stretches = [tuple(x) for x in state.get("epoch_stretches", [])]
         # checkpoints written before the detection and super-resolution tasks call it best_acc1
         self.best_metric = state.get("best_metric", state.get("best_acc1"))
         self.history = state["history"]
         ckpt.set_rng_state(state["rng"])
+        saved = saved_world_size(state)
+        if saved is not None and saved != self.world_size:
+            self.change_world_size(saved, path)
+
+    def change_world_size(self, saved: int, path) -> None:
+        """Continue a run written at world size `saved` on this run's: the interrupted epoch
+        goes on with the samples it had left (`stretches`), and the learning rate follows the
+        global batch (optim.base_lr x batch_size x world size / 256, the rule every run
+        starts with), the schedule continuing at the step where the same number of samples
+        has been seen."""
+        if self.step:
+            self.stretches.append((saved, self.step))
+            self.step = 0
+        ratio = self.world_size / saved
+        before = self.scheduler.last_epoch
+        self.scheduler.last_epoch = round(before / ratio)
+        self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas, strict=True):  # fmt: skip
+            group["initial_lr"] = base
+            group["lr"] = base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        log.warning(
+            "%s was written by %d rank(s); this run has %d. The global batch goes from %d to "
+            "%d (trainer.batch_size=%d per rank), so the learning rate is scaled by %.4g "
+            "(optim.base_lr x global batch / 256) and the schedule goes on at step %d (was "
+            "%d: the same samples seen).%s",
+            path, saved, self.world_size, saved * self.batch_size,
+            self.world_size * self.batch_size, self.batch_size, ratio,
+            self.scheduler.last_epoch, before,
+            f" Epoch {self.epoch} continues with the samples it had not trained yet, over "
+            f"the {self.world_size} rank(s)." if self.stretches else "",
+        )  # fmt: skip
 
     def check_same_run(self, state: dict, path) -> None:
         check_same_run(state, self.run_config, path)
+
+
+def saved_world_size(state: dict) -> int | None:
+    """The world size a checkpoint was written at (older checkpoints: their last epoch's
+    row, or None when they have none)."""
+    if "world_size" in state:
+        return int(state["world_size"])
+    rows = state.get("history") or []
+    return int(rows[-1]["world_size"]) if rows and "world_size" in rows[-1] else None
 
 
 def check_same_run(state: dict, run_config: dict, path) -> None:

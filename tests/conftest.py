@@ -134,10 +134,14 @@ def run_train(
     )
 
 
-def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300):
-    """`torchrun --standalone --nproc_per_node=N train.py` on tiny data (gloo on CPU); the run
-    directory is left to the config (output_root/name/<launch time>) so ranks must agree."""
+def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300, env=None,
+                 launcher: tuple[str, ...] = ()):  # fmt: skip
+    """`torchrun --standalone --nproc_per_node=N [launcher args] train.py` on tiny data (gloo
+    on CPU); the run directory is left to the config (output_root/name/<launch time>) so
+    ranks must agree. `env`: extra environment variables."""
+    extra_env = env or {}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(extra_env)
     overrides = [
         o
         for o in tiny_overrides(root, workdir / "unused")
@@ -149,6 +153,7 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        *launcher,
         str(REPO / "train.py"),
         *overrides,
         *extra,

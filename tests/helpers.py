@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
+
+import torch
+import xxhash
 
 from fastload.data.layouts import as_layout
 from fastload.storage.disk import DiskStorage, SourceReader
 from fastload.storage.tmpfs import TmpfsStorage
 from fastload.storage.webdataset import WdsReader, WebDatasetStorage
+from fastload.tasks.classification import ClassificationTask
 
 
 def sample(reader, i: int) -> tuple:
@@ -24,17 +29,18 @@ def targets(reader):
 
 
 class SigtermReader(SourceReader):
-    """Sends SIGTERM to its own process after `reads` reads: a preemption at a known step."""
+    """Sends SIGTERM (or `signum`) to its own process after `reads` reads: a preemption (or
+    a hard failure) at a known step."""
 
-    def __init__(self, source, reads: int):
+    def __init__(self, source, reads: int, signum: int = signal.SIGTERM):
         super().__init__(source)
-        self.left = reads
+        self.left, self.signum = reads, signum
 
     def get(self, i, name):
         if name == "image":
             self.left -= 1
             if self.left == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), self.signum)
         return super().get(i, name)
 
 
@@ -48,6 +54,20 @@ class SigtermAfterReads(DiskStorage):
         if split != "train" or not reads:
             return super().open(root, split)
         return SigtermReader(as_layout(root).source(split), reads)
+
+
+class SigkillAfterReads(DiskStorage):
+    """storage=disk whose train split SIGKILLs the rank $SIGKILL_RANK after $SIGKILL_AFTER_READS
+    reads, in the first launch of a torchrun group only (TORCHELASTIC_RESTART_COUNT 0): a
+    lost process that writes no checkpoint, and a restart that runs on (loader.num_workers=0)."""
+
+    def open(self, root, split):
+        reads = int(os.environ.get("SIGKILL_AFTER_READS", "0"))
+        mine = os.environ.get("RANK", "0") == os.environ.get("SIGKILL_RANK", "0")
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if split != "train" or not (reads and mine and first):
+            return super().open(root, split)
+        return SigtermReader(as_layout(root).source(split), reads, signal.SIGKILL)
 
 
 class RecordingTmpfs(TmpfsStorage):
@@ -84,3 +104,47 @@ class _SigtermWdsReader(WdsReader):
             if self.left == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
         return super().get(i, name)
+
+
+class RecordingClassification(ClassificationTask):
+    """The classification task whose training dataset appends `epoch, index, hash of the
+    augmented pixels` of every sample it builds to $RECORD_SAMPLES/rank<RANK>.tsv: which
+    samples each rank trained, in order, and with which augmentation draw (with
+    loader.num_workers=0 a sample is built when its step trains it, never ahead)."""
+
+    def dataset(self, split, reader, backend, normalize=None):
+        inner = super().dataset(split, reader, backend, normalize)
+        folder = os.environ.get("RECORD_SAMPLES")
+        return _RecordingDataset(inner, Path(folder)) if split == "train" and folder else inner
+
+
+class _RecordingDataset(torch.utils.data.Dataset):
+    def __init__(self, inner, folder: Path):
+        self.inner = inner
+        self.path = folder / f"rank{os.environ.get('RANK', '0')}.tsv"
+
+    def __getattr__(self, name):  # reader, transform, backend, ... of the real dataset
+        return getattr(self.__dict__["inner"], name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def load_batch(self, keys):
+        samples = self.inner.__getitems__(keys)
+        with open(self.path, "a") as f:
+            for (epoch, index), s in zip(keys, samples, strict=True):
+                pixels = s[0].contiguous().numpy().tobytes()
+                f.write(f"{epoch}\t{index}\t{xxhash.xxh64(pixels).hexdigest()}\n")
+        return samples
+
+    def __getitem__(self, key):
+        return self.load_batch([key])[0]
+
+
+def recorded(folder: Path) -> dict[int, list[tuple[int, int, str]]]:
+    """rank -> the (epoch, index, pixel hash) a `RecordingClassification` run trained, in order."""
+    out = {}
+    for path in sorted(Path(folder).glob("rank*.tsv")):
+        rows = [line.split("\t") for line in path.read_text().splitlines()]
+        out[int(path.stem[4:])] = [(int(e), int(i), h) for e, i, h in rows]
+    return out

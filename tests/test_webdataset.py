@@ -34,7 +34,7 @@ from fastload.errors import StorageError
 from fastload.pack import main as pack_main
 from fastload.storage.disk import DiskStorage
 from fastload.storage.webdataset import WebDatasetStorage, expand_braces
-from tests.helpers import sample, targets
+from tests.helpers import recorded, sample, targets
 
 CLASSES = ("cat", "dog", "eel")
 
@@ -656,3 +656,38 @@ def test_skipping_a_whole_truncated_split_stops_the_run(data, tmp_path):
     assert out.returncode == 2, out.stderr[-3000:]
     assert "training samples (100.0 %) could not be decoded" in out.stderr
     assert re.search(r"shard-0000\d\d.tar", out.stderr) and "Traceback" not in out.stderr
+
+
+def test_a_stream_stopped_on_one_rank_goes_on_over_two_with_what_it_had_left(data, tmp_path):
+    """Resume on another world size: the interrupted epoch's samples not yet trained, each
+    once, over 2 ranks; the next epoch is a fresh 2-rank run's (shard_stream_order)."""
+    root, pack = data
+    common = [
+        "loader.drop_last=false", "trainer.batch_size=4", f"output_root={tmp_path / 'out'}",
+        "dataset.task._target_=tests.helpers.RecordingClassification",
+        "storage._target_=tests.helpers.SigtermWebDataset",
+        *wds_overrides(pack, tmp_path / "cache"),
+    ]  # fmt: skip
+    (tmp_path / "rec1").mkdir()
+    (tmp_path / "rec2").mkdir()
+    stopped_dir = tmp_path / "out" / "b" / "r1"
+    stopped = run_train(
+        tiny_overrides(root, stopped_dir, *common, "name=b"),
+        env={"SIGTERM_AFTER_READS": "10", "RECORD_SAMPLES": str(tmp_path / "rec1")},
+    )  # SIGTERM in step 3 of 6: 12 of 21 samples trained
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    checkpoint = stopped_dir / "checkpoints" / "last.pt"
+    out = run_torchrun(
+        root, tmp_path, *common, "name=b", f"resume={checkpoint}",
+        env={"RECORD_SAMPLES": str(tmp_path / "rec2")},
+    )  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    before, after = recorded(tmp_path / "rec1"), recorded(tmp_path / "rec2")
+    epoch0 = [i for rows in (*before.values(), *after.values()) for e, i, _ in rows if e == 0]
+    assert len(before[0]) == 12 and sorted(epoch0) == list(range(21))
+    # 9 left over 2 ranks: 3 + 2, then 2 + 2 (no rank gets a batch of one)
+    assert [len([1 for e, _, _ in after[r] if e == 0]) for r in (0, 1)] == [5, 4]
+    for r in (0, 1):  # shards of 4 samples: 4 x 5 + 1
+        order, _ = shard_stream_order([4, 4, 4, 4, 4, 1], seed=0, epoch=1, rank=r,
+                                      world_size=2, window=6)  # fmt: skip
+        assert [i for e, i, _ in after[r] if e == 1] == order

@@ -69,6 +69,20 @@ class EpochSampler(torch.utils.data.Sampler):
         inner.set_epoch(epoch)
         return [(epoch, i) for i in inner]
 
+    def rank_orders(self, epoch: int, world_size: int) -> list[np.ndarray]:
+        """Every rank's order of epoch `epoch` at `world_size`, as DistributedSampler gives
+        it (one permutation, padded by repeating its start, rank r taking every W-th from r):
+        what an epoch continued at another world size starts from (fastload/data/elastic.py)."""
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.length, generator=g).numpy()
+        else:
+            order = np.arange(self.length)
+        total = -(-self.length // world_size) * world_size
+        order = np.resize(order, total)  # repeats from the start, as DistributedSampler pads
+        return [order[r::world_size] for r in range(world_size)]
+
     def __iter__(self):
         indices = list(self.inner)[self.skipped :]
         return iter([(self.epoch, i) for i in indices])
@@ -105,7 +119,7 @@ class EpochBatches(torch.utils.data.Sampler):
     """Batch sampler over a plan of epochs: `plan` is a list of (epoch, skip_batches,
     n_batches); it yields epoch e's batches skip .. skip + n in order, then the next epoch's.
     Set `plan` before each DataLoader iterator is created (a persistent-worker iterator
-    reads it again at every reset).
+    reads it again at every reset). An epoch in `continued` yields those batches instead.
 
     `tail_workers` (the loader's worker count; 0 or 1: off) balances the stream's end. The
     DataLoader hands batches to its workers in turn, so when a stream's batch count is not a
@@ -121,12 +135,17 @@ class EpochBatches(torch.utils.data.Sampler):
         self.sampler, self.batch_size, self.drop_last = sampler, int(batch_size), drop_last
         self.tail_workers = int(tail_workers)
         self.plan: list[tuple[int, int, int]] = []
+        # epoch -> this rank's batches of an epoch continued at another world size
+        # (fastload/data/elastic.py), which replace the sampler's for that epoch
+        self.continued: dict[int, list[list]] = {}
 
     def epoch_batches(self) -> int:
         """Batches in one whole epoch."""
         return epoch_batch_count(len(self.sampler.epoch_keys(0)), self.batch_size, self.drop_last)
 
     def _batches(self, epoch: int, skip: int, n: int) -> list[list]:
+        if epoch in self.continued:
+            return self.continued[epoch][skip : skip + n]
         keys, bs = self.sampler.epoch_keys(epoch), self.batch_size
         total = epoch_batch_count(len(keys), bs, self.drop_last)
         return [keys[b * bs : (b + 1) * bs] for b in range(skip, min(total, skip + n))]
@@ -281,6 +300,18 @@ class ShardStreamSampler(torch.utils.data.Sampler):
     def epoch_keys(self, epoch: int) -> list[tuple[int, int]]:
         e = epoch if self.train else 0
         return [(e, i) for i in self.order(epoch)]
+
+    def rank_orders(self, epoch: int, world_size: int) -> list[np.ndarray]:
+        """Every rank's training order of epoch `epoch` at `world_size` (each a contiguous
+        part of the shard stream): what an epoch continued at another world size starts
+        from (fastload/data/elastic.py)."""
+        return [
+            np.asarray(shard_stream_order(
+                self.shard_sizes, seed=self.seed, epoch=epoch, rank=r, world_size=world_size,
+                window=self.window, remainder=self.remainder,
+            )[0], np.int64)
+            for r in range(world_size)
+        ]  # fmt: skip
 
     def __iter__(self):
         return iter(self.epoch_keys(self.epoch)[self.skipped :])

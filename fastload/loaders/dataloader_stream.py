@@ -42,6 +42,7 @@ import weakref
 import torch
 from torch.utils.data import DataLoader
 
+from fastload.data import elastic
 from fastload.data.batch import PART, collate
 from fastload.data.sampling import EpochBatches
 from fastload.loaders import checks, watchdog
@@ -153,6 +154,8 @@ class DataLoaderStream:
         )
         whole = self.batches.epoch_batches()
         self.epoch_length = min(whole, max_batches) if max_batches else whole
+        self.max_batches, self.drop_last = max_batches, drop_last and train
+        self.left_out = 0  # samples a continued epoch could not give to every rank
         # The last epoch a stream may run into: the run's last (training), or none.
         self.last_epoch = epochs - 1 if (cross_epoch and train and epochs) else None
         self.batch_size = batch_size
@@ -204,7 +207,7 @@ class DataLoaderStream:
     def _plan(self, epoch: int, skip: int) -> list[tuple[int, int, int]]:
         last = self.last_epoch if self.last_epoch is not None else epoch
         plan = [(e, 0, self.epoch_length) for e in range(epoch, max(epoch, last) + 1)]
-        plan[0] = (epoch, skip, self.epoch_length - skip)
+        plan[0] = (epoch, skip, self.batches_in(epoch) - skip)
         return plan
 
     def start(self) -> None:
@@ -261,9 +264,27 @@ class DataLoaderStream:
         if self.slots is not None:
             self.slots.close()
 
-    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
-        """The epoch the next `__iter__` yields, from its batch `skip_batches` (resume)."""
+    def set_epoch(self, epoch: int, skip_batches: int = 0, stretches=()) -> None:
+        """The epoch the next `__iter__` yields, from its batch `skip_batches` (resume).
+        `stretches`: the (world size, steps) this epoch already ran at other world sizes; it
+        then goes on with the samples it had left, over this run's ranks
+        (fastload/data/elastic.py)."""
         self._want = (int(epoch), int(skip_batches))
+        if stretches:
+            self.batches.continued[int(epoch)] = self._continued(int(epoch), list(stretches))
+
+    def _continued(self, epoch: int, stretches: list) -> list[list]:
+        plan = elastic.epoch_plan(
+            lambda w: self.sampler.rank_orders(epoch, w), stretches, self.sampler.world_size,
+            self.batch_size, self.drop_last, self.max_batches,
+        )  # fmt: skip
+        self.left_out = plan.left_out
+        return [[(epoch, int(i)) for i in b] for b in plan.batches[self.sampler.rank]]
+
+    def batches_in(self, epoch: int) -> int:
+        """Batches of epoch `epoch`: `len(self)`, or a continued epoch's own count."""
+        continued = self.batches.continued.get(epoch)
+        return self.epoch_length if continued is None else len(continued)
 
     def __len__(self) -> int:
         """Batches in one epoch (capped by trainer.max_steps_per_epoch)."""
