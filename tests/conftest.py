@@ -258,12 +258,18 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 
 def tails(nodes: list[subprocess.CompletedProcess], chars: int = 2500) -> str:
-    """The end of each node's stdout and stderr, for an assertion message."""
-    return "\n".join(
-        f"--- node {k} (exit {n.returncode}) stdout:\n{n.stdout[-chars:]}\n--- node {k} stderr:\n"
-        f"{n.stderr[-chars:]}"
-        for k, n in enumerate(nodes)
-    )
+    """For an assertion message: each node's `error:` lines (fastload's one-line message,
+    often far above the tracebacks of the ranks that lost their peer), then the end of its
+    stdout and stderr."""
+    parts = []
+    for k, n in enumerate(nodes):
+        errors = [line for line in n.stderr.splitlines() if line.startswith("error:")]
+        parts += [
+            f"--- node {k} (exit {n.returncode}) errors: {errors}",
+            f"--- node {k} stdout:\n{n.stdout[-chars:]}",
+            f"--- node {k} stderr:\n{n.stderr[-chars:]}",
+        ]
+    return "\n".join(parts)
 
 
 # -- a local web server (storage=webdataset over HTTP) ---------------------------------------
