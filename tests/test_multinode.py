@@ -133,3 +133,29 @@ def test_two_nodes_fetch_each_shard_once_per_node_into_their_own_cache(wds_pack,
     for k in range(2):
         names = ["shard-000000.tar", "shard-000000.tar", "shard-000001.tar"]  # val, train x2
         assert cached_shards(cache[k]) == names, sorted(os.listdir(cache[k]))
+
+
+def packed_lines(text: str, dst: Path) -> list[str]:
+    return [line for line in text.splitlines() if f"into {dst} in" in line and "packed" in line]
+
+
+def test_two_nodes_packing_into_one_shared_folder_at_once_both_go_on(tmp_path):
+    """The default pack folder lies beside dataset.root, on a shared file system for every
+    node, and the local ranks 0 of two nodes pack it at the same time: the node that
+    finishes second finds the other's complete pack in place and trains on it."""
+    root = make_image_folder(tmp_path / "shared" / "data")
+    out_root = tmp_path / "shared" / "outputs"
+    nodes = run_two_nodes(
+        root, tmp_path, f"output_root={out_root}", "name=shared", "trainer.batch_size=2",
+        "storage=shards", "storage._target_=tests.helpers.PackTogetherShards",
+        f"+storage.sync_dir={tmp_path / 'shared' / 'sync'}", rdzv_id="shared-job",
+    )  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    check_trained_as_one_job(the_run_dir(out_root, "shared", "shared-job"), nodes)
+    pack = Path(f"{root}.packs") / "shards-jpeg-orig"
+    said = nodes[0].stdout + nodes[1].stdout
+    for split in ("train", "val"):
+        assert len(list((tmp_path / "shared" / "sync").glob("*-1"))) == 2  # both packed
+        assert len(packed_lines(said, pack / split)) == 1, tails(nodes)  # one of them won
+        assert said.count(f"{pack / split} was packed meanwhile") == 1, tails(nodes)
+    assert sorted(p.name for p in pack.iterdir()) == ["train", "val"]  # no temporary left
