@@ -139,6 +139,27 @@ def packed_lines(text: str, dst: Path) -> list[str]:
     return [line for line in text.splitlines() if f"into {dst} in" in line and "packed" in line]
 
 
+def test_two_nodes_pack_once_each_into_their_own_pack_path(tmp_path):
+    """storage=shards with a node-local storage.path each: each node packs every split once
+    (its local rank 0), into its own folder; nothing is packed beside the shared dataset."""
+    root = make_image_folder(tmp_path / "shared" / "data")
+    out_root = tmp_path / "shared" / "outputs"
+    path = [tmp_path / f"node{k}" / "pack" for k in range(2)]
+    nodes = run_two_nodes(
+        root, tmp_path, f"output_root={out_root}", "name=pack", "trainer.batch_size=2",
+        "storage=shards", per_node=lambda k: [f"storage.path={path[k]}"], rdzv_id="pack-job",
+    )  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    check_trained_as_one_job(the_run_dir(out_root, "pack", "pack-job"), nodes)
+    for k in range(2):
+        said = nodes[k].stdout + nodes[k].stderr
+        for split in ("train", "val"):
+            assert len(packed_lines(said, path[k] / split)) == 1, tails(nodes)
+            assert (path[k] / split / "meta.json").is_file()
+        assert str(path[1 - k]) not in said, tails(nodes)
+    assert sorted(os.listdir(root.parent)) == ["data", "outputs"]  # no data.packs beside it
+
+
 def test_two_nodes_packing_into_one_shared_folder_at_once_both_go_on(tmp_path):
     """The default pack folder lies beside dataset.root, on a shared file system for every
     node, and the local ranks 0 of two nodes pack it at the same time: the node that
