@@ -9,7 +9,6 @@ import functools
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -197,7 +196,7 @@ def run_two_nodes(
     output_root there is shared, like a shared file system); node K's command line ends with
     `per_node(K)`: its node-local folders. Waits up to `timeout` s (once a node has failed,
     the other, left waiting in a collective, gets `grace` s more), then kills what is left
-    (each launch's process group: the agent and its ranks). Returns one CompletedProcess per
+    (each launch's agent and ranks). Returns one CompletedProcess per
     node (its output also stays in workdir/launch/); a killed one has a negative returncode
     and says so at the end of its stderr."""
     skip = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -224,10 +223,9 @@ def run_two_nodes(
         for cmd, (out, err) in zip(cmds, outs, strict=True):
             files = [stack.enter_context(open(p, "w")) for p in (out, err)]  # noqa: SIM115
             procs.append(
-                subprocess.Popen(cmd, stdout=files[0], stderr=files[1], env=env, cwd=workdir,
-                                 start_new_session=True)  # its own process group, killed below
-            )  # fmt: skip
-            stack.callback(kill_group, procs[-1])
+                subprocess.Popen(cmd, stdout=files[0], stderr=files[1], env=env, cwd=workdir)
+            )
+            stack.callback(kill_tree, procs[-1])
         killed = wait_both(procs, timeout, grace)
     results = []
     for cmd, p, (out, err) in zip(cmds, procs, outs, strict=True):
@@ -249,12 +247,20 @@ def wait_both(procs: list[subprocess.Popen], timeout: float, grace: float) -> li
     return [p for p in procs if p.poll() is None]
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a launch started in its own session: torchrun's agent and all its ranks."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun launch: its agent and every process below it (the agent starts
+    each rank in a session of its own, so its process group alone would miss them)."""
+    if proc.poll() is not None:
+        return
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for p in [psutil.Process(proc.pid), *tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=10)
+    proc.wait()
 
 
 def tails(nodes: list[subprocess.CompletedProcess], chars: int = 2500) -> str:
