@@ -1,11 +1,19 @@
-"""Shared fixtures: the real Hydra config, composed and shrunk; tiny image folders in tmp."""
+"""Shared fixtures: the real Hydra config, composed and shrunk; tiny image folders in tmp;
+train.py launched as a user launches it (python, torchrun, two torchrun "nodes"); a local
+web server."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import shutil
+import socket
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +174,167 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
         env={**env, "PYTHONPATH": str(REPO)},
         cwd=workdir,
     )
+
+
+# -- two nodes on this machine ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(
+    root: Path,
+    workdir: Path,
+    *extra: str,
+    per_node=lambda k: (),
+    rdzv_id: str = "two-nodes",
+    nproc: int = 2,
+    timeout: float = 240,
+    grace: float = 30,
+) -> list[subprocess.CompletedProcess]:
+    """Two torchrun launches on this machine acting as the two nodes of one job, as on a
+    cluster: `--nnodes=2 --node-rank=K --nproc-per-node=N`, c10d rendezvous on a free local
+    port, started together; gloo on CPU. Both get the tiny overrides and `extra` (an
+    output_root there is shared, like a shared file system); node K's command line ends with
+    `per_node(K)`: its node-local folders. Waits up to `timeout` s (once a node has failed,
+    the other, left waiting in a collective, gets `grace` s more), then kills what is left
+    (each launch's agent and ranks). Returns one CompletedProcess per
+    node (its output also stays in workdir/launch/); a killed one has a negative returncode
+    and says so at the end of its stderr."""
+    skip = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FASTLOAD_RUN_ID")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    env.update(PYTHONPATH=str(REPO), WANDB_SILENT="true")
+    overrides = [
+        o
+        for o in tiny_overrides(root, workdir / "unused")
+        if not o.startswith(("hydra.run.dir", "output_root"))
+    ]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+              f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}"]  # fmt: skip
+    cmds = [
+        [*launch, f"--node-rank={k}", str(REPO / "train.py"), *overrides, *extra, *per_node(k)]
+        for k in range(2)
+    ]
+    logs = workdir / "launch"
+    logs.mkdir(parents=True, exist_ok=True)
+    outs = [(logs / f"node{k}.out", logs / f"node{k}.err") for k in range(2)]
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for cmd, (out, err) in zip(cmds, outs, strict=True):
+            files = [stack.enter_context(open(p, "w")) for p in (out, err)]  # noqa: SIM115
+            procs.append(
+                subprocess.Popen(cmd, stdout=files[0], stderr=files[1], env=env, cwd=workdir)
+            )
+            stack.callback(kill_tree, procs[-1])
+        killed = wait_both(procs, timeout, grace)
+    results = []
+    for cmd, p, (out, err) in zip(cmds, procs, outs, strict=True):
+        stderr = err.read_text()
+        if p in killed:
+            stderr += f"\n[run_two_nodes: killed ({timeout:g} s, or {grace:g} s after a failure)]"
+        results.append(subprocess.CompletedProcess(cmd, p.returncode, out.read_text(), stderr))
+    return results
+
+
+def wait_both(procs: list[subprocess.Popen], timeout: float, grace: float) -> list:
+    """Wait until both exit, at most `timeout` s, or `grace` s after one failed; returns
+    those still running (to be killed)."""
+    end, failed = time.monotonic() + timeout, False
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        if not failed and any(p.returncode for p in procs):
+            failed, end = True, min(end, time.monotonic() + grace)
+        time.sleep(0.2)
+    return [p for p in procs if p.poll() is None]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a torchrun launch: its agent and every process below it (the agent starts
+    each rank in a session of its own, so its process group alone would miss them)."""
+    if proc.poll() is not None:
+        return
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        for p in [psutil.Process(proc.pid), *tree]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        psutil.wait_procs(tree, timeout=10)
+    proc.wait()
+
+
+def tails(nodes: list[subprocess.CompletedProcess], chars: int = 2500) -> str:
+    """For an assertion message: each node's `error:` lines (fastload's one-line message,
+    often far above the tracebacks of the ranks that lost their peer), then the end of its
+    stdout and stderr."""
+    parts = []
+    for k, n in enumerate(nodes):
+        errors = [line for line in n.stderr.splitlines() if line.startswith("error:")]
+        parts += [
+            f"--- node {k} (exit {n.returncode}) errors: {errors}",
+            f"--- node {k} stdout:\n{n.stdout[-chars:]}",
+            f"--- node {k} stderr:\n{n.stderr[-chars:]}",
+        ]
+    return "\n".join(parts)
+
+
+# -- a local web server (storage=webdataset over HTTP) ---------------------------------------
+
+
+def wait_for_port(port: int, proc, timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the server exited"
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(port)
+
+
+NGINX_CONF = """
+daemon off; worker_processes 1; {user}
+pid {d}/nginx.pid; error_log {d}/error.log;
+events {{ worker_connections 64; }}
+http {{
+  access_log {log}; client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;
+  fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+  server {{ listen 127.0.0.1:{port}; root {root}; }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def web_server(folder: Path, workdir: Path):
+    """Serve `folder` over HTTP on a free port: nginx when installed, else Python's threaded
+    http.server. Yields (base URL, process, access log); both log "GET /path HTTP/1.1" 200."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "access.log"
+    if shutil.which("nginx"):
+        user = "user root;" if os.geteuid() == 0 else ""  # tmp_path is private to root
+        conf = workdir / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(user=user, d=workdir, log=log, port=port, root=folder))
+        cmd = ["nginx", "-c", str(conf), "-p", str(workdir)]
+        err = open(workdir / "stderr.log", "w")  # noqa: SIM115
+    else:
+        cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        cmd += ["--directory", str(folder)]
+        err = open(log, "w")  # noqa: SIM115 (http.server logs each request to stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_for_port(port, proc)
+        yield f"http://127.0.0.1:{port}", proc, log
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        err.close()
+
+
+def gets(log: Path) -> Counter:
+    """GET requests per path in the server's access log."""
+    return Counter(re.findall(r'"GET (\S+) HTTP', log.read_text()))

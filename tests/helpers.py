@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ import xxhash
 
 from fastload.data.layouts import as_layout
 from fastload.storage.disk import DiskStorage, SourceReader
+from fastload.storage.shards import ShardStorage
 from fastload.storage.tmpfs import TmpfsStorage
 from fastload.storage.webdataset import WdsReader, WebDatasetStorage
 from fastload.tasks.classification import ClassificationTask
@@ -148,3 +150,26 @@ def recorded(folder: Path) -> dict[int, list[tuple[int, int, str]]]:
         rows = [line.split("\t") for line in path.read_text().splitlines()]
         out[int(path.stem[4:])] = [(int(e), int(i), h) for e, i, h in rows]
     return out
+
+
+class PackTogetherShards(ShardStorage):
+    """storage=shards whose packers wait for each other: the writer of a process's n-th
+    split returns only once `together` processes have asked for their n-th (a file each in
+    `sync_dir`), so two nodes that pack into one folder are both packing at once, as two
+    nodes that start together on a large dataset are."""
+
+    def __init__(self, sync_dir, together: int = 2, wait_s: float = 60.0, **kw):
+        super().__init__(**kw)
+        self.sync_dir, self.together, self.wait_s = Path(sync_dir), int(together), wait_s
+        self.calls = 0
+
+    def writer(self, folder, schema):
+        self.calls += 1
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        (self.sync_dir / f"{os.getpid()}-{self.calls}").touch()
+        end = time.monotonic() + self.wait_s
+        while len(list(self.sync_dir.glob(f"*-{self.calls}"))) < self.together:
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.together} packers never met in {self.sync_dir}")
+            time.sleep(0.05)
+        return super().writer(folder, schema)

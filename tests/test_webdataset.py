@@ -4,15 +4,11 @@ deterministic shard-aware order with equal parts per rank and exact resume."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import tarfile
 import time
 from collections import Counter
@@ -23,10 +19,13 @@ import pytest
 import torch
 from conftest import (
     build_test_loader,
+    free_port,
+    gets,
     make_image_folder,
     run_torchrun,
     run_train,
     tiny_overrides,
+    web_server,
 )
 
 from fastload.data.sampling import shard_stream_order
@@ -47,66 +46,6 @@ def data(tmp_path_factory):
     root = make_image_folder(base / "tiny", classes=CLASSES, per_split=(7, 3), size=(48, 40))
     assert pack_main(["webdataset", str(root), str(base / "pack"), "--shard-samples", "4"]) == 0
     return root, base / "pack"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc, timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.poll() is None, "the server exited"
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(port)
-
-
-NGINX_CONF = """
-daemon off; worker_processes 1; {user}
-pid {d}/nginx.pid; error_log {d}/error.log;
-events {{ worker_connections 64; }}
-http {{
-  access_log {log}; client_body_temp_path {d}/body; proxy_temp_path {d}/proxy;
-  fastcgi_temp_path {d}/fcgi; uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
-  server {{ listen 127.0.0.1:{port}; root {root}; }}
-}}
-"""
-
-
-@contextlib.contextmanager
-def web_server(folder: Path, workdir: Path):
-    """Serve `folder` over HTTP on a free port: nginx when installed, else Python's threaded
-    http.server. Yields (base URL, process, access log); both log "GET /path HTTP/1.1" 200."""
-    port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    log = workdir / "access.log"
-    if shutil.which("nginx"):
-        user = "user root;" if os.geteuid() == 0 else ""  # tmp_path is private to root
-        conf = workdir / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(user=user, d=workdir, log=log, port=port, root=folder))
-        cmd = ["nginx", "-c", str(conf), "-p", str(workdir)]
-        err = open(workdir / "stderr.log", "w")  # noqa: SIM115
-    else:
-        cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-        cmd += ["--directory", str(folder)]
-        err = open(log, "w")  # noqa: SIM115 (http.server logs each request to stderr)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        wait_for_port(port, proc)
-        yield f"http://127.0.0.1:{port}", proc, log
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        err.close()
-
-
-def gets(log: Path) -> Counter:
-    """GET requests per path in the server's access log."""
-    return Counter(re.findall(r'"GET (\S+) HTTP', log.read_text()))
 
 
 def disk_samples(root, split="train"):

@@ -227,6 +227,10 @@ def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, ta
     return skipped
 
 
+class PackedMeanwhile(StorageError):
+    """Another process completed the pack folder while `pack_split` was writing it."""
+
+
 def pack_split(
     writer: Callable[[Path, Schema], PackWriter],
     src,
@@ -281,7 +285,7 @@ def pack_split(
             }
             (tmp / SIDECAR).write_text(json.dumps({**record, "skipped": skipped}, indent=1))
     except AlreadyBuilt:
-        raise StorageError(
+        raise PackedMeanwhile(
             f"{dst} appeared while packing (another packer?); delete it and retry."
         ) from None
     except OSError as exc:
@@ -408,6 +412,19 @@ class PackedStorage(Storage):
             source = layout.source(split)
             try:
                 pack_split(self.writer, None, dst, source=source, replace=exists, **options)
+            except PackedMeanwhile:
+                # Each node's local rank 0 packs, and the default folder (beside dataset.root)
+                # is on a file system that all nodes share: nodes that start together pack it
+                # at the same time and all but the first to finish find it in place. A pack
+                # that matches the source and options is as good as ours: train on it.
+                if not (dst / self.marker).is_file() or stale_reason(
+                    lambda s=split: layout.source(s), dst, self.pack_options()
+                ):
+                    raise
+                log.info(
+                    "%s was packed meanwhile by another process (another node?); using it", dst
+                )
+                continue
             except OSError as exc:
                 raise self.unwritable(dst, exc) from None
             log.info("packed %s into %s in %.1f s", source.root, dst, time.perf_counter() - t0)

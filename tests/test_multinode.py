@@ -1,0 +1,182 @@
+"""Two nodes on one machine: two torchrun launches (`--nnodes=2 --node-rank=0|1`, c10d
+rendezvous) of 2 ranks each, one job of world size 4. Each node has its own node-local
+folders on its command line (tmpfs staging, shard cache, pack); output_root is shared, like a
+shared file system. What is done once per node must happen once on each node, into its own
+folder, and both launches must write one run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import gets, make_image_folder, run_two_nodes, tails, web_server
+
+from fastload.data.sampling import shard_stream_order
+from fastload.pack import main as pack_main
+from fastload.storage import tmpfs
+
+RANKS_PER_NODE = 2
+
+
+def the_run_dir(out_root: Path, name: str, rdzv_id: str) -> Path:
+    """The one run directory both launches wrote, named after the rendezvous id."""
+    runs = sorted(p.name for p in (out_root / name).iterdir())
+    assert runs == [f"torchrun-{rdzv_id}"], runs  # not one per node, not a `-1` sibling
+    return out_root / name / runs[0]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_trained_as_one_job(run_dir: Path, nodes) -> list[dict]:
+    """2 epochs of world size 4, written once (by global rank 0), config and claim once."""
+    rows = metrics(run_dir)
+    assert [r["epoch"] for r in rows] == [0, 1], rows
+    assert all(r["world_size"] == 2 * RANKS_PER_NODE for r in rows), rows
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    claim = json.loads((run_dir / ".fastload-run.json").read_text())
+    assert claim["launch"] == f"torchrun:{run_dir.name.removeprefix('torchrun-')}", claim
+    # global rank 0 (on whichever node) prints the end table
+    assert sum(f"run directory  {run_dir}" in n.stdout for n in nodes) == 1, tails(nodes)
+    return rows
+
+
+@pytest.mark.parametrize("cleanup", [False, True], ids=["kept", "cleanup"])
+def test_two_nodes_stage_to_tmpfs_once_each_into_their_own_folder(tiny_folder, tmp_path, cleanup):
+    """storage=tmpfs stages once per node, by its local rank 0 (global ranks 0 and 2), into
+    the node's own target_dir; storage.cleanup=true removes each node's copy at the end."""
+    out_root, record = tmp_path / "shared" / "outputs", tmp_path / "shared" / "staged-by.txt"
+    target = [tmp_path / f"node{k}" / "stage" for k in range(2)]
+    nodes = run_two_nodes(
+        tiny_folder, tmp_path, f"output_root={out_root}", "name=tmpfs", "trainer.batch_size=2",
+        "storage=tmpfs", "storage._target_=tests.helpers.RecordingTmpfs",
+        f"+storage.record={record}", f"storage.cleanup={str(cleanup).lower()}",
+        per_node=lambda k: [f"storage.target_dir={target[k]}"], rdzv_id="tmpfs-job",
+    )  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    check_trained_as_one_job(the_run_dir(out_root, "tmpfs", "tmpfs-job"), nodes)
+    # Staged once per node: by the two local ranks 0, one on each node (global ranks 0, 2).
+    assert sorted(record.read_text().split(), key=int) == ["0", "2"], tails(nodes)
+    staged = tmpfs.staged_name(tiny_folder)
+    for k in range(2):
+        said = nodes[k].stdout + nodes[k].stderr
+        assert f"into {target[k] / staged} in" in said, tails(nodes)  # its own folder
+        assert str(target[1 - k]) not in said, tails(nodes)  # not the other node's
+        if cleanup:
+            assert os.listdir(target[k]) == [], os.listdir(target[k])
+        else:
+            assert os.listdir(target[k]) == [staged]  # the copy, no temporary folder left
+            copy = target[k] / staged
+            assert (copy / tmpfs.MANIFEST).is_file()
+            assert sorted(p.relative_to(copy) for p in copy.rglob("*.jpg")) == sorted(
+                p.relative_to(tiny_folder) for p in tiny_folder.rglob("*.jpg")
+            )
+
+
+@pytest.fixture(scope="module")
+def wds_pack(tmp_path_factory):
+    """21 train samples in 2 shards (11 + 10), 9 val samples in 1 shard. Cut so that every
+    node needs every shard in each epoch (see the test), so "once per node" is exactly two
+    fetches of each shard in all."""
+    base = tmp_path_factory.mktemp("wds-nodes")
+    root = make_image_folder(base / "tiny", per_split=(7, 3), size=(48, 40))
+    assert pack_main(["webdataset", str(root), str(base / "pack"), "--shard-samples", "11"]) == 0
+    return root, base / "pack"
+
+
+def shards_of_ranks(ranks, epoch: int, sizes=(11, 10), world_size=4, seed=0) -> set[int]:
+    """The training shards that `ranks` read in `epoch` (the sampler's order)."""
+    starts = [0, sizes[0]]
+    need = set()
+    for r in ranks:
+        order, _ = shard_stream_order(
+            sizes, seed=seed, epoch=epoch, rank=r, world_size=world_size, window=6
+        )
+        need |= {k for i in order for k in range(2) if starts[k] <= i < starts[k] + sizes[k]}
+    return need
+
+
+def cached_shards(cache: Path) -> list[str]:
+    """The complete shards in a node's cache (`<hash>-shard-NNNNNN.tar`)."""
+    return sorted(p.name.split("-", 1)[1] for p in cache.iterdir() if p.name.endswith(".tar"))
+
+
+def test_two_nodes_fetch_each_shard_once_per_node_into_their_own_cache(wds_pack, tmp_path):
+    """storage=webdataset over HTTP with a node-local cache_dir each: every shard is fetched
+    once per node (the two ranks of a node share their node's fetch), so twice in all, and
+    each node's cache holds the shards; one run directory."""
+    root, pack = wds_pack
+    # The premise: both nodes (global ranks 0-1 and 2-3, whichever node got which) read both
+    # training shards in both epochs, and all of val's single shard is read by every node.
+    assert all(shards_of_ranks(rs, e) == {0, 1} for rs in ((0, 1), (2, 3)) for e in (0, 1))
+    val = json.loads((pack / "val" / "manifest.json").read_text())
+    assert [s["count"] for s in val["shards"]] == [9]
+    out_root = tmp_path / "shared" / "outputs"
+    cache = [tmp_path / f"node{k}" / "cache" for k in range(2)]
+    with web_server(pack, tmp_path / "srv") as (url, _, log):
+        nodes = run_two_nodes(
+            root, tmp_path, f"output_root={out_root}", "name=wds", "storage=webdataset",
+            f"storage.url='{url}'", "storage.shuffle_buffer=6", "storage.retry_backoff_s=0.05",
+            "trainer.batch_size=2", "loader.drop_last=false", "dataset.skip_corrupt=false",
+            per_node=lambda k: [f"storage.cache_dir={cache[k]}"], rdzv_id="wds-job",
+        )  # fmt: skip
+        requests = gets(log)
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    rows = check_trained_as_one_job(the_run_dir(out_root, "wds", "wds-job"), nodes)
+    assert all(r["train_images"] == 4 * 6 for r in rows), rows  # 21 + 3 padded, 6 per rank
+    tars = {p: n for p, n in requests.items() if p.endswith(".tar")}
+    want = ["/train/shard-000000.tar", "/train/shard-000001.tar", "/val/shard-000000.tar"]
+    assert sorted(tars) == want and set(tars.values()) == {2}, requests  # once per node
+    for k in range(2):
+        names = ["shard-000000.tar", "shard-000000.tar", "shard-000001.tar"]  # val, train x2
+        assert cached_shards(cache[k]) == names, sorted(os.listdir(cache[k]))
+
+
+def packed_lines(text: str, dst: Path) -> list[str]:
+    return [line for line in text.splitlines() if f"into {dst} in" in line and "packed" in line]
+
+
+def test_two_nodes_pack_once_each_into_their_own_pack_path(tmp_path):
+    """storage=shards with a node-local storage.path each: each node packs every split once
+    (its local rank 0), into its own folder; nothing is packed beside the shared dataset."""
+    root = make_image_folder(tmp_path / "shared" / "data")
+    out_root = tmp_path / "shared" / "outputs"
+    path = [tmp_path / f"node{k}" / "pack" for k in range(2)]
+    nodes = run_two_nodes(
+        root, tmp_path, f"output_root={out_root}", "name=pack", "trainer.batch_size=2",
+        "storage=shards", per_node=lambda k: [f"storage.path={path[k]}"], rdzv_id="pack-job",
+    )  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    check_trained_as_one_job(the_run_dir(out_root, "pack", "pack-job"), nodes)
+    for k in range(2):
+        said = nodes[k].stdout + nodes[k].stderr
+        for split in ("train", "val"):
+            assert len(packed_lines(said, path[k] / split)) == 1, tails(nodes)
+            assert (path[k] / split / "meta.json").is_file()
+        assert str(path[1 - k]) not in said, tails(nodes)
+    assert sorted(os.listdir(root.parent)) == ["data", "outputs"]  # no data.packs beside it
+
+
+def test_two_nodes_packing_into_one_shared_folder_at_once_both_go_on(tmp_path):
+    """The default pack folder lies beside dataset.root, on a shared file system for every
+    node, and the local ranks 0 of two nodes pack it at the same time: the node that
+    finishes second finds the other's complete pack in place and trains on it."""
+    root = make_image_folder(tmp_path / "shared" / "data")
+    out_root = tmp_path / "shared" / "outputs"
+    nodes = run_two_nodes(
+        root, tmp_path, f"output_root={out_root}", "name=shared", "trainer.batch_size=2",
+        "storage=shards", "storage._target_=tests.helpers.PackTogetherShards",
+        f"+storage.sync_dir={tmp_path / 'shared' / 'sync'}", rdzv_id="shared-job",
+    )  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    check_trained_as_one_job(the_run_dir(out_root, "shared", "shared-job"), nodes)
+    pack = Path(f"{root}.packs") / "shards-jpeg-orig"
+    said = nodes[0].stdout + nodes[1].stdout
+    for split in ("train", "val"):
+        assert len(list((tmp_path / "shared" / "sync").glob("*-1"))) == 2  # both packed
+        assert len(packed_lines(said, pack / split)) == 1, tails(nodes)  # one of them won
+        assert said.count(f"{pack / split} was packed meanwhile") == 1, tails(nodes)
+    assert sorted(p.name for p in pack.iterdir()) == ["train", "val"]  # no temporary left
