@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import make_image_folder, run_torchrun, run_train, tiny_overrides
+from conftest import compose_config, make_image_folder, run_torchrun, run_train, tiny_overrides
 from torch.utils.data import DistributedSampler
 
 from fastload.data import elastic
@@ -138,11 +138,24 @@ def fresh_order(epoch: int, world: int, rank: int) -> list[int]:
     return list(sampler)
 
 
+def pixel_hashes(folder, tmp_path) -> dict[tuple[int, int], str]:
+    """(epoch, index) -> the hash of its training sample as the task's dataset builds it, in
+    this process: what any uninterrupted run trains on (the same hash as `recorded`)."""
+    import xxhash
+
+    from fastload.pipeline import build_plan
+
+    cfg = compose_config(tiny_overrides(folder, tmp_path / "probe", *common(tmp_path, "probe")))
+    plan = build_plan(cfg)
+    dataset = plan.task.dataset("train", plan.reader("train"), plan.backend)
+    keys = [(e, i) for e in (0, 1) for i in range(N_TRAIN)]
+    images = [s[0] for s in dataset.__getitems__(keys)]
+    return {k: xxhash.xxh64(x.contiguous().numpy().tobytes()).hexdigest()
+            for k, x in zip(keys, images, strict=True)}  # fmt: skip
+
+
 def test_two_ranks_stopped_mid_epoch_resume_on_one_and_on_three(folder, tmp_path):
-    ref, ref_rows, _ = launch(1, folder, tmp_path, "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    draws = {(e, i): h for e, i, h in ref_rows[0]}  # every (epoch, index)'s augmentation
-    assert len(draws) == 2 * N_TRAIN
+    draws = pixel_hashes(folder, tmp_path)  # every (epoch, index)'s augmentation
 
     # SIGTERM on both ranks during step 8; DDP ranks agree to stop at step 10 of 12
     stopped, before, stopped_dir = launch(2, folder, tmp_path, "stopped",
@@ -178,6 +191,7 @@ def test_two_ranks_stopped_mid_epoch_resume_on_one_and_on_three(folder, tmp_path
         assert [(r["epoch"], r["world_size"]) for r in rows] == [(0, world), (1, world)]
 
 
+@pytest.mark.slow  # 1 -> 2 on storage=webdataset is in the default suite (test_webdataset.py)
 def test_one_rank_stopped_mid_epoch_resumes_on_two(folder, tmp_path):
     stopped, before, stopped_dir = launch(1, folder, tmp_path, "stopped",
                                           env={"SIGTERM_AFTER_READS": "18"})  # fmt: skip
@@ -199,7 +213,7 @@ def test_a_sigkilled_rank_restarts_under_torchrun_from_the_step_checkpoint(folde
     """torchrun --max-restarts=1: rank 1 SIGKILLed during step 7 (no checkpoint of its own);
     the group restarts from the step-4 checkpoint and ends with the uninterrupted weights."""
     out_root = tmp_path / "out"
-    same = [f"output_root={out_root}", f"trainer.batch_size={BATCH}",
+    same = [f"output_root={out_root}", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
             "storage._target_=tests.helpers.SigkillAfterReads"]  # fmt: skip
     ref = run_torchrun(folder, tmp_path, *same, "name=ref")
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
@@ -217,16 +231,14 @@ def test_a_sigkilled_rank_restarts_under_torchrun_from_the_step_checkpoint(folde
     (ref_dir,) = list((out_root / "ref").iterdir())
     a = torch.load(ref_dir / "checkpoints" / "last.pt", weights_only=True)
     b = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
-    assert (b["epoch"], b["step_in_epoch"]) == (2, 0)
+    assert (b["epoch"], b["step_in_epoch"]) == (1, 0)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in rows] == [0, 1]
+    assert [r["epoch"] for r in rows] == [0]
 
 
 def test_the_learning_rate_follows_the_global_batch_and_the_schedule_the_samples(tmp_path):
-    from conftest import compose_config
-
     from fastload.train_state import TrainState
 
     cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=8"))

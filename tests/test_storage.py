@@ -587,6 +587,7 @@ def test_stage_tmpfs_script_mounts_copies_reuses_and_refuses(tmp_path):
             subprocess.run(["umount", str(m)], capture_output=True)
 
 
+@pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py
 def test_two_ranks_stage_once_per_node(tmp_path):
     root = make_image_folder(tmp_path / "data")
     record, target = tmp_path / "staged-by.txt", tmp_path / "shm"

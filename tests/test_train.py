@@ -126,6 +126,7 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
     assert [r["epoch"] for r in read_jsonl(resumed_dir / "metrics.jsonl")] == [0, 1, 2]
 
 
+@pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py
 def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
     out_root = tmp_path / "outputs"
     out = run_torchrun(tiny_folder, tmp_path, f"output_root={out_root}", "name=ddp")

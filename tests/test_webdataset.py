@@ -379,6 +379,7 @@ def test_train_resumed_mid_epoch_matches_the_uninterrupted_run(data, tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+@pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py
 def test_two_process_ddp_over_http_equal_batches(data, tmp_path):
     root, pack = data
     with web_server(pack, tmp_path / "srv") as (url, _, log):
