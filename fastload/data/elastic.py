@@ -53,9 +53,6 @@ class RestPlan:
     def steps(self) -> int:
         return len(self.batches[0]) if self.batches else 0
 
-    def samples(self) -> int:
-        return sum(len(b) for rank in self.batches for b in rank)
-
 
 def fresh_plan(orders: list[np.ndarray], batch_size: int, drop_last: bool,
                cap: int | None = None) -> RestPlan:  # fmt: skip
@@ -86,8 +83,8 @@ def rest(plan: RestPlan, steps: int, seen: np.ndarray) -> np.ndarray:
 
 def split_rest(indices: np.ndarray, world_size: int, batch_size: int) -> RestPlan:
     """`indices` over `world_size` ranks in steps of `batch_size` per rank (see the module
-    docstring): every rank the same number of steps, every step at least one sample on
-    every rank."""
+    docstring): every rank the same number of steps, in every step at least MIN_BATCH
+    samples on every rank (batch_size 1: one) and at most batch_size."""
     total, w = len(indices), int(world_size)
     full = batch_size * w
     n = -(-total // full)
