@@ -164,6 +164,7 @@ def test_two_nodes_pack_once_each_into_their_own_pack_path(tmp_path):
     assert sorted(os.listdir(root.parent)) == ["data", "outputs"]  # no data.packs beside it
 
 
+@pytest.mark.slow  # a race made on purpose (PackTogetherShards); the default suite's budget
 def test_two_nodes_packing_into_one_shared_folder_at_once_both_go_on(tmp_path):
     """The default pack folder lies beside dataset.root, on a shared file system for every
     node, and the local ranks 0 of two nodes pack it at the same time: the node that
