@@ -39,11 +39,17 @@ class SigtermReader(SourceReader):
         self.left, self.signum = reads, signum
 
     def get(self, i, name):
-        if name == "image":
-            self.left -= 1
-            if self.left == 0:
-                os.kill(os.getpid(), self.signum)
+        count_read(self, name)
         return super().get(i, name)
+
+
+def count_read(reader, name: str) -> None:
+    """One read of `reader` (with `left` and `signum`): its signal to this process at the
+    last one."""
+    if name == "image":
+        reader.left -= 1
+        if reader.left == 0:
+            os.kill(os.getpid(), reader.signum)
 
 
 class SigtermAfterReads(DiskStorage):
@@ -100,11 +106,10 @@ class SigtermWebDataset(WebDatasetStorage):
 
 
 class _SigtermWdsReader(WdsReader):
+    signum = signal.SIGTERM
+
     def get(self, i, name):
-        if name == "image":
-            self.left -= 1
-            if self.left == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
+        count_read(self, name)
         return super().get(i, name)
 
 
