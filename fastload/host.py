@@ -121,9 +121,12 @@ def spawn_pool(workers: int):
     """A spawn multiprocessing Pool whose children ignore Ctrl-C from birth. Ctrl-C reaches
     every process of the terminal's group; the parent handles it (one line, exit 130) and
     stops the pool. An initializer that ignores SIGINT comes too late: a child still
-    importing the main module (train.py imports torch: seconds) dies of it with a traceback,
-    which a 16-core box showed. An ignored signal stays ignored across exec, and Python
-    leaves an inherited SIG_IGN alone, so the parent ignores it while the pool starts."""
+    importing the main module dies of it with a traceback, which a 16-core box showed when
+    train.py imported torch at its top. An ignored signal stays ignored across exec, and
+    Python leaves an inherited SIG_IGN alone, so the parent ignores it while the pool starts.
+    Every child imports the main module and the task's module: keep both free of torch at
+    their top (train.py, fastload.pack, fastload.storage.*, fastload.data.synthetic*), or
+    each child pays seconds and some hundred MiB before its first task."""
     import multiprocessing
     import signal
     import threading

@@ -141,6 +141,31 @@ def test_every_module_imports_in_a_fresh_interpreter():
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+# What a spawn pool's child imports before its first task (fastload.host.spawn_pool): the
+# main module (train.py, python -m fastload.pack) and the module of the task it runs.
+POOL_CHILD_MODULES = [
+    "fastload.pack",
+    "fastload.storage.packing",
+    "fastload.data.synthetic",
+    "fastload.data.synthetic_coco",
+    "fastload.data.synthetic_div2k",
+]
+
+
+def test_spawn_pool_children_start_without_torch():
+    code = (
+        "import importlib, runpy, sys\n"
+        "sys.argv = ['train.py']\n"
+        "runpy.run_path('train.py', run_name='__mp_main__')\n"
+        f"for n in {POOL_CHILD_MODULES!r}:\n    importlib.import_module(n)\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'cv2') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "", f"a pool child would import {out.stdout.strip()}"
+
+
 def test_no_function_over_80_lines():
     long = [
         f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"

@@ -278,9 +278,9 @@ def test_a_full_disk_while_packing_or_staging_is_one_message(tmp_path, monkeypat
 
 @pytest.mark.parametrize("when", ["pool importing", "generating"])
 def test_ctrl_c_during_generation_is_one_line_and_exit_130(tmp_path, when):
-    """'pool importing': while the spawn pool's children still import train.py's modules
-    (torch: seconds), where an initializer that ignores SIGINT has not run yet (a 16-core
-    box printed their tracebacks)."""
+    """'pool importing': while the spawn pool's children start and import their modules,
+    where an initializer that ignores SIGINT has not run yet (a 16-core box printed their
+    tracebacks)."""
     cache = tmp_path / "cache"
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "train.py"), f"output_root={tmp_path / 'out'}", "logger=none"],

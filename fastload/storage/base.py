@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fastload.data.records import Schema
 from fastload.errors import StorageError
@@ -115,11 +114,15 @@ class Reader(abc.ABC):
     # -- accounting ----------------------------------------------------------------------
 
     def _init_stats(self) -> None:
+        import torch  # here, not at the top: packing's pool workers import this module
+
         self._stats = torch.zeros(_SLOTS, 2, dtype=torch.float64).share_memory_()
         self._stats_np = None
 
     def _account(self, nbytes: int, t0: float) -> None:
         if self._stats_np is None:
+            import torch.utils.data
+
             info = torch.utils.data.get_worker_info()
             slot = 0 if info is None else (info.id + 1) % _SLOTS
             self._stats_np = self._stats.numpy()[slot]
