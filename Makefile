@@ -19,11 +19,18 @@ setup: $(STAMP)
 train: setup                 ## train on the built-in synthetic dataset (ARGS="loader=bg ...")
 	$(PY) train.py $(ARGS)
 
+# One pytest worker per core, at most 8 (pytest-xdist): most of a test's time is a train.py
+# or torchrun subprocess importing torch on one core, so two workers on two cores take ~2/3
+# of one's time. worksteal: the 20-40 s end-to-end tests leave no worker idle at the end.
+# TEST_JOBS=0 (or ARGS="-n 0") runs in one process: pdb, -x, one test's output.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
+XDIST  := -n $(TEST_JOBS) --dist worksteal
+
 test: setup                  ## the fast default suite (no slow/cuda/docker markers)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 test-all: setup              ## everything this machine can run, slow tests included
-	$(PY) -m pytest -q -m "not cuda and not docker" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not cuda and not docker" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff format --check .
