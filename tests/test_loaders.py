@@ -166,7 +166,14 @@ class Exploding(torch.utils.data.Dataset):
 
 
 def children() -> set:
-    return {p for p in psutil.Process().children(recursive=True) if p.status() != "zombie"}
+    alive = set()
+    for p in psutil.Process().children(recursive=True):
+        try:  # a child that exits between the listing and this look is gone: not a leak
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.add(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
 
 
 def wait_clean(threads_before, kids_before=frozenset(), timeout=15.0):

@@ -111,6 +111,13 @@ class Reader(abc.ABC):
             )
         return self.schema[name]
 
+    def decode(self, field, data, i: int, name: str):
+        """Field `name` of record i from its stored bytes; StorageError naming the record."""
+        try:
+            return field.coder.decode(data)
+        except ValueError as exc:
+            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}; re-pack.") from None
+
     # -- accounting ----------------------------------------------------------------------
 
     def _init_stats(self) -> None:

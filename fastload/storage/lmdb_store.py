@@ -330,10 +330,7 @@ class LmdbReader(PackedReader):
             raise StorageError(
                 f"corrupt record: {self.describe(i, name)} fails its crc32 check; re-pack."
             )
-        try:
-            return field.coder.decode(data)
-        except ValueError as exc:
-            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}; re-pack.") from None
+        return self.decode(field, data, i, name)
 
     def store_root(self) -> str:
         return str(self.dir)

@@ -261,10 +261,7 @@ class ShardReader(PackedReader):
         # Accounted after the checksum: for a raw view that pass is what pages the record in
         # (with verify=false a raw read is only a view and its "read time" is ~0).
         self._account(n, t0)
-        try:
-            return field.coder.decode(data)
-        except ValueError as exc:
-            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}; re-pack.") from None
+        return self.decode(field, data, i, name)
 
     # -- cold cache and the engine's hooks --------------------------------------------------
 

@@ -523,10 +523,7 @@ class WdsReader(Reader):
             )
         data = mm[off : off + n]
         self._account(n, t0)
-        try:
-            return field.coder.decode(data)
-        except ValueError as exc:
-            raise StorageError(f"unreadable {self.describe(i, name)}: {exc}") from None
+        return self.decode(field, data, i, name)
 
     def _evict(self) -> None:
         """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
