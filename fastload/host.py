@@ -4,6 +4,7 @@ nothing from fastload, so anything may import it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import socket
@@ -16,6 +17,18 @@ SHM_FIX = (
     "an emptyDir with medium: Memory at /dev/shm), or lower loader.num_workers / "
     "loader.prefetch_factor."
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    """A line a backend or a storage adds to the pre-flight (fastload/preflight.py) under one
+    of its checks (`check`: "CPU flags", "decoders", "dataset file system"): warn or fatal,
+    what is wrong and the fix."""
+
+    check: str
+    status: str  # "warn" | "fatal"
+    message: str
+    fix: str = ""
 
 
 def usable_cores() -> int:

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload.errors import ConfigError
 from fastload.host import MB, SHM, fs_type, shm_bytes, total_ram, usable_cores
+from fastload.storage.base import DATASET_FS
 
 log = logging.getLogger("fastload")
 
@@ -356,7 +357,7 @@ def check_cpu_flags(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
 
 def check_dataset_fs(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     """The dataset root's file system, judged by the storage (its `needs`)."""
-    name = "dataset file system"
+    name = DATASET_FS
     root = cfg.dataset.get("root")
     if not facts.dataset_fs:
         return Check(name, OK, f"{root} is not there yet (generated or mounted later)")
@@ -366,8 +367,8 @@ def check_dataset_fs(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         needs = instantiate(cfg.storage).needs(facts.dataset_fs)
     except Exception:  # a storage that cannot be built here says so when the run builds it
         needs = []
-    for status, message, fix in needs:
-        return Check(name, status, f"{root} is on {message}", fix)
+    for need in needs:
+        return Check(name, need.status, f"{root} is on {need.message}", need.fix)
     return Check(name, OK, f"{root} on {facts.dataset_fs}")
 
 

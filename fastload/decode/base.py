@@ -34,7 +34,6 @@ read JPEG only (accimage, turbo, nvjpeg).
 from __future__ import annotations
 
 import abc
-import dataclasses
 import io
 from collections.abc import Callable
 
@@ -43,6 +42,7 @@ from PIL import Image, ImageOps
 
 from fastload.data.transforms import resized_crop
 from fastload.decode.jpeg_header import Counts, fallback_reason, jpeg_info
+from fastload.host import Need  # noqa: F401  (backends import it from here)
 
 
 class DeferredSample(abc.ABC):
@@ -57,17 +57,6 @@ class DeferredSample(abc.ABC):
 
 
 DeviceDecoder = Callable[..., "object"]  # (cpu_images | None, encoded: dict, device) -> NCHW
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """A line a backend adds to the pre-flight (fastload/preflight.py) under one of its checks
-    (`check`: "CPU flags" or "decoders"): warn or fatal, what is wrong and the fix."""
-
-    check: str
-    status: str  # "warn" | "fatal"
-    message: str
-    fix: str = ""
 
 
 class DecodeBackend(abc.ABC):

@@ -32,11 +32,12 @@ import numpy as np
 
 from fastload.data.records import Schema
 from fastload.errors import StorageError
-from fastload.host import fs_type
+from fastload.host import Need, fs_type
 
 log = logging.getLogger("fastload")
 
 _SLOTS = 256
+DATASET_FS = "dataset file system"  # the pre-flight check a storage's `needs` go under
 _warned_tmpfs: set[str] = set()
 
 
@@ -187,10 +188,10 @@ class Reader(abc.ABC):
 class Storage(abc.ABC):
     """What conf/storage/<name>.yaml builds: the store's settings and its once-per-node steps."""
 
-    def needs(self, dataset_fs: str) -> list[tuple[str, str, str]]:
+    def needs(self, dataset_fs: str) -> list[Need]:
         """What this storage needs of the machine, for the pre-flight (fastload/preflight.py):
-        (status, message, fix) lines given the dataset root's file system type (`fs_type`);
-        none by default (a store that copies or packs the root reads it once)."""
+        its "dataset file system" lines given the dataset root's file system type
+        (`fs_type`); none by default (a store that copies or packs the root reads it once)."""
         return []
 
     def prepare(

@@ -12,8 +12,8 @@ import numpy as np
 from fastload.data.layouts import as_layout
 from fastload.data.sources import ImageFolderSource
 from fastload.errors import ConfigError, StorageError
-from fastload.host import is_network_fs
-from fastload.storage.base import Reader, Storage
+from fastload.host import Need, is_network_fs
+from fastload.storage.base import DATASET_FS, Reader, Storage
 
 
 class SourceReader(Reader):
@@ -96,17 +96,18 @@ class DiskReader(SourceReader):
 class DiskStorage(Storage):
     """The files in place, laid out as the dataset's layout says."""
 
-    def needs(self, dataset_fs: str) -> list[tuple[str, str, str]]:
+    def needs(self, dataset_fs: str) -> list[Need]:
         """Every epoch reads every file where it is: on a network file system each image is
         a round trip."""
         if not is_network_fs(dataset_fs):
             return []
-        return [("warn", f"a network file system ({dataset_fs}): storage=disk reads every "
-                 "image from it each epoch, a round trip each, and many workers' small reads "
-                 "queue on the server",
-                 "Stage it to local RAM once per node (storage=tmpfs), or pack it into a "
-                 "few large files read sequentially (storage=shards, or storage=lmdb); "
-                 "storage=shards storage.max_side=256 also stores less data.")]  # fmt: skip
+        return [Need(DATASET_FS, "warn",
+                     f"a network file system ({dataset_fs}): storage=disk reads every image "
+                     "from it each epoch, a round trip each, and many workers' small reads "
+                     "queue on the server",
+                     "Stage it to local RAM once per node (storage=tmpfs), or pack it into a "
+                     "few large files read sequentially (storage=shards, or storage=lmdb); "
+                     "storage=shards storage.max_side=256 also stores less data.")]  # fmt: skip
 
     def __init__(self, cold_cache: bool = False, latency_ms=None, mb_per_s=None):
         # Evict the split's pages from the page cache before each epoch (measure the disk).
