@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastload.checkpoint import rng_state
 from fastload.errors import ConfigError, FastloadError
 
 
@@ -169,6 +170,16 @@ def all_reduce(values: list[float], ctx: DistContext, op: str = "sum") -> list[f
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
+
+
+def gather_rng(ctx: DistContext) -> list:
+    """Every rank's RNG state (python, numpy, torch, CUDA), in rank order, on every rank:
+    what a checkpoint needs to give each rank its own stream back."""
+    if not ctx.distributed:
+        return [rng_state()]
+    parts: list = [None] * ctx.world_size
+    dist.all_gather_object(parts, rng_state())
+    return parts
 
 
 def gather_lists(items: list, ctx: DistContext) -> list:

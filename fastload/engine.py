@@ -352,8 +352,12 @@ class RunRecord:
         return self.run_dir / "checkpoints" / ckpt.LAST
 
     def save(self, state: TrainState) -> None:
-        if self.ctx.is_main and self.checkpoints:
-            ckpt.save_atomic(state.state_dict(), self.checkpoint_path)
+        """Every rank calls it (the RNG states are gathered); rank 0 writes."""
+        if not self.checkpoints:
+            return
+        rngs = dist.gather_rng(self.ctx)
+        if self.ctx.is_main:
+            ckpt.save_atomic(state.state_dict(rngs), self.checkpoint_path)
 
     def skipped(self, epoch: int, files: list[str]) -> None:
         """What dataset.skip_corrupt left out: the count and the first few on the console,
@@ -605,7 +609,7 @@ def fit(cfg: DictConfig) -> dict:
         model=model,
     )  # fmt: skip
     if found is not None:
-        state.load_state_dict(found[1], found[0])
+        state.load_state_dict(found[1], found[0], rank=ctx.rank)
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
     record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
     try:

@@ -79,7 +79,11 @@ class TrainState:
             ckpt.run_config(cfg), world_size, int(cfg.trainer.batch_size),
         )  # fmt: skip
 
-    def state_dict(self) -> dict:
+    def state_dict(self, rngs: list | None = None) -> dict:
+        """The checkpoint. `rngs`: every rank's RNG state in rank order (`dist.gather_rng`),
+        so that a resume on as many ranks gives each its own stream back; without them
+        (one process) this process's."""
+        rngs = rngs or [ckpt.rng_state()]
         return {
             "format": ckpt.FORMAT,
             "model": self.model.state_dict(),
@@ -92,12 +96,13 @@ class TrainState:
             "epoch_stretches": [list(x) for x in self.stretches],
             "best_metric": self.best_metric,
             "history": self.history,
-            "rng": ckpt.rng_state(),
+            "rng": rngs[0],
+            "rng_by_rank": rngs,
             "model_config": self.model_config,
             "run_config": self.run_config,
         }
 
-    def load_state_dict(self, state: dict, path) -> None:
+    def load_state_dict(self, state: dict, path, rank: int = 0) -> None:
         """Restore from a checkpoint read by `checkpoint.load`; refuses one written for
         another model, or by a run whose result-shaping config differs, naming the keys."""
         self.check_same_run(state, path)
@@ -122,8 +127,13 @@ class TrainState:
         # checkpoints written before the detection and super-resolution tasks call it best_acc1
         self.best_metric = state.get("best_metric", state.get("best_acc1"))
         self.history = state["history"]
-        ckpt.set_rng_state(state["rng"])
         saved = saved_world_size(state)
+        # Each rank its own stream back (dropout, drop-path, anything random on the model's
+        # side), bit for bit on as many ranks. On another world size the epoch's rest is
+        # reshuffled anyway and the engine seeds every rank afresh; a checkpoint from before
+        # rng_by_rank holds rank 0's state only.
+        by_rank = state.get("rng_by_rank") or [state["rng"]]
+        ckpt.set_rng_state(by_rank[rank] if rank < len(by_rank) else by_rank[0])
         if saved is not None and saved != self.world_size:
             self.change_world_size(saved, path)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import xxhash
+from fastload.models.resnet import build_resnet
 
 from fastload.data.layouts import as_layout
 from fastload.storage.disk import DiskStorage, SourceReader
@@ -178,3 +179,11 @@ class PackTogetherShards(ShardStorage):
                 raise TimeoutError(f"{self.together} packers never met in {self.sync_dir}")
             time.sleep(0.05)
         return super().writer(folder, schema)
+
+
+def build_dropout_resnet(p: float = 0.5, **kw) -> torch.nn.Module:
+    """A ResNet whose classifier input goes through dropout: a model that draws from each
+    rank's torch RNG at every step (`model._target_=tests.helpers.build_dropout_resnet`)."""
+    model = build_resnet(**kw)
+    model.fc = torch.nn.Sequential(torch.nn.Dropout(p), model.fc)
+    return model

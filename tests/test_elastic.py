@@ -211,10 +211,12 @@ def test_one_rank_stopped_mid_epoch_resumes_on_two(folder, tmp_path):
 
 def test_a_sigkilled_rank_restarts_under_torchrun_from_the_step_checkpoint(folder, tmp_path):
     """torchrun --max-restarts=1: rank 1 SIGKILLed during step 7 (no checkpoint of its own);
-    the group restarts from the step-4 checkpoint and ends with the uninterrupted weights."""
+    the group restarts from the step-4 checkpoint and ends with the uninterrupted weights.
+    The model draws dropout masks from each rank's RNG: each rank gets its own stream back."""
     out_root = tmp_path / "out"
     same = [f"output_root={out_root}", f"trainer.batch_size={BATCH}", "trainer.epochs=1",
-            "storage._target_=tests.helpers.SigkillAfterReads"]  # fmt: skip
+            "storage._target_=tests.helpers.SigkillAfterReads",
+            "model._target_=tests.helpers.build_dropout_resnet"]  # fmt: skip
     ref = run_torchrun(folder, tmp_path, *same, "name=ref")
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
     out = run_torchrun(
