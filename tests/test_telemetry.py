@@ -93,10 +93,23 @@ def _touch(buf: bytearray) -> None:
     buf[::4096] = b"\x01" * len(range(0, len(buf), 4096))  # fault every page in
 
 
+def sampled(sampler: ResourceSampler, key: str = "peak_pss_mib", samples: int = 1) -> dict:
+    """The window's snapshot once the thread has a `key` sample and `samples` samples in it:
+    on a machine busy with other tests a first PSS walk takes longer than any fixed sleep."""
+    deadline = time.monotonic() + 20
+    snap = sampler.snapshot()
+    while (snap[key] is None or snap["resource_samples"] < samples) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+        snap = sampler.snapshot()
+    return snap
+
+
 def _window_peak(sampler: ResourceSampler, settle_s: float = 0.35) -> float:
     sampler.reset()
     time.sleep(settle_s)
-    return sampler.snapshot()["peak_rss_sum_mib"]
+    return sampled(sampler, "peak_rss_sum_mib", samples=3)["peak_rss_sum_mib"]
 
 
 def test_sampler_peak_rss_follows_own_allocation():
@@ -142,7 +155,7 @@ def test_pss_counts_shared_pages_once_where_summed_rss_counts_them_per_process()
     try:
         with ResourceSampler(gpu_index=None, interval_s=0.05) as sampler:
             time.sleep(0.3)
-            snap = sampler.snapshot()
+            snap = sampled(sampler)
     finally:
         for e in events:
             e.set()
@@ -183,8 +196,7 @@ def test_sampler_without_gpu_has_none_gpu_fields_and_stops_its_thread(monkeypatc
     sampler.start()  # idempotent: still one thread
     new = [t for t in threading.enumerate() if t not in before]
     assert len(new) == 1 and new[0].daemon  # a daemon never keeps the interpreter alive
-    time.sleep(0.1)
-    snap = sampler.snapshot()
+    snap = sampled(sampler)
     assert snap["gpu_util_mean"] is None
     assert snap["gpu_util_p10"] is None
     assert snap["gpu_mem_used_max_mb"] is None
@@ -211,6 +223,7 @@ def test_snapshot_leaves_memory_sampling_to_the_thread(monkeypatch):
         for _ in range(2):
             sampler.reset()
             time.sleep(0.2)
+            sampled(sampler)
             before = len(callers)
             snap = sampler.snapshot()
             assert len(callers) == before  # nothing sampled on this thread
@@ -262,7 +275,7 @@ def test_sampler_gpu_fields_from_nvml_follow_cuda_visible_devices(monkeypatch):
     with ResourceSampler(gpu_index=0, interval_s=0.02) as sampler:
         sampler.reset()
         time.sleep(0.15)
-        snap = sampler.snapshot()
+        snap = sampled(sampler, "gpu_util_mean")
     assert snap["gpu_util_mean"] == pytest.approx(70.0)
     assert snap["gpu_util_p10"] == pytest.approx(70.0)
     assert snap["gpu_mem_used_max_mb"] == pytest.approx(4 * 1024)
