@@ -39,6 +39,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def auto_num_workers(cores: int, local_ranks: int) -> int:
+    """loader.num_workers=auto: the usable cores shared out over this node's ranks, >= 1.
+    One rule for the loader (fastload/loaders/workers.py) and the pre-flight's estimate."""
+    return max(1, cores // max(1, local_ranks))
+
+
 def hostname() -> str:
     return socket.gethostname()
 

@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 from fastload.errors import ConfigError
-from fastload.host import MB, SHM, fs_type, shm_bytes, total_ram, usable_cores
+from fastload.host import (
+    MB,
+    SHM,
+    auto_num_workers,
+    fs_type,
+    shm_bytes,
+    total_ram,
+    usable_cores,
+)
 from fastload.storage.base import DATASET_FS
 
 log = logging.getLogger("fastload")
@@ -168,7 +176,7 @@ def ask(cfg: DictConfig, facts: Facts, ranks: int) -> Ask:
     auto = "auto" in loader
     workers = loader.num_workers
     if workers == "auto" or auto:
-        workers = max(1, facts.usable_cores // ranks)
+        workers = auto_num_workers(facts.usable_cores, ranks)
     workers = int(workers) if str(workers).lstrip("-").isdigit() else 0
     prefetch = int(loader.prefetch_factor or 2) if workers > 0 else 0
     if auto:
@@ -329,17 +337,16 @@ def check_ram_pin(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
 def check_cores(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     name = "cores"
     mask = f"{facts.usable_cores} usable core(s) (affinity mask; the machine has {facts.cpu_count})"
-    use = a.workers * a.ranks
+    use, each = a.workers * a.ranks, auto_num_workers(facts.usable_cores, a.ranks)
     what = f"loader.num_workers={a.workers} x {a.ranks} local rank(s) = {use} workers"
     if a.auto:
         what = f"loader=auto tries up to {a.workers} workers x {a.ranks} local rank(s)"
     if use > facts.usable_cores:
         return Check(name, WARN, f"{mask}; {what}: oversubscribed, workers and the training "
                      "threads take turns on the cores",
-                     f"loader.num_workers=auto (= {max(1, facts.usable_cores // a.ranks)} per "
-                     "rank here), or give the job more cores (taskset / --cpus / "
-                     "Slurm --cpus-per-task).")  # fmt: skip
-    if a.ranks > 1 and facts.usable_cores // a.ranks < 2 and a.workers:
+                     f"loader.num_workers=auto (= {each} per rank here), or give the job "
+                     "more cores (taskset / --cpus / Slurm --cpus-per-task).")  # fmt: skip
+    if a.ranks > 1 and each < 2 and a.workers:
         return Check(name, WARN, f"{mask} for {a.ranks} local ranks: one worker each",
                      "Give the job more cores (docker --cpus, Slurm --cpus-per-task), or "
                      "store less work per image: storage=shards storage.kind=raw.")  # fmt: skip

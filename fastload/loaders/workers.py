@@ -15,14 +15,14 @@ from torch.utils.data import get_worker_info
 
 from fastload.data.sampling import BatchPart
 from fastload.errors import ConfigError, FastloadError
-from fastload.host import usable_cores
+from fastload.host import auto_num_workers, usable_cores
 from fastload.torch_internals import stuck_worker
 
 
 def resolve_num_workers(value, local_world_size: int) -> int:
     """loader.num_workers: a whole number, or auto = usable cores / local ranks."""
     if value == "auto":
-        return max(1, usable_cores() // max(1, local_world_size))
+        return auto_num_workers(usable_cores(), local_world_size)
     try:
         n = int(value)
     except (TypeError, ValueError):
