@@ -112,7 +112,7 @@ class Reader(abc.ABC):
             )
         return self.schema[name]
 
-    def decode(self, field, data, i: int, name: str):
+    def decode_field(self, field, data, i: int, name: str):
         """Field `name` of record i from its stored bytes; StorageError naming the record."""
         try:
             return field.coder.decode(data)

@@ -330,7 +330,7 @@ class LmdbReader(PackedReader):
             raise StorageError(
                 f"corrupt record: {self.describe(i, name)} fails its crc32 check; re-pack."
             )
-        return self.decode(field, data, i, name)
+        return self.decode_field(field, data, i, name)
 
     def store_root(self) -> str:
         return str(self.dir)

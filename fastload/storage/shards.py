@@ -261,7 +261,7 @@ class ShardReader(PackedReader):
         # Accounted after the checksum: for a raw view that pass is what pages the record in
         # (with verify=false a raw read is only a view and its "read time" is ~0).
         self._account(n, t0)
-        return self.decode(field, data, i, name)
+        return self.decode_field(field, data, i, name)
 
     # -- cold cache and the engine's hooks --------------------------------------------------
 

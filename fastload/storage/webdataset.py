@@ -523,7 +523,7 @@ class WdsReader(Reader):
             )
         data = mm[off : off + n]
         self._account(n, t0)
-        return self.decode(field, data, i, name)
+        return self.decode_field(field, data, i, name)
 
     def _evict(self) -> None:
         """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
