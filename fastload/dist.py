@@ -148,7 +148,7 @@ def lost_rank_error(exc: BaseException, ctx: DistContext) -> RankLost | None:
     text = str(exc).strip()
     if not ctx.distributed or not any(words in text for words in PEER_GONE):
         return None
-    first = text.splitlines()[0][:200] if text else type(exc).__name__
+    first = text.splitlines()[0][:200]  # not empty: it holds one of PEER_GONE
     return RankLost(
         f"rank {ctx.rank} lost another rank of the run during a collective: its process died "
         f"or its node went away (its own log says why; here: {first}). Continue from the "

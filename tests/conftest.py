@@ -147,14 +147,6 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
     """`torchrun --standalone --nproc_per_node=N [launcher args] train.py` on tiny data (gloo
     on CPU); the run directory is left to the config (output_root/name/<launch time>) so
     ranks must agree. `env`: extra environment variables."""
-    extra_env = env or {}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(extra_env)
-    overrides = [
-        o
-        for o in tiny_overrides(root, workdir / "unused")
-        if not o.startswith(("hydra.run.dir", "output_root"))
-    ]
     cmd = [
         sys.executable,
         "-m",
@@ -163,17 +155,31 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
         f"--nproc_per_node={nproc}",
         *launcher,
         str(REPO / "train.py"),
-        *overrides,
+        *launch_overrides(root, workdir),
         *extra,
     ]
     return subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**env, "PYTHONPATH": str(REPO)},
-        cwd=workdir,
+        cmd, capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=workdir
     )
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    """This environment for a torchrun launch: without the variables of a launch around
+    this one (a suite run under torchrun or Slurm), plus `extra`."""
+    skip = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FASTLOAD_RUN_ID")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    return {**env, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **(extra or {})}
+
+
+def launch_overrides(root: Path, workdir: Path) -> list[str]:
+    """The tiny overrides without a run directory: the config names it (output_root/name/
+    <launch id>), so every rank must agree on it."""
+    return [
+        o
+        for o in tiny_overrides(root, workdir / "unused")
+        if not o.startswith(("hydra.run.dir", "output_root"))
+    ]
 
 
 # -- two nodes on this machine ---------------------------------------------------------------
@@ -204,15 +210,7 @@ def run_two_nodes(
     (each launch's agent and ranks). Returns one CompletedProcess per
     node (its output also stays in workdir/launch/); a killed one has a negative returncode
     and says so at the end of its stderr."""
-    skip = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RUN_ID", "FASTLOAD_RUN_ID")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in skip}
-    env.update(PYTHONPATH=str(REPO), WANDB_SILENT="true")
-    overrides = [
-        o
-        for o in tiny_overrides(root, workdir / "unused")
-        if not o.startswith(("hydra.run.dir", "output_root"))
-    ]
+    env, overrides = launch_env(), launch_overrides(root, workdir)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}"]  # fmt: skip
