@@ -45,6 +45,9 @@ NOT_SHAPING = (
     "trainer.progress",
     "trainer.checkpoint_every",
     "trainer.checkpoint_every_steps",
+    # the global batch (batch_size x world size x grad_accum_steps) may change on a resume:
+    # the state follows it (TrainState.change_global_batch), as for another world size
+    "trainer.grad_accum_steps",
     "trainer.eval_every",
     "trainer.device",
     "trainer.dist_backend",

@@ -126,8 +126,10 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     bar = ProgressBar(span.max_steps, enabled=progress and ctx.is_main, desc=f"epoch {span.epoch}")
     bar.update(n=steps) if steps else None
     step.train_mode()
+    step.begin(span.max_steps - span.first_step)
     watch.start(span.first_step)
     timer.start()
+    since_check = 0
     for batch in timer.iter(loader):
         if steps >= span.max_steps:
             break
@@ -147,8 +149,16 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
         if after_step is not None:
             after_step(steps)
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
-        if stop_agreed(stopper, ctx, steps, span.max_steps, watch, budget.exceeded_early(skipped)):
-            break
+        # Stop only between updates (a checkpoint then holds no half-accumulated group), and
+        # under DDP every STOP_CHECK_STEPS steps: the ranks must agree, which is a collective
+        # and a host sync. Every rank has the same steps, so they check at the same ones.
+        since_check += 1
+        if step.settled and (not ctx.distributed or since_check >= STOP_CHECK_STEPS
+                             or steps >= span.max_steps):  # fmt: skip
+            since_check = 0
+            if stop_agreed(stopper, ctx, watch, budget.exceeded_early(skipped)):
+                break
+    step.finish()  # the data ended inside a group (fewer batches than planned): its update
     bar.close()
     timing = timer.stop()
     keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
@@ -169,12 +179,12 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
                        int(reduced[n + 1]), nonfinite, reduced[n + 2] > 0)  # fmt: skip
 
 
-def stop_agreed(stopper, ctx, steps: int, max_steps: int, watch, over_budget: bool) -> bool:
+STOP_CHECK_STEPS = 10
+
+
+def stop_agreed(stopper, ctx, watch, over_budget: bool) -> bool:
     """Whether every rank stops now: a signal, a non-finite loss or too many skipped samples
-    on any rank. Under DDP the ranks must stop at the same step: a small collective every 10
-    steps instead of every step (each one is a host sync on the GPU)."""
-    if ctx.distributed and steps % 10 and steps < max_steps:
-        return False
+    on any rank (a collective under DDP)."""
     flags = [float(stopper.signum or 0), float(watch.first_bad() is not None), float(over_budget)]
     agreed = dist.all_reduce(flags, ctx, op="max")
     if agreed[0] > 0:
@@ -292,6 +302,7 @@ TRAINER_MINIMUMS = {
     "eval_every": (1, "evaluate every N epochs"),
     "checkpoint_every": (0, "write a checkpoint every N epochs; 0: never"),
     "checkpoint_every_steps": (0, "also write one every N steps inside an epoch; 0: never"),
+    "grad_accum_steps": (1, "batches whose gradients make one optimizer update"),
 }
 
 
@@ -534,13 +545,18 @@ class Epochs:
 
     def checkpoint_inside(self, epoch: int, span: EpochSpan):
         """trainer.checkpoint_every_steps=N: a checkpoint after every N-th step of the epoch
-        (a SIGKILL or a lost node, which gives no time for one, then loses fewer than N)."""
+        (a SIGKILL or a lost node, which gives no time for one, then loses fewer than N), or
+        at the end of the gradient-accumulation group that step is inside of."""
         every = self.cfg.trainer.checkpoint_every_steps
         if not every:
             return None
+        due = False
 
         def after_step(steps: int) -> None:
-            if steps % every == 0 and steps < span.max_steps:
+            nonlocal due
+            due = due or steps % every == 0
+            if due and self.step.settled and steps < span.max_steps:
+                due = False
                 self.state.epoch, self.state.step = epoch, steps
                 self.record.save(self.state)
 

@@ -44,7 +44,11 @@ class SleepStep:
     def train_mode(self) -> None:
         pass
 
-    eval_mode = after_step = sync = train_mode
+    eval_mode = after_step = sync = finish = train_mode
+    settled = True  # no gradients, so none wait for an update
+
+    def begin(self, batches) -> None:
+        pass
 
     def train(self, batch) -> torch.Tensor:
         time.sleep(self.seconds)

@@ -37,6 +37,7 @@ class TrainState:
     run_config: dict  # the config keys that shape the result (checkpoint.run_config)
     world_size: int = 1  # the ranks this run trains on
     batch_size: int = 0  # per rank
+    grad_accum_steps: int = 1  # batches per optimizer update
     epoch: int = 0  # the epoch to run next
     step: int = 0  # steps of `epoch` already done at this world size (a mid-epoch checkpoint)
     # (world size, steps) of each stretch of `epoch` run at another world size before this
@@ -58,7 +59,8 @@ class TrainState:
         model: torch.nn.Module | None = None,
     ):
         """The model, an SGD-style optimizer at the linearly scaled LR (base_lr x global
-        batch / 256) and a per-step warm-up + cosine schedule."""
+        batch / 256, the global batch being batch_size x world size x grad_accum_steps) and a
+        warm-up + cosine schedule stepped per optimizer update."""
         if model is None:  # the task's model (refused when it is for another task)
             from fastload.tasks.base import build_task
 
@@ -66,17 +68,19 @@ class TrainState:
         model = model.to(device)
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-        lr = cfg.optim.base_lr * cfg.trainer.batch_size * world_size / 256
+        accum = int(cfg.trainer.grad_accum_steps)
+        lr = cfg.optim.base_lr * global_batch(cfg.trainer.batch_size, world_size, accum) / 256
         optimizer = build_optimizer(model, instantiate(cfg.optim), lr, device)
-        total = steps_per_epoch * cfg.trainer.epochs
-        warmup = max(1, min(total, int(cfg.optim.warmup_epochs * steps_per_epoch)))
+        updates = -(-steps_per_epoch // accum)  # per epoch: its last group may be short
+        total = updates * cfg.trainer.epochs
+        warmup = max(1, min(total, int(cfg.optim.warmup_epochs * updates)))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, warmup_cosine(total, warmup, cfg.optim.min_lr_ratio)
         )
         scaler = torch.amp.GradScaler(device.type, enabled=amp is torch.float16)
         return cls(
             model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg),
-            ckpt.run_config(cfg), world_size, int(cfg.trainer.batch_size),
+            ckpt.run_config(cfg), world_size, int(cfg.trainer.batch_size), accum,
         )  # fmt: skip
 
     def state_dict(self, rngs: list | None = None) -> dict:
@@ -93,6 +97,7 @@ class TrainState:
             "epoch": self.epoch,
             "step_in_epoch": self.step,
             "world_size": self.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
             "epoch_stretches": [list(x) for x in self.stretches],
             "best_metric": self.best_metric,
             "history": self.history,
@@ -134,19 +139,24 @@ class TrainState:
         # rng_by_rank holds rank 0's state only.
         by_rank = state.get("rng_by_rank") or [state["rng"]]
         ckpt.set_rng_state(by_rank[rank] if rank < len(by_rank) else by_rank[0])
-        if saved is not None and saved != self.world_size:
-            self.change_world_size(saved, path)
+        saved_accum = int(state.get("grad_accum_steps", 1))
+        if saved is not None and (saved, saved_accum) != (self.world_size, self.grad_accum_steps):
+            self.change_global_batch(saved, saved_accum, path)
 
-    def change_world_size(self, saved: int, path) -> None:
-        """Continue a run written at world size `saved` on this run's: the interrupted epoch
-        goes on with the samples it had left (`stretches`), and the learning rate follows the
-        global batch (optim.base_lr x batch_size x world size / 256, the rule every run
-        starts with), the schedule continuing at the step where the same number of samples
-        has been seen."""
-        if self.step:
+    def change_global_batch(self, saved: int, saved_accum: int, path) -> None:
+        """Continue a run written at world size `saved` with `saved_accum` accumulation
+        steps on this run's: on another world size the interrupted epoch goes on with the
+        samples it had left (`stretches`). The learning rate follows the global batch
+        (optim.base_lr x batch_size x world size x grad_accum_steps / 256, the rule every run
+        starts with), the schedule continuing at the update where the same number of samples
+        has been seen; a global batch kept (8 ranks -> 4 ranks x grad_accum_steps=2) changes
+        neither."""
+        if self.step and saved != self.world_size:
             self.stretches.append((saved, self.step))
             self.step = 0
-        ratio = self.world_size / saved
+        old = global_batch(self.batch_size, saved, saved_accum)
+        new = global_batch(self.batch_size, self.world_size, self.grad_accum_steps)
+        ratio = new / old
         before = self.scheduler.last_epoch
         self.scheduler.last_epoch = round(before / ratio)
         self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
@@ -155,20 +165,41 @@ class TrainState:
             group["initial_lr"] = base
             group["lr"] = base * factor(self.scheduler.last_epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        now = (
+            f"trainer.batch_size={self.batch_size} x {self.world_size} rank(s) x "
+            f"trainer.grad_accum_steps={self.grad_accum_steps}"
+        )
+        if ratio == 1:
+            change = f"The global batch stays {new} ({now}): the LR and schedule go on unchanged."
+        else:
+            keep = keeps(old, self.batch_size, self.world_size)
+            change = (
+                f"The global batch goes from {old} ({saved} rank(s) x grad_accum_steps="
+                f"{saved_accum}) to {new} ({now}), so the learning rate is scaled by {ratio:.4g} "
+                f"(optim.base_lr x global batch / 256) and the schedule goes on at update "
+                f"{self.scheduler.last_epoch} (was {before}: the same samples seen)."
+                + (f" trainer.grad_accum_steps={keep} would keep it." if keep else "")
+            )
         log.warning(
-            "%s was written by %d rank(s); this run has %d. The global batch goes from %d to "
-            "%d (trainer.batch_size=%d per rank), so the learning rate is scaled by %.4g "
-            "(optim.base_lr x global batch / 256) and the schedule goes on at step %d (was "
-            "%d: the same samples seen).%s",
-            path, saved, self.world_size, saved * self.batch_size,
-            self.world_size * self.batch_size, self.batch_size, ratio,
-            self.scheduler.last_epoch, before,
+            "%s was written by %d rank(s); this run has %d. %s%s", path, saved, self.world_size,
+            change,
             f" Epoch {self.epoch} continues with the samples it had not trained yet, over "
             f"the {self.world_size} rank(s)." if self.stretches else "",
         )  # fmt: skip
 
     def check_same_run(self, state: dict, path) -> None:
         check_same_run(state, self.run_config, path)
+
+
+def global_batch(batch_size: int, world_size: int, grad_accum_steps: int) -> int:
+    """Samples per optimizer update, over all ranks."""
+    return int(batch_size) * int(world_size) * int(grad_accum_steps)
+
+
+def keeps(target: int, batch_size: int, world_size: int) -> int | None:
+    """The grad_accum_steps that makes this world size's global batch `target`, if one does."""
+    per_update = batch_size * world_size
+    return target // per_update if target % per_update == 0 else None
 
 
 def saved_world_size(state: dict) -> int | None:

@@ -27,12 +27,20 @@ other before anything is built. A `Task`:
 
 A `Step` is what the loop calls on each batch (the benchmarks pass their own):
 
-    train_mode(), eval_mode(), after_step()
-    train(batch)               one optimisation step -> a 1-D float64 device tensor of sums
-                               (no host sync): the batch's loss sum first, its sample count
-                               last (the loop stops on a non-finite loss from them);
-                               `train_metrics(sums)` turns their all-reduced values into the
-                               epoch row's train_* entries
+    train_mode(), eval_mode()
+    begin(batches)             the epoch (or what is left of it) runs `batches` batches from
+                               here: gradient-accumulation groups are counted from here
+    train(batch)               forward and backward of one batch -> a 1-D float64 device
+                               tensor of sums (no host sync): the batch's loss sum first, its
+                               sample count last (the loop stops on a non-finite loss from
+                               them); `train_metrics(sums)` turns their all-reduced values
+                               into the epoch row's train_* entries
+    after_step()               after every batch (an all-skipped one included): the optimizer
+                               update and the LR step once a group of
+                               trainer.grad_accum_steps batches is complete
+    settled                    True when no gradient waits for its update: the loop stops and
+                               checkpoints only then, so a checkpoint never loses half a group
+    finish()                   the update of a group the data ended inside of
     scaler_skips()             (optional) steps the fp16 loss scaler skipped since the last
                                call, None without a scaler
     evaluator()                -> an `Evaluator`: `add(batch)` per validation batch,
@@ -42,6 +50,7 @@ A `Step` is what the loop calls on each batch (the benchmarks pass their own):
 from __future__ import annotations
 
 import abc
+from contextlib import nullcontext
 
 import torch
 from hydra.utils import get_class, instantiate
@@ -157,16 +166,27 @@ def build_task(cfg: DictConfig) -> Task:
 
 
 class TrainStep(abc.ABC):
-    """The part of a Step every task shares: the model under DDP / torch.compile as set, one
-    optimisation step under autocast with the loss scaler, the per-iteration LR step.
-    A task's step implements `forward_loss(batch) -> (loss, sums)`."""
+    """The part of a Step every task shares: the model under DDP / torch.compile as set, the
+    backward under autocast with the loss scaler, and one optimizer update (and LR step) per
+    trainer.grad_accum_steps batches. A task's step implements
+    `forward_loss(batch) -> (loss, sums)`.
+
+    Gradient accumulation as timm's --grad-accum-steps: each batch's loss is divided by its
+    group's size, so a group of A batches of B makes the update one batch of A x B would (up
+    to BatchNorm, which normalises each batch by its own statistics); the epoch's last group
+    may be shorter and is divided by its own size. Under DDP the gradients are all-reduced
+    once per group, on its last backward (`no_sync` on the others)."""
 
     def __init__(self, state, cfg: DictConfig, ctx, amp):
         self.state, self.amp, self.device = state, amp, ctx.device
         self.model = dist.wrap_ddp(state.model, cfg, ctx)
+        # apex's DDP has no no_sync: it all-reduces every backward, which sums the same
+        self.no_sync = getattr(self.model, "no_sync", None)
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
+        self.accum = int(cfg.trainer.grad_accum_steps)
         self.skipped_by_scaler = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        self.begin(None)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None)
@@ -181,33 +201,70 @@ class TrainStep(abc.ABC):
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to back-propagate, the batch's sums for train_metrics)."""
 
+    def begin(self, batches: int | None) -> None:
+        """`batches` batches follow (None: no end known): groups are counted from here."""
+        self.left = batches
+        self.in_group = self.backwards = 0
+        self.group = self.next_group()
+        self.state.optimizer.zero_grad(set_to_none=True)
+
+    def next_group(self) -> int:
+        return self.accum if self.left is None else max(1, min(self.accum, self.left))
+
+    @property
+    def settled(self) -> bool:
+        return self.in_group == 0
+
     def train(self, batch: dict) -> torch.Tensor:
-        with self.autocast():
-            loss, sums = self.forward_loss(batch)
-        s = self.state
-        s.optimizer.zero_grad(set_to_none=True)
-        s.scaler.scale(loss).backward()
-        s.scaler.step(s.optimizer)
-        scale = grad_scale(s.scaler) if s.scaler.is_enabled() else None
-        before = None if scale is None else scale.clone()
-        s.scaler.update()
-        if before is not None:
-            # update() lowers the scale exactly when this step's gradients overflowed and
-            # step() skipped the optimizer: count it on the device, no host sync.
-            self.skipped_by_scaler += grad_scale(s.scaler) < before
+        closes = self.in_group + 1 >= self.group
+        # the forward too: DDP prepares its all-reduce there
+        quiet = self.no_sync() if self.no_sync is not None and not closes else nullcontext()
+        with quiet:
+            with self.autocast():
+                loss, sums = self.forward_loss(batch)
+            if self.group > 1:
+                loss = loss / self.group
+            self.state.scaler.scale(loss).backward()
+        self.backwards += 1
         return sums
 
+    def after_step(self) -> None:
+        self.in_group += 1
+        if self.in_group >= self.group:
+            self.update()
+
+    def finish(self) -> None:
+        if self.in_group:
+            self.update()
+
+    def update(self) -> None:
+        """The group's optimizer update (none when every batch of it was skipped as corrupt),
+        then the LR step: per update, skipped groups included."""
+        s = self.state
+        if self.backwards:
+            s.scaler.step(s.optimizer)
+            scale = grad_scale(s.scaler) if s.scaler.is_enabled() else None
+            before = None if scale is None else scale.clone()
+            s.scaler.update()
+            if before is not None:
+                # update() lowers the scale exactly when this step's gradients overflowed and
+                # step() skipped the optimizer: count it on the device, no host sync.
+                self.skipped_by_scaler += grad_scale(s.scaler) < before
+        s.optimizer.zero_grad(set_to_none=True)
+        s.scheduler.step()
+        if self.left is not None:
+            self.left -= self.in_group
+        self.in_group = self.backwards = 0
+        self.group = self.next_group()
+
     def scaler_skips(self) -> float | None:
-        """Steps the fp16 loss scaler skipped since the last call (they trained nothing);
+        """Updates the fp16 loss scaler skipped since the last call (they trained nothing);
         None when no scaler runs. Read once per epoch: a host sync."""
         if not self.state.scaler.is_enabled():
             return None
         n = float(self.skipped_by_scaler)
         self.skipped_by_scaler.zero_()
         return n
-
-    def after_step(self) -> None:
-        self.state.scheduler.step()  # per iteration, skipped batches included
 
 
 class SumsEvaluator(Evaluator):

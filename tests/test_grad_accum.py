@@ -1,0 +1,222 @@
+"""trainer.grad_accum_steps: A batches per optimizer update, as one batch of all of them would
+make it, all-reduced once per update under DDP, checkpointed only between updates, and the
+global batch it sets followed (or kept) on a resume at another world size."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+from conftest import compose_config, run_train, tiny_overrides
+
+from fastload.dist import DistContext
+from fastload.tasks.classification import ClassificationStep
+from fastload.train_state import TrainState
+
+
+def norm_free_net() -> torch.nn.Module:
+    """A small classifier without BatchNorm, whose update does not depend on how the samples
+    are split into batches (BatchNorm normalises each batch by its own statistics)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 3),
+    )
+
+
+def batches(n: int, size: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"image": torch.randn(size, 3, 16, 16, generator=g),
+         "target": torch.randint(0, 3, (size,), generator=g)}
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def joined(parts: list[dict]) -> dict:
+    return {k: torch.cat([p[k] for p in parts]) for k in ("image", "target")}
+
+
+def make_step(tmp_path, accum: int, batch_size: int, steps_per_epoch: int, ctx=None):
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", f"trainer.batch_size={batch_size}",
+                                        f"trainer.grad_accum_steps={accum}"))  # fmt: skip
+    ctx = ctx or DistContext()
+    state = TrainState.create(cfg, ctx.device, ctx.world_size, steps_per_epoch, amp=None,
+                              channels_last=False, model=norm_free_net())  # fmt: skip
+    return state, ClassificationStep(state, cfg, ctx, None)
+
+
+def train(step, data: list[dict]) -> list[bool]:
+    """Every batch through the step as the engine's loop does; `settled` after each."""
+    step.train_mode()
+    step.begin(len(data))
+    settled = []
+    for batch in data:
+        step.train(batch)
+        step.after_step()
+        settled.append(step.settled)
+    step.finish()
+    return settled
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_groups_of_batches_update_as_one_batch_of_them_would(tmp_path):
+    # 7 batches of 4 with grad_accum_steps=3: updates after 3, 6 and 7 (the epoch's last group
+    # is one batch). The same samples as batches of 12, 12 and 4 with no accumulation: the
+    # same global batch (12), so the same LR and schedule, and the same weights after.
+    data = batches(7, 4)
+    state, step = make_step(tmp_path, 3, 4, steps_per_epoch=7)
+    ref_state, ref_step = make_step(tmp_path, 1, 12, steps_per_epoch=3)
+    assert ref_state.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
+    settled = train(step, data)
+    assert settled == [False, False, True, False, False, True, True]
+    train(ref_step, [joined(data[0:3]), joined(data[3:6]), data[6]])
+    assert state.scheduler.last_epoch == ref_state.scheduler.last_epoch == 3
+    same_weights(state.model, ref_state.model)
+    # a different split really gives different weights: the check above can fail
+    other_state, other_step = make_step(tmp_path, 1, 12, steps_per_epoch=3)
+    train(other_step, [joined(data[0:2]), joined(data[2:6]), data[6]])
+    with pytest.raises(AssertionError):
+        same_weights(state.model, other_state.model)
+
+
+def test_no_gradient_is_left_behind_when_the_data_ends_inside_a_group(tmp_path):
+    data = batches(5, 4)
+    state, step = make_step(tmp_path, 4, 4, steps_per_epoch=5)
+    step.begin(8)  # planned 8 batches, the loader gave 5
+    for batch in data:
+        step.train(batch)
+        step.after_step()
+    assert not step.settled
+    step.finish()
+    assert step.settled and state.scheduler.last_epoch == 2
+    assert all(p.grad is None for p in state.model.parameters())
+
+
+def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        ctx = DistContext(rank=rank, world_size=world)
+        rounds = {}
+        for accum in (1, 2):
+            state, step = make_step(tmp_path / str(accum), accum, 4, steps_per_epoch=4, ctx=ctx)
+            calls = [0]
+
+            def counting(_, bucket, calls=calls):
+                calls[0] += 1
+                fut = torch_dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+                return fut.then(lambda f: f.value()[0] / world)
+
+            step.model.register_comm_hook(None, counting)
+            train(step, batches(4, 4, seed=10 + rank))  # each rank its own samples
+            rounds[accum] = calls[0]
+            flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
+            out.put((rank, accum, rounds[accum], flat.tolist()))  # no tensor: the child exits
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
+    world = 2
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_ddp_rank, args=(r, world, init, tmp_path, out))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in range(2 * world)]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    by = {(rank, accum): (calls, torch.tensor(flat)) for rank, accum, calls, flat in results}
+    # 4 batches: 4 all-reduce rounds without accumulation, 2 with groups of 2 (no_sync)
+    assert by[0, 1][0] == by[1, 1][0] == 2 * by[0, 2][0] == 2 * by[1, 2][0]
+    assert by[0, 2][0] >= 2
+    torch.testing.assert_close(by[0, 2][1], by[1, 2][1], rtol=0, atol=0)  # in sync
+    # and the update is the one the same samples make on one process in batches of 16
+    state, step = make_step(tmp_path / "one", 1, 16, steps_per_epoch=2)  # the same schedule
+    per_rank = [batches(4, 4, seed=10 + r) for r in range(world)]
+    groups = [joined(per_rank[0][g : g + 2] + per_rank[1][g : g + 2]) for g in (0, 2)]
+    train(step, groups)
+    flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
+    torch.testing.assert_close(by[0, 2][1], flat, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resume_keeps_or_follows_the_global_batch(tmp_path, caplog):
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=8"))
+    old = TrainState.create(cfg, torch.device("cpu"), 4, 100, amp=None, channels_last=False)
+    for _ in range(30):
+        old.optimizer.step()
+        old.scheduler.step()
+    old.epoch, old.step = 0, 30
+    saved = old.state_dict()
+    lr = [g["lr"] for g in old.optimizer.param_groups]
+
+    # 4 ranks -> 2 ranks x 2 accumulation steps: the same global batch (32), LR and update
+    kept_cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=8",
+                                             "trainer.grad_accum_steps=2"))  # fmt: skip
+    kept = TrainState.create(kept_cfg, torch.device("cpu"), 2, 200, amp=None, channels_last=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        kept.load_state_dict(saved, tmp_path / "last.pt")
+    assert (kept.epoch, kept.step, kept.stretches) == (0, 0, [(4, 30)])
+    assert kept.scheduler.last_epoch == 30
+    assert [g["lr"] for g in kept.optimizer.param_groups] == lr
+    assert "global batch stays 32" in caplog.text
+    assert kept.state_dict()["grad_accum_steps"] == 2
+
+    # 4 ranks -> 2 ranks without accumulation: half the global batch; the log says how to keep it
+    caplog.clear()
+    half = TrainState.create(cfg, torch.device("cpu"), 2, 200, amp=None, channels_last=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        half.load_state_dict(saved, tmp_path / "last.pt")
+    assert half.scheduler.last_epoch == 60
+    assert "from 32" in caplog.text and "trainer.grad_accum_steps=2 would keep it" in caplog.text
+
+    # the same 4 ranks with grad_accum_steps=2: the epoch goes on at its step (same order),
+    # the LR doubles with the global batch and the schedule is at the same samples seen
+    same = TrainState.create(kept_cfg, torch.device("cpu"), 4, 100, amp=None, channels_last=False)
+    same.load_state_dict(saved, tmp_path / "last.pt")
+    assert (same.step, same.stretches, same.scheduler.last_epoch) == (30, [], 15)
+    assert same.scheduler.base_lrs == pytest.approx([2 * b for b in old.scheduler.base_lrs])
+
+
+def test_a_preemption_inside_a_group_stops_at_its_end_and_resumes_bit_for_bit(
+    tiny_folder, tmp_path
+):
+    # 18 images, batches of 4: 4 steps per epoch, groups of 3 and 1. SIGTERM during step 1
+    # (5th read): the run trains on to the group's end and stops at step 3, not 2.
+    common = ["trainer.epochs=2", "trainer.grad_accum_steps=3",
+              "storage._target_=tests.helpers.SigtermAfterReads"]  # fmt: skip
+    ref_dir = tmp_path / "out" / "ref" / "r"
+    ref = run_train(tiny_overrides(tiny_folder, ref_dir, *common, "name=ref"))
+    assert ref.returncode == 0, ref.stderr
+    a = torch.load(ref_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert a["scheduler"]["last_epoch"] == 4 and a["grad_accum_steps"] == 3  # 2 updates/epoch
+
+    killed_dir = tmp_path / "out" / "b" / "r1"
+    killed = run_train(tiny_overrides(tiny_folder, killed_dir, *common, "name=b"),
+                       env={"SIGTERM_AFTER_READS": "5"})  # fmt: skip
+    assert killed.returncode == 143, killed.stderr
+    state = torch.load(killed_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (0, 3)
+    assert state["scheduler"]["last_epoch"] == 1
+
+    resumed_dir = tmp_path / "out" / "b" / "r2"
+    resumed = run_train(tiny_overrides(tiny_folder, resumed_dir, *common, "name=b", "resume=auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
