@@ -144,6 +144,8 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
             watch.add(sums)
             totals = sums if totals is None else totals + sums
             timer.add_samples(len(batch["target"]))
+        else:  # every sample skipped as corrupt: under DDP the rank still joins the step
+            step.train_empty(batch.get("skipped_files", ()))
         step.after_step()
         steps += 1
         if after_step is not None:

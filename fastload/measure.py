@@ -50,6 +50,9 @@ class SleepStep:
     def begin(self, batches) -> None:
         pass
 
+    def train_empty(self, skipped_files=()) -> None:
+        pass
+
     def train(self, batch) -> torch.Tensor:
         time.sleep(self.seconds)
         n = len(batch["target"])

@@ -5,13 +5,15 @@ global batch it sets followed (or kept) on a resume at another world size."""
 from __future__ import annotations
 
 import datetime
+import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from conftest import compose_config, run_train, tiny_overrides
+from conftest import compose_config, make_image_folder, run_torchrun, run_train, tiny_overrides
 
 from fastload.dist import DistContext
 from fastload.tasks.classification import ClassificationStep
@@ -124,6 +126,16 @@ def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
             rounds[accum] = calls[0]
             flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
             out.put((rank, accum, rounds[accum], flat.tolist()))  # no tensor: the child exits
+        # rank 0's second batch was all corrupt: it joins the group's all-reduce (and DDP's
+        # buffer broadcast) with a zero-weight pass, and the ranks stay equal
+        state, step = make_step(tmp_path / "empty", 2, 4, steps_per_epoch=4, ctx=ctx)
+        step.train_mode()
+        step.begin(4)
+        for i, batch in enumerate(batches(4, 4, seed=20 + rank)):
+            step.train_empty() if (rank, i) == (0, 1) else step.train(batch)
+            step.after_step()
+        flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
+        out.put((rank, "empty", step.state.scheduler.last_epoch, flat.tolist()))
     finally:
         torch_dist.destroy_process_group()
 
@@ -137,7 +149,7 @@ def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
-    results = [out.get() for _ in range(2 * world)]
+    results = [out.get() for _ in range(3 * world)]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
@@ -146,6 +158,8 @@ def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
     assert by[0, 1][0] == by[1, 1][0] == 2 * by[0, 2][0] == 2 * by[1, 2][0]
     assert by[0, 2][0] >= 2
     torch.testing.assert_close(by[0, 2][1], by[1, 2][1], rtol=0, atol=0)  # in sync
+    assert by[0, "empty"][0] == by[1, "empty"][0] == 2
+    torch.testing.assert_close(by[0, "empty"][1], by[1, "empty"][1], rtol=0, atol=0)
     # and the update is the one the same samples make on one process in batches of 16
     state, step = make_step(tmp_path / "one", 1, 16, steps_per_epoch=2)  # the same schedule
     per_rank = [batches(4, 4, seed=10 + r) for r in range(world)]
@@ -220,3 +234,31 @@ def test_a_preemption_inside_a_group_stops_at_its_end_and_resumes_bit_for_bit(
     b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_a_rank_whose_whole_batch_is_corrupt_keeps_step_with_the_other_rank(tmp_path):
+    # Two ranks, batches of 2, groups of 2: both files of rank 0's step 1 (the group's closing
+    # batch, whose backward all-reduces) are corrupt. Rank 0 still joins the step's
+    # collectives; without that, rank 1 waits in its all-reduce until the group's timeout.
+    from torch.utils.data import DistributedSampler
+
+    from fastload.data.sources import ImageFolderSource
+
+    root = make_image_folder(tmp_path / "d")  # 18 training images
+    order = DistributedSampler(range(18), num_replicas=2, rank=0, seed=0)
+    order.set_epoch(0)
+    source = ImageFolderSource(root / "train")
+    bad = [Path(source.path(i)) for i in list(order)[2:4]]
+    for path in bad:
+        path.write_bytes(b"\xff\xd8 truncated")
+    out_root = tmp_path / "out"
+    out = run_torchrun(root, tmp_path, f"output_root={out_root}", "name=skip", "trainer.epochs=1",
+                       "trainer.batch_size=2", "trainer.grad_accum_steps=2",
+                       "dataset.skip_corrupt=true", "dataset.max_skipped_share=0.5",
+                       timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = (out_root / "skip").iterdir()
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["world_size"] == 2 and row["skipped_corrupt"] == 2
+    listing = (run_dir / "skipped_files.txt").read_text()
+    assert all(str(path) in listing for path in bad), listing

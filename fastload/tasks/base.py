@@ -35,6 +35,9 @@ A `Step` is what the loop calls on each batch (the benchmarks pass their own):
                                sample count last (the loop stops on a non-finite loss from
                                them); `train_metrics(sums)` turns their all-reduced values
                                into the epoch row's train_* entries
+    train_empty()              this rank's batch held no decodable sample (every one skipped
+                               as corrupt): under DDP the rank still takes part in the step's
+                               collectives, so that no rank waits for it
     after_step()               after every batch (an all-skipped one included): the optimizer
                                update and the LR step once a group of
                                trainer.grad_accum_steps batches is complete
@@ -57,7 +60,8 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
-from fastload.errors import ConfigError
+from fastload.data.batch import IMAGE, TARGET
+from fastload.errors import ConfigError, DatasetError
 from fastload.torch_internals import grad_scale
 
 
@@ -186,6 +190,8 @@ class TrainStep(abc.ABC):
             self.model = torch.compile(self.model)
         self.accum = int(cfg.trainer.grad_accum_steps)
         self.skipped_by_scaler = torch.zeros((), dtype=torch.float64, device=ctx.device)
+        self.distributed, self.rank = ctx.distributed, ctx.rank
+        self.spare: dict | None = None  # two samples of the first batch, for train_empty
         self.begin(None)
 
     def autocast(self):
@@ -215,18 +221,43 @@ class TrainStep(abc.ABC):
     def settled(self) -> bool:
         return self.in_group == 0
 
-    def train(self, batch: dict) -> torch.Tensor:
+    def train(self, batch: dict, weight: float = 1.0) -> torch.Tensor:
+        if self.distributed and self.spare is None:
+            self.spare = {k: first_two(batch[k]) for k in (IMAGE, TARGET)}
         closes = self.in_group + 1 >= self.group
         # the forward too: DDP prepares its all-reduce there
         quiet = self.no_sync() if self.no_sync is not None and not closes else nullcontext()
         with quiet:
             with self.autocast():
                 loss, sums = self.forward_loss(batch)
-            if self.group > 1:
-                loss = loss / self.group
+            if self.group > 1 or weight != 1.0:
+                loss = loss * (weight / self.group)
             self.state.scaler.scale(loss).backward()
         self.backwards += 1
         return sums
+
+    def train_empty(self, skipped_files=()) -> None:
+        """Under DDP every rank's forward broadcasts buffers and its backward all-reduces the
+        gradients, in step with the other ranks': a rank that skipped both would leave them
+        waiting (a hang until the process group's timeout) or pair its next step's
+        collectives with their current ones. So it runs the step on two samples of its first
+        batch with the loss weighted 0 (nothing learnt from them) and its buffers
+        (BatchNorm's running statistics) put back after."""
+        if not self.distributed:
+            return
+        if self.spare is None:
+            shown = ", ".join(map(str, list(skipped_files)[:4])) or "not named"
+            raise DatasetError(
+                f"rank {self.rank}: its first training batch held no decodable sample (every "
+                f"one was skipped as corrupt; files: {shown}), so it has nothing to take part "
+                f"in the other ranks' step with. Fix or remove those files, or run with "
+                f"dataset.skip_corrupt=false to stop at the first one with its error."
+            )
+        kept = [b.detach().clone() for b in self.state.model.buffers()]
+        self.train(self.spare, weight=0.0)
+        with torch.no_grad():
+            for buf, old in zip(self.state.model.buffers(), kept, strict=True):
+                buf.copy_(old)
 
     def after_step(self) -> None:
         self.in_group += 1
@@ -265,6 +296,22 @@ class TrainStep(abc.ABC):
         n = float(self.skipped_by_scaler)
         self.skipped_by_scaler.zero_()
         return n
+
+
+def first_two(value):
+    """A copy of the first two samples of a batch field: a tensor's first two rows, a list's
+    first two items (detection: image tensors, target dicts of tensors)."""
+    if torch.is_tensor(value):
+        return value[:2].clone()
+    return [clone(v) for v in value[:2]]
+
+
+def clone(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: clone(v) for k, v in value.items()}
+    return value
 
 
 class SumsEvaluator(Evaluator):
