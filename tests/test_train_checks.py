@@ -59,15 +59,18 @@ def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
     model = torch.nn.Linear(8, 3)
     before = model.weight.detach().clone()
     # A scale just under float32's maximum: the scaled gradients overflow, so the step skips.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = SimpleNamespace(
         model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
         scaler=torch.amp.GradScaler("cpu", init_scale=3e38),
     )
-    ctx = SimpleNamespace(device=torch.device("cpu"), distributed=False)
+    ctx = SimpleNamespace(device=torch.device("cpu"), distributed=False, rank=0)
     step = ClassificationStep(state, cfg, ctx, amp=None)
     batch = {"image": torch.randn(4, 8) * 100, "target": torch.tensor([0, 1, 2, 0])}
     step.train(batch)
+    step.after_step()  # the update: the scaler finds the overflow and skips it
     assert torch.equal(model.weight, before)  # skipped: nothing trained
     assert step.scaler_skips() == 1
     assert step.scaler_skips() == 0  # read and reset
