@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
 from fastload.errors import user_error
+from fastload.host import global_rank
 
 
 def strip_local_rank_arg() -> None:
@@ -39,8 +40,9 @@ def main(cfg: DictConfig) -> None:
 
     try:
         fit(cfg)
-    except TrainingInterrupted as exc:
-        logging.getLogger("fastload").warning(exc.user_message)
+    except TrainingInterrupted as exc:  # every rank stops at the same step; rank 0 says so
+        if global_rank() == 0:
+            logging.getLogger("fastload").warning(exc.user_message)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (generating, packing, ...)
         print("interrupted (Ctrl-C): nothing half-written was kept.", file=sys.stderr)

@@ -11,6 +11,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from fastload.host import global_rank
+
 STAMP = "%Y-%m-%d_%H-%M-%S"
 
 
@@ -40,8 +42,20 @@ def run_id() -> str:
 
 def rank0_only(value):
     """`value` on global rank 0, None elsewhere (Hydra skips writing .hydra/ for None)."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-    return value if rank == 0 else None
+    return value if global_rank() == 0 else None
+
+
+def rank0_or(on_rank0, elsewhere):
+    """`on_rank0` on global rank 0, `elsewhere` on the other ranks (the log level)."""
+    return on_rank0 if global_rank() == 0 else elsewhere
+
+
+def log_file(job_name: str) -> str:
+    """The run's log file: train.log on rank 0, train.rank<N>.log on rank N. Every rank
+    appending to one file interleaves their lines and, on NFS from several nodes, is not
+    atomic; the other ranks log warnings only, so their file appears only when they warn."""
+    rank = global_rank()
+    return f"{job_name}.log" if rank == 0 else f"{job_name}.rank{rank}.log"
 
 
 def conf_dir() -> Path:
@@ -61,6 +75,10 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("fastload_run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("fastload_rank0_only"):
         OmegaConf.register_new_resolver("fastload_rank0_only", rank0_only)
+    if not OmegaConf.has_resolver("fastload_rank0_or"):
+        OmegaConf.register_new_resolver("fastload_rank0_or", rank0_or)
+    if not OmegaConf.has_resolver("fastload_log_file"):
+        OmegaConf.register_new_resolver("fastload_log_file", log_file)
 
 
 register_resolvers()

@@ -59,10 +59,6 @@ def check_gpus_for_ranks(local_ranks: int) -> None:
         )
 
 
-def env_rank() -> int:
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-
-
 @dataclass
 class DistContext:
     rank: int = 0

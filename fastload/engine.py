@@ -27,6 +27,7 @@ from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
 from fastload.autotune import tune
 from fastload.errors import CheckpointError, ConfigError, FastloadError
+from fastload.host import global_rank
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import DataPath, build_backend, build_data, build_plan, prepare_data
@@ -253,7 +254,8 @@ def find_resume(cfg) -> tuple[Path, dict] | None:
                 found = (path, ckpt.load(path))
                 break
             except CheckpointError as exc:
-                log.warning("resume=auto: skipping %s: %s", path, exc.user_message)
+                if global_rank() == 0:  # every rank reads the same files
+                    log.warning("resume=auto: skipping %s: %s", path, exc.user_message)
         if found is None:
             log.info("resume=auto: no intact checkpoint under %s/%s/, starting fresh",
                      cfg.output_root, cfg.name)  # fmt: skip

@@ -31,6 +31,12 @@ class Need:
     fix: str = ""
 
 
+def global_rank() -> int:
+    """This process's rank in the job, from the launcher's environment (torchrun's RANK,
+    SLURM's SLURM_PROCID), before any process group exists; 0 outside one."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (cpuset / taskset aware, unlike os.cpu_count())."""
     try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 from fastload.errors import CheckpointError, ConfigError
@@ -26,6 +27,7 @@ from fastload.host import hostname, pid_alive
 
 MARKER = ".fastload-run.json"
 LAUNCH_ONLY_FILES = {MARKER, ".hydra", "train.log"}  # what a run folder holds before training
+RANK_LOG = re.compile(r"train\.rank\d+\.log")  # a rank > 0's log (fastload/config.py)
 
 
 def launch_identity() -> dict:
@@ -125,6 +127,7 @@ def remove_if_unused(folder: Path) -> bool:
         names = {p.name for p in folder.iterdir()}
     except OSError:
         return False
+    names = {n for n in names if not RANK_LOG.fullmatch(n)}  # another rank's warnings
     if not names <= LAUNCH_ONLY_FILES or owner(folder) != launch_identity():
         return False
     import shutil

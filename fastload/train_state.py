@@ -141,9 +141,9 @@ class TrainState:
         ckpt.set_rng_state(by_rank[rank] if rank < len(by_rank) else by_rank[0])
         saved_accum = int(state.get("grad_accum_steps", 1))
         if saved is not None and (saved, saved_accum) != (self.world_size, self.grad_accum_steps):
-            self.change_global_batch(saved, saved_accum, path)
+            self.change_global_batch(saved, saved_accum, path, say=rank == 0)
 
-    def change_global_batch(self, saved: int, saved_accum: int, path) -> None:
+    def change_global_batch(self, saved: int, saved_accum: int, path, say: bool = True) -> None:
         """Continue a run written at world size `saved` with `saved_accum` accumulation
         steps on this run's: on another world size the interrupted epoch goes on with the
         samples it had left (`stretches`). The learning rate follows the global batch
@@ -165,6 +165,8 @@ class TrainState:
             group["initial_lr"] = base
             group["lr"] = base * factor(self.scheduler.last_epoch)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if not say:  # every rank changes the same way; rank 0 says so
+            return
         now = (
             f"trainer.batch_size={self.batch_size} x {self.world_size} rank(s) x "
             f"trainer.grad_accum_steps={self.grad_accum_steps}"

@@ -189,6 +189,12 @@ def test_two_ranks_stopped_mid_epoch_resume_on_one_and_on_three(folder, tmp_path
             assert all(draws[(1, i)] == h for i, h in epoch1)
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [(r["epoch"], r["world_size"]) for r in rows] == [(0, world), (1, world)]
+        # one log: rank 0's, each line once (every rank appended to it, each line W times)
+        log = (run_dir / "train.log").read_text()
+        assert log.count("written by 2 rank(s)") == log.count("resumed from") == 1, log
+        assert not list(run_dir.glob("train.rank*.log"))  # no rank warned
+    # the stop: rank 0 says it, once
+    assert (stopped_dir / "train.log").read_text().count("stopped by SIGTERM") == 1
 
 
 @pytest.mark.slow  # 1 -> 2 on storage=webdataset is in the default suite (test_webdataset.py)

@@ -4,12 +4,15 @@ resuming a finished run trains nothing and leaves no new folder."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import REPO, make_image_folder, run_train, tiny_overrides
+from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
+from omegaconf import OmegaConf
 from test_train import assert_clean_failure, read_jsonl
 
 from fastload import run_folder
@@ -109,3 +112,29 @@ def test_resuming_a_checkpoint_its_live_run_writes_is_refused_then_a_finished_ru
     assert "nothing left to train" in out.stdout and "resume=null" in out.stdout
     assert "best top-1" not in out.stdout  # no old table reprinted
     assert not third.exists()
+
+
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_each_rank_logs_to_its_own_file_and_only_rank_0_logs_info(monkeypatch, tmp_path, rank):
+    monkeypatch.setenv("RANK", rank)
+    # hydra.job.name: what train.py runs as (compose says "app")
+    args = tiny_overrides(tmp_path, tmp_path / "run", "hydra.job.name=train")
+    cfg = compose_config(args, run_dir=tmp_path / "run")
+    spec = OmegaConf.to_container(cfg.hydra.job_logging, resolve=True)
+    handler = spec["handlers"]["file"]
+    if rank == "0":
+        assert (spec["root"]["level"], handler["delay"]) == ("INFO", False)
+        assert handler["filename"] == f"{tmp_path / 'run'}/train.log"
+    else:
+        assert (spec["root"]["level"], handler["delay"]) == ("WARNING", True)
+        assert handler["filename"] == f"{tmp_path / 'run'}/train.rank3.log"
+    # a rank that never writes leaves no file (the handler as Hydra builds it from the spec)
+    handler = logging.FileHandler(handler["filename"], delay=handler["delay"])
+    run = tmp_path / "run"
+    assert (run / "train.log").is_file() == (rank == "0")
+    handler.emit(logging.makeLogRecord({"msg": "a rank's own warning", "levelno": 30}))
+    handler.close()
+    assert [p.name for p in run.glob("train*.log")] == [Path(handler.baseFilename).name]
+    assert run_folder.RANK_LOG.fullmatch("train.rank3.log") and not run_folder.RANK_LOG.fullmatch(
+        "train.log"
+    )
