@@ -112,6 +112,7 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
             if batch is None:
                 return out
             step.train(batch)
+            step.after_step()
         sync()
         t0 = time.perf_counter()
         while max_batches is None or out.batches < max_batches:
@@ -123,6 +124,7 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
                 break
             out.wait_s += time.perf_counter() - w0
             step.train(batch)
+            step.after_step()  # the update (once per trainer.grad_accum_steps batches)
             out.batches += 1
             out.images += len(batch["target"])
         sync()
@@ -135,16 +137,19 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
 
 
 def step_times(step, batch, *, steps: int, warmup: int, sync) -> list[float]:
-    """Seconds of each of `steps` calls of `step.train(batch)` after `warmup` untimed ones
-    (lazy set-up, cuDNN's algorithm search, the allocator growing). `sync` runs after each,
-    so a GPU step's queued work is timed with it."""
+    """Seconds of each of `steps` training steps on `batch` (`train` and `after_step`: the
+    update, once per trainer.grad_accum_steps batches) after `warmup` untimed ones (lazy
+    set-up, cuDNN's algorithm search, the allocator growing). `sync` runs after each, so a
+    GPU step's queued work is timed with it."""
     for _ in range(warmup):
         step.train(batch)
+        step.after_step()
     sync()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step.train(batch)
+        step.after_step()
         sync()
         times.append(time.perf_counter() - t0)
     return times

@@ -106,6 +106,18 @@ def test_no_gradient_is_left_behind_when_the_data_ends_inside_a_group(tmp_path):
     assert all(p.grad is None for p in state.model.parameters())
 
 
+def test_the_step_timings_of_the_doctor_and_loader_auto_include_the_update(tmp_path):
+    from fastload.measure import feed, step_times
+
+    state, step = make_step(tmp_path, 1, 4, steps_per_epoch=8)
+    before = [p.detach().clone() for p in state.model.parameters()]
+    step_times(step, batches(1, 4)[0], steps=2, warmup=1, sync=lambda: None)
+    assert state.scheduler.last_epoch == 3  # three updates, not three backwards
+    assert not all(torch.equal(a, b) for a, b in zip(before, state.model.parameters(), strict=True))
+    feed(batches(4, 4), step, warmup=1, sync=lambda: None)
+    assert state.scheduler.last_epoch == 7
+
+
 def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
     torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                   timeout=datetime.timedelta(seconds=60))  # fmt: skip

@@ -69,6 +69,9 @@ class ModelStep:
         loss.backward()
         self.opt.step()
 
+    def after_step(self) -> None:
+        pass  # train() made the update
+
     def sync(self) -> None:
         torch.cuda.synchronize()
 

@@ -242,7 +242,9 @@ class TrainStep(abc.ABC):
         waiting (a hang until the process group's timeout) or pair its next step's
         collectives with their current ones. So it runs the step on two samples of its first
         batch with the loss weighted 0 (nothing learnt from them) and its buffers
-        (BatchNorm's running statistics) put back after."""
+        (BatchNorm's running statistics) put back after. DDP averages over all ranks, so that
+        update's gradient is the other ranks' scaled by their share of the world; every rank
+        makes the same update, as it must to stay in step."""
         if not self.distributed:
             return
         if self.spare is None:
