@@ -4,6 +4,7 @@ left, each once, over the new ranks; the epochs after it are a fresh run's at th
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 
 import numpy as np
@@ -246,7 +247,8 @@ def test_a_sigkilled_rank_restarts_under_torchrun_from_the_step_checkpoint(folde
     assert [r["epoch"] for r in rows] == [0]
 
 
-def test_the_learning_rate_follows_the_global_batch_and_the_schedule_the_samples(tmp_path):
+def stopped_after_30_steps(tmp_path):
+    """(the config, a 4-rank TrainState of batches of 8 stopped at epoch 0 step 30)."""
     from fastload.train_state import TrainState
 
     cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=8"))
@@ -255,6 +257,13 @@ def test_the_learning_rate_follows_the_global_batch_and_the_schedule_the_samples
         old.optimizer.step()
         old.scheduler.step()
     old.epoch, old.step = 0, 30
+    return cfg, old
+
+
+def test_the_learning_rate_follows_the_global_batch_and_the_schedule_the_samples(tmp_path):
+    from fastload.train_state import TrainState
+
+    cfg, old = stopped_after_30_steps(tmp_path)
     new = TrainState.create(cfg, torch.device("cpu"), 2, 200, amp=None, channels_last=False)
     new.load_state_dict(old.state_dict(), tmp_path / "last.pt")
     assert (new.epoch, new.step, new.stretches) == (0, 0, [(4, 30)])
@@ -274,3 +283,40 @@ def test_the_learning_rate_follows_the_global_batch_and_the_schedule_the_samples
     lrs = [g["lr"] for g in new.optimizer.param_groups]
     assert lrs == pytest.approx([g["lr"] for g in fresh.optimizer.param_groups])
     assert new.state_dict()["world_size"] == 2
+
+
+def test_grad_accum_steps_keeps_the_global_batch_on_fewer_ranks_or_the_log_says_it(
+    tmp_path, caplog
+):
+    from fastload.train_state import TrainState
+
+    cfg, old = stopped_after_30_steps(tmp_path)
+    saved = old.state_dict()
+    lr = [g["lr"] for g in old.optimizer.param_groups]
+
+    # 4 ranks -> 2 ranks x 2 accumulation steps: the same global batch (32), LR and update
+    kept_cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=8",
+                                             "trainer.grad_accum_steps=2"))  # fmt: skip
+    kept = TrainState.create(kept_cfg, torch.device("cpu"), 2, 200, amp=None, channels_last=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        kept.load_state_dict(saved, tmp_path / "last.pt")
+    assert (kept.epoch, kept.step, kept.stretches) == (0, 0, [(4, 30)])
+    assert kept.scheduler.last_epoch == 30
+    assert [g["lr"] for g in kept.optimizer.param_groups] == lr
+    assert "global batch stays 32" in caplog.text
+    assert kept.state_dict()["grad_accum_steps"] == 2
+
+    # 4 ranks -> 2 ranks without accumulation: half the global batch; the log says how to keep it
+    caplog.clear()
+    half = TrainState.create(cfg, torch.device("cpu"), 2, 200, amp=None, channels_last=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        half.load_state_dict(saved, tmp_path / "last.pt")
+    assert half.scheduler.last_epoch == 60
+    assert "from 32" in caplog.text and "trainer.grad_accum_steps=2 would keep it" in caplog.text
+
+    # the same 4 ranks with grad_accum_steps=2: the epoch goes on at its step (same order),
+    # the LR doubles with the global batch and the schedule is at the same samples seen
+    same = TrainState.create(kept_cfg, torch.device("cpu"), 4, 100, amp=None, channels_last=False)
+    same.load_state_dict(saved, tmp_path / "last.pt")
+    assert (same.step, same.stretches, same.scheduler.last_epoch) == (30, [], 15)
+    assert same.scheduler.base_lrs == pytest.approx([2 * b for b in old.scheduler.base_lrs])
