@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from fastload.host import global_rank
+from fastload.host import global_rank, local_rank
 
 STAMP = "%Y-%m-%d_%H-%M-%S"
 
@@ -46,14 +46,21 @@ def rank0_only(value):
 
 
 def rank0_or(on_rank0, elsewhere):
-    """`on_rank0` on global rank 0, `elsewhere` on the other ranks (the log level)."""
+    """`on_rank0` on global rank 0, `elsewhere` on the other ranks."""
     return on_rank0 if global_rank() == 0 else elsewhere
 
 
+def log_level() -> str:
+    """INFO on each node's local rank 0, which also says what its node does (staging,
+    packing, fetching shards); WARNING on the other ranks, whose INFO lines would repeat."""
+    return "INFO" if local_rank() == 0 else "WARNING"
+
+
 def log_file(job_name: str) -> str:
-    """The run's log file: train.log on rank 0, train.rank<N>.log on rank N. Every rank
-    appending to one file interleaves their lines and, on NFS from several nodes, is not
-    atomic; the other ranks log warnings only, so their file appears only when they warn."""
+    """The run's log file: train.log on rank 0, train.rank<N>.log on rank N, made at its
+    first line (so a rank that logs nothing leaves none). Every rank appending to one file
+    repeated lines and interleaved them, and appends from several nodes onto NFS are not
+    atomic."""
     rank = global_rank()
     return f"{job_name}.log" if rank == 0 else f"{job_name}.rank{rank}.log"
 
@@ -77,6 +84,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("fastload_rank0_only", rank0_only)
     if not OmegaConf.has_resolver("fastload_rank0_or"):
         OmegaConf.register_new_resolver("fastload_rank0_or", rank0_or)
+    if not OmegaConf.has_resolver("fastload_log_level"):
+        OmegaConf.register_new_resolver("fastload_log_level", log_level)
     if not OmegaConf.has_resolver("fastload_log_file"):
         OmegaConf.register_new_resolver("fastload_log_file", log_file)
 

@@ -37,6 +37,11 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK, SLURM's SLURM_LOCALID)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
 def usable_cores() -> int:
     """Cores this process may run on (cpuset / taskset aware, unlike os.cpu_count())."""
     try:

@@ -64,10 +64,16 @@ def test_two_nodes_stage_to_tmpfs_once_each_into_their_own_folder(tiny_folder, t
     # Staged once per node: by the two local ranks 0, one on each node (global ranks 0, 2).
     assert sorted(record.read_text().split(), key=int) == ["0", "2"], tails(nodes)
     staged = tmpfs.staged_name(tiny_folder)
+    logs = [
+        the_run_dir(out_root, "tmpfs", "tmpfs-job") / f for f in ("train.log", "train.rank2.log")
+    ]
     for k in range(2):
         said = nodes[k].stdout + nodes[k].stderr
         assert f"into {target[k] / staged} in" in said, tails(nodes)  # its own folder
         assert str(target[1 - k]) not in said, tails(nodes)  # not the other node's
+        # each node's own log file: rank 0's train.log, the second node's first rank's own
+        assert f"into {target[k] / staged} in" in logs[k].read_text()
+        assert str(target[1 - k]) not in logs[k].read_text()
         if cleanup:
             assert os.listdir(target[k]) == [], os.listdir(target[k])
         else:

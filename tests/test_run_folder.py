@@ -114,20 +114,23 @@ def test_resuming_a_checkpoint_its_live_run_writes_is_refused_then_a_finished_ru
     assert not third.exists()
 
 
-@pytest.mark.parametrize("rank", ["0", "3"])
-def test_each_rank_logs_to_its_own_file_and_only_rank_0_logs_info(monkeypatch, tmp_path, rank):
+@pytest.mark.parametrize("rank, local", [("0", "0"), ("3", "1"), ("2", "0")])
+def test_each_rank_logs_to_its_own_file_and_other_ranks_warnings_only(monkeypatch, tmp_path, rank,
+                                                                       local):  # fmt: skip
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local)  # rank 2, local 0: the second node's first rank
     # hydra.job.name: what train.py runs as (compose says "app")
     args = tiny_overrides(tmp_path, tmp_path / "run", "hydra.job.name=train")
     cfg = compose_config(args, run_dir=tmp_path / "run")
     spec = OmegaConf.to_container(cfg.hydra.job_logging, resolve=True)
     handler = spec["handlers"]["file"]
+    assert spec["root"]["level"] == ("INFO" if local == "0" else "WARNING")
     if rank == "0":
-        assert (spec["root"]["level"], handler["delay"]) == ("INFO", False)
+        assert handler["delay"] is False
         assert handler["filename"] == f"{tmp_path / 'run'}/train.log"
     else:
-        assert (spec["root"]["level"], handler["delay"]) == ("WARNING", True)
-        assert handler["filename"] == f"{tmp_path / 'run'}/train.rank3.log"
+        assert handler["delay"] is True
+        assert handler["filename"] == f"{tmp_path / 'run'}/train.rank{rank}.log"
     # a rank that never writes leaves no file (the handler as Hydra builds it from the spec)
     handler = logging.FileHandler(handler["filename"], delay=handler["delay"])
     run = tmp_path / "run"
