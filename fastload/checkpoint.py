@@ -96,12 +96,15 @@ def run_config(cfg) -> dict:
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for each key that differs. A key the saved config lacks whose
+    value here is null is an option added since, off by default: not a difference."""
     keys = sorted(set(saved) | set(current))
     missing = "(unset)"
     return [
         f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}"
         for k in keys
         if saved.get(k, missing) != current.get(k, missing)
+        and not (k not in saved and current[k] is None)
     ]
 
 

@@ -18,10 +18,12 @@ def check_options(optim_cfg) -> None:
         "warmup_epochs": (lambda v: v >= 0, "a finite number of epochs >= 0"),
         "min_lr_ratio": (lambda v: 0 <= v <= 1, "a fraction of base_lr in [0, 1]"),
         "label_smoothing": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+        "clip_grad_norm": (lambda v: v > 0, "null (no clipping) or a finite number > 0, the "
+                           "largest global L2 norm of the gradients (e.g. 1.0)"),
     }  # fmt: skip
     for key, (ok, use) in rules.items():
         value = optim_cfg.get(key)
-        if value is None and key == "label_smoothing":
+        if value is None and key in ("label_smoothing", "clip_grad_norm"):
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not (number and math.isfinite(value) and ok(value)):

@@ -69,6 +69,17 @@ def test_checkpoint_write_is_atomic_and_loads_without_pickle(tmp_path):
         ckpt.load(tmp_path / "missing.pt")
 
 
+def test_an_option_added_since_a_checkpoint_and_off_is_no_config_difference():
+    saved = {"optim.base_lr": 0.2}  # written before optim.clip_grad_norm existed
+    assert (
+        ckpt.config_differences(saved, {"optim.base_lr": 0.2, "optim.clip_grad_norm": None}) == []
+    )
+    assert ckpt.config_differences(saved, {"optim.base_lr": 0.2, "optim.clip_grad_norm": 1.0}) == [
+        "optim.clip_grad_norm: '(unset)' -> 1.0"
+    ]
+    assert ckpt.config_differences({"a": None}, {}) == ["a: None -> '(unset)'"]
+
+
 def test_find_latest_checkpoint(tmp_path):
     for i, run in enumerate(["a", "b"]):
         p = tmp_path / "exp" / run / "checkpoints" / "last.pt"

@@ -93,6 +93,26 @@ def test_groups_of_batches_update_as_one_batch_of_them_would(tmp_path):
         same_weights(state.model, other_state.model)
 
 
+def test_optim_clip_grad_norm_caps_the_norm_of_each_update_s_gradients(tmp_path):
+    def norm_at_update(clip) -> float:
+        cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.grad_accum_steps=2",
+                                            f"optim.clip_grad_norm={clip}"))  # fmt: skip
+        state = TrainState.create(cfg, torch.device("cpu"), 1, 2, amp=None, channels_last=False,
+                                  model=norm_free_net())  # fmt: skip
+        seen = []
+        state.optimizer.register_step_pre_hook(
+            lambda opt, *_: seen.append(float(torch.nn.utils.get_total_norm(
+                [p.grad for g in opt.param_groups for p in g["params"]]))))  # fmt: skip
+        train(ClassificationStep(state, cfg, DistContext(), None), batches(2, 4))
+        (norm,) = seen  # one update for the group of two
+        return norm
+
+    free = norm_at_update("null")
+    assert free > 0.05  # so that the cap below cuts it
+    assert norm_at_update(0.05) == pytest.approx(0.05, rel=1e-4)
+    assert norm_at_update(10 * free) == pytest.approx(free, rel=1e-6)  # under the cap: as is
+
+
 def test_no_gradient_is_left_behind_when_the_data_ends_inside_a_group(tmp_path):
     data = batches(5, 4)
     state, step = make_step(tmp_path, 4, 4, steps_per_epoch=5)

@@ -78,6 +78,14 @@ def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
     assert step.scaler_skips() is None  # no scaler, nothing to count
 
 
+@pytest.mark.parametrize("value", ["nan", "-1", "0", "true"])
+def test_a_gradient_clip_that_cannot_work_is_refused(value):
+    cfg = compose_config([f"optim.clip_grad_norm={value}"])
+    with pytest.raises(ConfigError, match=r"optim\.clip_grad_norm=.*use null \(no clipping\)"):
+        check_options(cfg.optim)
+    check_options(compose_config(["optim.clip_grad_norm=1.0"]).optim)  # and a real one is not
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1", "0"])
 def test_a_learning_rate_that_cannot_train_is_refused(value):
     cfg = compose_config([f"optim.base_lr={value}"])

@@ -172,8 +172,8 @@ def build_task(cfg: DictConfig) -> Task:
 class TrainStep(abc.ABC):
     """The part of a Step every task shares: the model under DDP / torch.compile as set, the
     backward under autocast with the loss scaler, and one optimizer update (and LR step) per
-    trainer.grad_accum_steps batches. A task's step implements
-    `forward_loss(batch) -> (loss, sums)`.
+    trainer.grad_accum_steps batches (the gradients' norm clipped to optim.clip_grad_norm
+    first, when set). A task's step implements `forward_loss(batch) -> (loss, sums)`.
 
     Gradient accumulation as timm's --grad-accum-steps: each batch's loss is divided by its
     group's size, so a group of A batches of B makes the update one batch of A x B would (up
@@ -189,6 +189,7 @@ class TrainStep(abc.ABC):
         if cfg.trainer.compile:
             self.model = torch.compile(self.model)
         self.accum = int(cfg.trainer.grad_accum_steps)
+        self.clip = cfg.optim.get("clip_grad_norm")  # None: off
         self.skipped_by_scaler = torch.zeros((), dtype=torch.float64, device=ctx.device)
         self.distributed, self.rank = ctx.distributed, ctx.rank
         self.spare: dict | None = None  # two samples of the first batch, for train_empty
@@ -275,6 +276,9 @@ class TrainStep(abc.ABC):
         then the LR step: per update, skipped groups included."""
         s = self.state
         if self.backwards:
+            if self.clip is not None:  # on the true gradients: unscaled from fp16's loss scale
+                s.scaler.unscale_(s.optimizer)
+                torch.nn.utils.clip_grad_norm_(s.model.parameters(), self.clip)
             s.scaler.step(s.optimizer)
             scale = grad_scale(s.scaler) if s.scaler.is_enabled() else None
             before = None if scale is None else scale.clone()
