@@ -20,8 +20,7 @@ train: setup                 ## train on the built-in synthetic dataset (ARGS="l
 	$(PY) train.py $(ARGS)
 
 # One pytest worker per core, at most 8 (pytest-xdist): most of a test's time is a train.py
-# or torchrun subprocess importing torch on one core, so two workers on two cores take ~2/3
-# of one's time. worksteal: the 20-40 s end-to-end tests leave no worker idle at the end.
+# or torchrun subprocess on one core, so two workers on two cores take ~2/3 of one's time. worksteal: the 20-40 s end-to-end tests leave no worker idle at the end.
 # TEST_JOBS=0 (or ARGS="-n 0") runs in one process: pdb, -x, one test's output.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 8 ] && n=8; echo $$n)
 XDIST  := -n $(TEST_JOBS) --dist worksteal

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
+import select
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -126,20 +130,97 @@ def can_mount_privately() -> bool:
         return False
 
 
-def run_train(
-    args: list[str], *, env=None, timeout=300, cwd=REPO, **kw
-) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` in a subprocess, as a user runs it."""
+def run_train(args: list[str], *, env=None, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
+    """`python train.py ARGS`, as a user runs it: a child of tests/train_forks.py, which has
+    torch imported already (FASTLOAD_TEST_FORKS=0: a plain subprocess each time)."""
     full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd,
-        **kw,
-    )
+    cmd = [sys.executable, str(REPO / "train.py"), *args]
+    done = TRAIN_FORKS.run(cmd, full_env, cwd, timeout)
+    if done is not None:
+        return done
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd)  # fmt: skip
+
+
+class TrainForks:
+    """This test process's tests/train_forks.py, started on first use; `run` returns None
+    when it cannot serve (turned off, not single-threaded, gone), and the caller starts a
+    plain subprocess."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.buffer = b""
+        self.off = os.environ.get("FASTLOAD_TEST_FORKS", "1") == "0"
+        self.lock = threading.Lock()
+        self.served = 0  # runs answered by a fork (tests/test_train_forks.py counts them)
+
+    def start(self) -> bool:
+        if self.proc is not None and self.proc.poll() is None:
+            return True
+        script = [sys.executable, str(REPO / "tests" / "train_forks.py")]
+        self.proc = subprocess.Popen(
+            script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO
+        )
+        self.buffer = b""
+        reply = self.read(timeout=120)
+        if reply is None or "ready" not in reply:
+            self.off = True  # e.g. {"unsafe": "3 threads"}: forking it would be unsafe
+            self.proc.kill()
+            return False
+        return True
+
+    def read(self, timeout: float) -> dict | None:
+        """The next reply line, None on EOF; TimeoutError after `timeout` s."""
+        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, cmd, env, cwd, timeout) -> subprocess.CompletedProcess | None:
+        if self.off:
+            return None
+        with self.lock, tempfile.TemporaryDirectory(prefix="train-forks-") as tmp:
+            if not self.start():
+                return None
+            out, err = Path(tmp) / "out", Path(tmp) / "err"
+            request = {
+                "argv": cmd[1:],
+                "env": env,
+                "cwd": str(cwd),
+                "out": str(out),
+                "err": str(err),
+            }
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            started = self.read(timeout=60)
+            if started is None:
+                return None
+            try:
+                reply = self.read(timeout)
+            except TimeoutError:
+                kill_pid_tree(started["pid"])
+                reply = self.read(timeout=60)
+                raise subprocess.TimeoutExpired(
+                    cmd, timeout, out.read_text(), err.read_text()
+                ) from None
+            self.served += 1
+            if reply is None:  # the server died under the run: say so as a failure
+                return subprocess.CompletedProcess(
+                    cmd, -9, out.read_text(), err.read_text() + "\n[train_forks: gone]"
+                )
+            return subprocess.CompletedProcess(
+                cmd, reply["returncode"], out.read_text(), err.read_text()
+            )
+
+
+TRAIN_FORKS = TrainForks()
 
 
 def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300, env=None,
@@ -255,15 +336,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
     each rank in a session of its own, so its process group alone would miss them)."""
     if proc.poll() is not None:
         return
+    kill_pid_tree(proc.pid)
+    proc.wait()
+
+
+def kill_pid_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process below it."""
     import psutil
 
     with contextlib.suppress(psutil.NoSuchProcess):
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        for p in [psutil.Process(proc.pid), *tree]:
+        tree = psutil.Process(pid).children(recursive=True)
+        for p in [psutil.Process(pid), *tree]:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
         psutil.wait_procs(tree, timeout=10)
-    proc.wait()
 
 
 def tails(nodes: list[subprocess.CompletedProcess], chars: int = 2500) -> str:
