@@ -11,6 +11,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -134,90 +135,100 @@ def run_train(args: list[str], *, env=None, timeout=300, cwd=REPO) -> subprocess
     """`python train.py ARGS`, as a user runs it: a child of tests/train_forks.py, which has
     torch imported already (FASTLOAD_TEST_FORKS=0: a plain subprocess each time)."""
     full_env = {**os.environ, "WANDB_SILENT": "true", **(env or {})}
-    cmd = [sys.executable, str(REPO / "train.py"), *args]
-    done = TRAIN_FORKS.run(cmd, full_env, cwd, timeout)
-    if done is not None:
-        return done
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=cwd)  # fmt: skip
+    return TRAIN_FORKS.run([sys.executable, str(REPO / "train.py"), *args], full_env, cwd, timeout)
 
 
-class TrainForks:
-    """This test process's tests/train_forks.py, started on first use; `run` returns None
-    when it cannot serve (turned off, not single-threaded, gone), and the caller starts a
-    plain subprocess."""
+class ForkedProcess:
+    """A child of the fork server, as much of a subprocess.Popen as the tests use."""
 
-    def __init__(self):
-        self.proc: subprocess.Popen | None = None
-        self.buffer = b""
-        self.off = os.environ.get("FASTLOAD_TEST_FORKS", "1") == "0"
-        self.lock = threading.Lock()
-        self.served = 0  # runs answered by a fork (tests/test_train_forks.py counts them)
+    def __init__(self, args, conn: socket.socket):
+        self.args, self.conn, self.buffer, self.returncode = args, conn, b"", None
+        self.pid = self.read(60)["pid"]
 
-    def start(self) -> bool:
-        if self.proc is not None and self.proc.poll() is None:
-            return True
-        script = [sys.executable, str(REPO / "tests" / "train_forks.py")]
-        self.proc = subprocess.Popen(
-            script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO
-        )
-        self.buffer = b""
-        reply = self.read(timeout=120)
-        if reply is None or "ready" not in reply:
-            self.off = True  # e.g. {"unsafe": "3 threads"}: forking it would be unsafe
-            self.proc.kill()
-            return False
-        return True
-
-    def read(self, timeout: float) -> dict | None:
-        """The next reply line, None on EOF; TimeoutError after `timeout` s."""
-        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+    def read(self, timeout: float | None) -> dict:
+        end = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.buffer:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return None
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if not select.select([self.conn], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = self.conn.recv(4096)
+            if not chunk:  # the server is gone, and the child with it
+                return {"returncode": -signal.SIGKILL}
             self.buffer += chunk
         line, self.buffer = self.buffer.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, cmd, env, cwd, timeout) -> subprocess.CompletedProcess | None:
-        if self.off:
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.read(timeout)["returncode"]
+            self.conn.close()
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
             return None
-        with self.lock, tempfile.TemporaryDirectory(prefix="train-forks-") as tmp:
-            if not self.start():
-                return None
-            out, err = Path(tmp) / "out", Path(tmp) / "err"
-            request = {
-                "argv": cmd[1:],
-                "env": env,
-                "cwd": str(cwd),
-                "out": str(out),
-                "err": str(err),
-            }
-            self.proc.stdin.write((json.dumps(request) + "\n").encode())
-            self.proc.stdin.flush()
-            started = self.read(timeout=60)
-            if started is None:
-                return None
-            try:
-                reply = self.read(timeout)
-            except TimeoutError:
-                kill_pid_tree(started["pid"])
-                reply = self.read(timeout=60)
-                raise subprocess.TimeoutExpired(
-                    cmd, timeout, out.read_text(), err.read_text()
-                ) from None
-            self.served += 1
-            if reply is None:  # the server died under the run: say so as a failure
-                return subprocess.CompletedProcess(
-                    cmd, -9, out.read_text(), err.read_text() + "\n[train_forks: gone]"
-                )
-            return subprocess.CompletedProcess(
-                cmd, reply["returncode"], out.read_text(), err.read_text()
+
+
+class TrainForks:
+    """This test process's fork server (tests/train_forks.py), started on first use. Where it
+    cannot serve (FASTLOAD_TEST_FORKS=0, not single-threaded, gone), processes start plainly."""
+
+    def __init__(self):
+        self.server: subprocess.Popen | None = None
+        self.socket = ""
+        self.off = os.environ.get("FASTLOAD_TEST_FORKS", "1") == "0"
+        self.served = 0  # processes started by a fork (tests/test_train_forks.py counts them)
+        self.lock = threading.Lock()
+
+    def available(self) -> bool:
+        with self.lock:
+            if self.off or (self.server is not None and self.server.poll() is None):
+                return not self.off
+            self.socket = os.path.join(tempfile.mkdtemp(prefix="train-forks-"), "socket")
+            script = [sys.executable, str(REPO / "tests" / "train_forks.py"), self.socket]
+            self.server = subprocess.Popen(
+                script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO
             )
+            ready = select.select([self.server.stdout], [], [], 120)[0]
+            reply = json.loads(self.server.stdout.readline() or "{}") if ready else {}
+            if "ready" not in reply:  # e.g. {"unsafe": "3 threads, 2 with numpy"}
+                self.off = True
+                self.server.kill()
+            return not self.off
+
+    def popen(self, cmd, env, cwd, stdout, stderr) -> subprocess.Popen | ForkedProcess:
+        """`cmd` (sys.executable and its arguments) with stdout/stderr to these open files."""
+        if not self.available():
+            return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=cwd)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket)
+        request = {"argv": cmd[1:], "env": env, "cwd": str(cwd)}
+        with open(os.devnull, "rb") as null:
+            fds = [null.fileno(), stdout.fileno(), stderr.fileno()]
+            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+        self.served += 1
+        return ForkedProcess(cmd, conn)
+
+    def run(self, cmd, env, cwd, timeout) -> subprocess.CompletedProcess:
+        """subprocess.run(cmd, capture_output=True, text=True, ...), forked where it can be."""
+        if not self.available():
+            return subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+            )
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = self.popen(cmd, env, cwd, out, err)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                kill_pid_tree(proc.pid)
+                proc.wait()
+                raise
+            finally:
+                out.seek(0)
+                err.seek(0)
+            return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
 TRAIN_FORKS = TrainForks()
@@ -239,9 +250,7 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
         *launch_overrides(root, workdir),
         *extra,
     ]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=launch_env(env), cwd=workdir
-    )
+    return TRAIN_FORKS.run(cmd, launch_env(env), workdir, timeout)
 
 
 def launch_env(extra: dict | None = None) -> dict:
@@ -306,9 +315,7 @@ def run_two_nodes(
         procs = []
         for cmd, (out, err) in zip(cmds, outs, strict=True):
             files = [stack.enter_context(open(p, "w")) for p in (out, err)]  # noqa: SIM115
-            procs.append(
-                subprocess.Popen(cmd, stdout=files[0], stderr=files[1], env=env, cwd=workdir)
-            )
+            procs.append(TRAIN_FORKS.popen(cmd, env, workdir, files[0], files[1]))
             stack.callback(kill_tree, procs[-1])
         killed = wait_both(procs, timeout, grace)
     results = []

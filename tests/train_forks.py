@@ -1,20 +1,27 @@
-"""`python train.py ARGS` for the tests, without importing torch each time.
+"""`python train.py ARGS` (and `python -m torch.distributed.run ...`) for the tests, without
+importing torch each time.
 
 Most of a short test run of train.py is the interpreter importing torch, torchvision and
-Hydra (~5 s of a core, then ~1 s of training). This process imports them once, then forks a
-child per request that runs train.py as `__main__` with the request's argv, environment,
-working directory and output files: the same code path as `python train.py ARGS > out 2>
-err`, its exit status included, minus the imports. fastload itself is not imported here, so
-every run imports it afresh and reads its environment as a new process does.
+Hydra (~4 s of a core, then a second or two of work). This server imports them once, then
+forks a child per request that runs the script (or module) as `__main__` with the request's
+argv, environment, working directory and stdin/stdout/stderr: the same code path as a fresh
+`python train.py ARGS`, its exit status included, minus the imports. fastload itself is not
+imported here, so every run imports it afresh and reads its environment as a new process
+does. A torchrun launch comes here too: its agent is forked, and it starts its ranks as
+fresh processes, its own children, as the run folder's launch identity expects.
 
-Forking is safe only while no thread but numpy's BLAS pool runs here (OpenBLAS, which
-every forking DataLoader also carries through fork, resets itself in the child): no
-intra-op pool started, no Python thread. It checks that before serving and says `unsafe`
-otherwise; the caller (tests/conftest.py `run_train`) then starts a plain subprocess.
+Forking is safe only while no thread but numpy's BLAS pool runs here (OpenBLAS, which every
+forking DataLoader also carries through fork, resets itself in the child): no intra-op pool
+started, no Python thread. The server checks that before serving and says `unsafe`
+otherwise; the callers then start plain processes.
 
-Protocol, one JSON object per line: the caller writes {"argv", "env", "cwd", "out", "err"}
-on our stdin; we answer {"pid": N} once the child runs, then {"returncode": R} when it ends
-(R as subprocess gives it: negative for a signal). EOF on stdin ends this process.
+    python tests/train_forks.py SOCKET
+
+Prints {"ready": pid} (or {"unsafe": why}) on stdout, then serves connections on the Unix
+socket SOCKET until its stdin closes (the test process that started it is gone). Per
+connection, a watcher process: it receives one request, a JSON line {"argv", "env", "cwd"}
+with three file descriptors (the child's 0, 1, 2), forks the child, answers {"pid": N}, then {"returncode": R} when the child ends (R as subprocess gives it: negative
+for a signal). The caller closing the connection early kills the child and its descendants.
 """
 
 from __future__ import annotations
@@ -22,59 +29,105 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import select
+import socket
 import sys
 import threading
 
-PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "hydra", "omegaconf", "yaml")
+PRELOAD = ("numpy", "PIL.Image", "torch", "torchvision", "hydra", "omegaconf", "yaml", "psutil")
 
 
 def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def serve(requests, replies) -> dict:
-    """Fork a child per request and report it; returns the request in the child only."""
-    for line in requests:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            requests.close()
-            replies.close()
-            return request
-        replies.write(json.dumps({"pid": pid}) + "\n")
-        replies.flush()
-        _, status = os.waitpid(pid, 0)
-        replies.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        replies.flush()
-    os._exit(0)
+def serve(listener: socket.socket, control) -> tuple[dict, list[int]]:
+    """Fork a watcher per connection; returns (request, fds) in the forked child only."""
+    while True:
+        readable = select.select([listener, control], [], [], 1.0)[0]
+        reap()
+        if control in readable and not os.read(control.fileno(), 4096):
+            os._exit(0)  # the test process is gone
+        if listener in readable:
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                control.close()
+                return watch(conn)
+            conn.close()
 
 
-def run(request: dict) -> None:
-    """In the child: become `cd CWD && ENV python train.py ARGV < /dev/null > OUT 2> ERR`."""
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def watch(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The watcher: fork the child, report it, kill it if the caller goes away."""
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+    while not message.endswith(b"\n"):
+        message += conn.recv(1 << 22)
+    request = json.loads(message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        return request, fds
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            conn.sendall(
+                json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n"
+            )
+            os._exit(0)
+        if select.select([conn], [], [], 0.2)[0] and not conn.recv(4096):
+            kill_tree(pid)  # the caller is gone (killed, or timed out)
+
+
+def kill_tree(pid: int) -> None:
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def run(request: dict, fds: list[int]) -> None:
+    """In the child: become `cd CWD && ENV python ARGV <&fd0 >&fd1 2>&fd2`."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python train.py` sets it
-    runpy.run_path(script, run_name="__main__")
+    argv = list(request["argv"])
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script` sets it
+        runpy.run_path(argv[0], run_name="__main__")
 
 
-if __name__ == "__main__":
-    # The protocol gets fds of its own; 0 and 1 become /dev/null and stderr, so nothing
-    # printed while importing can corrupt it.
-    requests = os.fdopen(os.dup(0), "r")
+def main(path: str) -> tuple[dict, list[int]]:
+    # The handshake gets an fd of its own; 0 stays the control pipe (EOF: stop), 1 becomes
+    # stderr, so nothing printed while importing can corrupt the handshake.
     replies = os.fdopen(os.dup(1), "w")
+    control = os.fdopen(os.dup(0), "rb", buffering=0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)
     import numpy  # noqa: F401  (its BLAS pool: the threads allowed)
@@ -83,10 +136,16 @@ if __name__ == "__main__":
     for name in PRELOAD:
         __import__(name)
     if threading.active_count() > 1 or threads() > allowed:
-        unsafe = f"{threads()} threads, {allowed} after importing numpy"
-        replies.write(json.dumps({"unsafe": unsafe}) + "\n")
+        replies.write(json.dumps({"unsafe": f"{threads()} threads, {allowed} with numpy"}) + "\n")
         replies.flush()
         sys.exit(0)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
     replies.write(json.dumps({"ready": os.getpid()}) + "\n")
-    replies.flush()
-    run(serve(requests, replies))
+    replies.close()
+    return serve(listener, control)
+
+
+if __name__ == "__main__":
+    run(*main(sys.argv[1]))
