@@ -3,15 +3,17 @@ resuming a finished run trains nothing and leaves no new folder."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
+from conftest import REPO, TRAIN_FORKS, compose_config, make_image_folder, run_train, tiny_overrides
 from omegaconf import OmegaConf
 from test_train import assert_clean_failure, read_jsonl
 
@@ -69,14 +71,16 @@ def test_concurrent_runs_of_one_name_write_separate_folders(tiny_folder, tmp_pat
     args = tiny_overrides(tiny_folder, tmp_path / "unused", "name=x", "trainer.epochs=2")
     args = [a for a in args if not a.startswith("hydra.run.dir=")]  # the default run id
     args = [*args, f"output_root={tmp_path / 'out'}"]
-    procs = [
-        subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=REPO,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
-    ]  # fmt: skip
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    logs = [(tmp_path / f"out{k}.txt", tmp_path / f"err{k}.txt") for k in range(2)]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for out, err in logs:  # started together, each the way run_train starts one
+            files = [stack.enter_context(open(p, "w")) for p in (out, err)]  # noqa: SIM115
+            cmd = [sys.executable, str(REPO / "train.py"), *args]
+            procs.append(TRAIN_FORKS.popen(cmd, env, REPO, *files))
+        for p, (_, err) in zip(procs, logs, strict=True):
+            assert p.wait(timeout=300) == 0, err.read_text()[-3000:]
     folders = sorted((tmp_path / "out" / "x").iterdir())
     assert len(folders) == 2
     for folder in folders:
