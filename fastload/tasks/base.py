@@ -53,6 +53,7 @@ A `Step` is what the loop calls on each batch (the benchmarks pass their own):
 from __future__ import annotations
 
 import abc
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -63,6 +64,9 @@ from fastload import dist
 from fastload.data.batch import IMAGE, TARGET
 from fastload.errors import ConfigError, DatasetError
 from fastload.torch_internals import grad_scale
+
+# torch's warning when the first scheduler step comes before any optimizer step.
+LR_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 
 
 class Evaluator(abc.ABC):
@@ -288,7 +292,14 @@ class TrainStep(abc.ABC):
                 # step() skipped the optimizer: count it on the device, no host sync.
                 self.skipped_by_scaler += grad_scale(s.scaler) < before
         s.optimizer.zero_grad(set_to_none=True)
-        s.scheduler.step()
+        # Per update attempted, as timm and the torchvision references step it: a first update
+        # that fp16's scaler skipped (or that had only corrupt batches) still moves the
+        # schedule, so the LR stays a function of the step count that resume restores.
+        # torch warns then ("lr_scheduler.step() before optimizer.step()"): for code that
+        # calls them in the wrong order, which this is not.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", LR_BEFORE_OPTIMIZER, UserWarning)
+            s.scheduler.step()
         if self.left is not None:
             self.left -= self.in_group
         self.in_group = self.backwards = 0
