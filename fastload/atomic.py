@@ -71,13 +71,21 @@ def remove_stale(final: Path, stale_after_s: float = DAY_S) -> list[Path]:
     return removed
 
 
+def folder_id(path: str | os.PathLike) -> tuple[int, int]:
+    """Which folder is at `path` now: another one renamed into its place has another id."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
 @contextlib.contextmanager
-def building(final: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+def building(final: str | os.PathLike, replacing: tuple[int, int] | None = None) -> Iterator[Path]:
     """`with building(final) as tmp:` fill `tmp`; on a clean exit it is renamed to `final`
-    (an empty folder at `final` is replaced; with `replace=True` any folder is: the old one
-    is moved aside, the new one renamed in, the old one deleted). On any error, or when
-    another process completed `final` first (`AlreadyBuilt`), `tmp` is removed and `final`
-    is untouched."""
+    (an empty folder at `final` is replaced). `replacing`: the `folder_id` of the outdated
+    folder at `final` this build replaces: it is moved aside, the new one renamed in, the
+    old one deleted. On any error, or when another process completed `final` first
+    (`AlreadyBuilt`: a folder where there was none, or another than `replacing`, as when
+    two nodes re-pack one shared outdated pack and the other finished first, its ranks
+    already reading it), `tmp` is removed and `final` is untouched."""
     final = Path(final).absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(final)
@@ -86,14 +94,16 @@ def building(final: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _publish(tmp, final, replace)
+        _publish(tmp, final, replacing)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _publish(tmp: Path, final: Path, replace: bool) -> None:
+def _publish(tmp: Path, final: Path, replacing: tuple[int, int] | None) -> None:
     old = None
-    if replace and final.exists():
+    if replacing is not None and final.exists():
+        if folder_id(final) != replacing:
+            raise AlreadyBuilt(f"{final} was rebuilt by another process while this one built it")
         old = final.parent / f"{temp_prefix(final)}{hostname()}-{os.getpid()}-old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)

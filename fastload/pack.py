@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from fastload.atomic import folder_id
 from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import FastloadError, StorageError
 from fastload.storage import lmdb_store, shards
@@ -76,8 +77,8 @@ def pack_one(args, src_dir, out, source=None) -> None:
     """Pack one split into `out` with the command line's options; an existing pack is kept
     when it matches its source and options, re-packed (replaced) when it does not."""
     store = make_storage(args)
-    replace = out.exists()
-    if replace:
+    replacing = folder_id(out) if out.exists() else None  # the pack judged below
+    if replacing is not None:
         reason = stale_reason(src_dir, out, store.pack_options()) if source is None else None
         if reason is None:
             print(f"{out} exists and matches its source: skipped (delete it to re-pack)")
@@ -93,7 +94,7 @@ def pack_one(args, src_dir, out, source=None) -> None:
         source=source,
         what=args.format,
         skip_corrupt=args.skip_corrupt,
-        replace=replace,
+        replacing=replacing,
     )
     skipped = f", {len(meta['skipped'])} undecodable file(s) left out" if meta["skipped"] else ""
     print(f"{out}: {meta['count']} records in {time.perf_counter() - t0:.1f} s{skipped}")

@@ -114,3 +114,25 @@ def test_a_failed_build_leaves_nothing_and_a_concurrent_one_is_reported(tmp_path
         (final / "theirs").write_text("complete")  # another process finished first
         (tmp / "ours").write_text("x")
     assert [p.name for p in final.iterdir()] == ["theirs"] and not tmp.exists()
+
+
+def test_a_rebuild_replaces_only_the_folder_it_judged(tmp_path):
+    """`replacing`: the outdated folder is swapped for the new one; a folder another process
+    put in its place meanwhile (its readers already on it) is kept and AlreadyBuilt raised."""
+    final = tmp_path / "pack"
+    final.mkdir()
+    (final / "v").write_text("old")
+    with atomic.building(final, replacing=atomic.folder_id(final)) as tmp:
+        (tmp / "v").write_text("ours")
+    assert (final / "v").read_text() == "ours"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack"]  # the old one deleted
+
+    judged = atomic.folder_id(final)
+    with pytest.raises(atomic.AlreadyBuilt), atomic.building(final, replacing=judged) as tmp:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        (theirs / "v").write_text("theirs")
+        os.rename(final, tmp_path / "aside")
+        os.rename(theirs, final)  # another node's re-pack, published first
+        (tmp / "v").write_text("ours again")
+    assert (final / "v").read_text() == "theirs" and not tmp.exists()

@@ -927,3 +927,30 @@ def test_auto_packing_beside_a_read_only_dataset_says_where_and_storage_path(tmp
         assert f"storage={store} packs the dataset on first use into {ro}/d.packs/" in out.stderr
     assert out.stderr.count("storage.path=<a writable folder>") == 3
     assert "Traceback" not in out.stderr and not (ro / "d.packs").exists()
+
+
+def test_a_pack_re_packed_by_another_node_first_is_used_not_replaced(tiny_folder, tmp_path, caplog):
+    """Two nodes find one shared pack out of date and both re-pack it; the one that finishes
+    second keeps the first one's pack (whose ranks may be reading it already) and trains on
+    it, instead of deleting it under them."""
+    from fastload.atomic import folder_id
+    from fastload.storage.packing import SIDECAR
+
+    ShardStorage(path=tmp_path / "sj").prepare(tiny_folder, ["train"])
+    split = tmp_path / "sj" / "train"
+    sidecar = json.loads((split / SIDECAR).read_text())
+    (split / SIDECAR).write_text(json.dumps({**sidecar, "source_digest": "stale"}))
+
+    class SlowerNode(ShardStorage):
+        def writer(self, folder, schema):  # the other node re-packs and publishes first
+            ShardStorage(path=tmp_path / "sj").prepare(tiny_folder, ["train"])
+            self.theirs = folder_id(split)
+            return super().writer(folder, schema)
+
+    ours = SlowerNode(path=tmp_path / "sj")
+    with caplog.at_level("INFO", logger="fastload"):
+        ours.prepare(tiny_folder, ["train"])
+    assert f"{split} was packed meanwhile by another process" in caplog.text
+    assert folder_id(split) == ours.theirs  # theirs stayed in place
+    assert json.loads((split / SIDECAR).read_text())["source_digest"] != "stale"
+    assert sorted(p.name for p in (tmp_path / "sj").iterdir()) == ["train"]  # no temporary

@@ -34,7 +34,13 @@ import numpy as np
 import xxhash
 from PIL import Image
 
-from fastload.atomic import AlreadyBuilt, building, is_disk_full, no_space_message
+from fastload.atomic import (
+    AlreadyBuilt,
+    building,
+    folder_id,
+    is_disk_full,
+    no_space_message,
+)
 from fastload.data import rawimage
 from fastload.data.layouts import as_layout
 from fastload.data.records import ImageFile, Schema
@@ -246,9 +252,10 @@ def pack_split(
     source=None,
     what: str = "pack",
     skip_corrupt: bool = False,
-    replace: bool = False,
+    replacing: tuple[int, int] | None = None,
 ) -> dict:
-    """Pack one split into `dst` (atomically; `replace`: over an outdated pack) with
+    """Pack one split into `dst` (atomically; `replacing`: over the outdated pack of this
+    `atomic.folder_id`, unless another process re-packed it first) with
     `writer(folder, schema)`; returns the metadata. The records come from `source`
     (fastload/data/sources.py: COCO, DIV2K, ...), by default the ImageFolder split `src`.
     progress=None: a progress bar when stderr is a terminal. `compression` is recorded in
@@ -272,7 +279,7 @@ def pack_split(
     tally = [0, 0]  # records, bytes written
     params = pack_params(source, kind, max_side, quality, size, compression)
     try:
-        with building(dst, replace=replace) as tmp, bar:
+        with building(dst, replacing=replacing) as tmp, bar:
             out = writer(tmp, pack_schema(source, kind))
             results = _records(tasks, workers or usable_cores())
             skipped = _write_all(out, records, results, bar, skip_corrupt, tally)
@@ -286,7 +293,8 @@ def pack_split(
             (tmp / SIDECAR).write_text(json.dumps({**record, "skipped": skipped}, indent=1))
     except AlreadyBuilt:
         raise PackedMeanwhile(
-            f"{dst} appeared while packing (another packer?); delete it and retry."
+            f"{dst} appeared (or was re-packed) while packing (another packer?); delete it "
+            f"and retry."
         ) from None
     except OSError as exc:
         if not is_disk_full(exc):
@@ -393,6 +401,7 @@ class PackedStorage(Storage):
         for split in dict.fromkeys(splits):
             dst = self.pack_root(layout) / split
             exists = (dst / self.marker).is_file()
+            replacing = folder_id(dst) if exists else None  # the pack judged below
             if exists:
                 reason = stale_reason(lambda s=split: layout.source(s), dst, self.pack_options())
                 if reason is None:
@@ -411,7 +420,7 @@ class PackedStorage(Storage):
             options = {**self.pack_options(), "what": self.format, "skip_corrupt": skip_corrupt}
             source = layout.source(split)
             try:
-                pack_split(self.writer, None, dst, source=source, replace=exists, **options)
+                pack_split(self.writer, None, dst, source=source, replacing=replacing, **options)
             except PackedMeanwhile:
                 # Each node's local rank 0 packs, and the default folder (beside dataset.root)
                 # is on a file system that all nodes share: nodes that start together pack it
