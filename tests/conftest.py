@@ -4,6 +4,7 @@ web server."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -196,7 +197,20 @@ class TrainForks:
             if "ready" not in reply:  # e.g. {"unsafe": "3 threads, 2 with numpy"}
                 self.off = True
                 self.server.kill()
+            atexit.register(self.close, self.server, os.path.dirname(self.socket))
             return not self.off
+
+    @staticmethod
+    def close(server: subprocess.Popen, folder: str) -> None:
+        """At this test process's exit: EOF on the server's stdin ends it."""
+        server.stdin.close()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+        shutil.rmtree(folder, ignore_errors=True)
 
     def popen(self, cmd, env, cwd, stdout, stderr) -> subprocess.Popen | ForkedProcess:
         """`cmd` (sys.executable and its arguments) with stdout/stderr to these open files."""
