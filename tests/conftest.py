@@ -28,6 +28,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from PIL import Image
+from train_forks import kill_tree as kill_tree_of
 
 import fastload.config  # noqa: F401  (resolvers)
 
@@ -236,7 +237,7 @@ class TrainForks:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                kill_pid_tree(proc.pid)
+                kill_tree_of(proc.pid)
                 proc.wait()
                 raise
             finally:
@@ -357,20 +358,8 @@ def kill_tree(proc: subprocess.Popen) -> None:
     each rank in a session of its own, so its process group alone would miss them)."""
     if proc.poll() is not None:
         return
-    kill_pid_tree(proc.pid)
+    kill_tree_of(proc.pid)
     proc.wait()
-
-
-def kill_pid_tree(pid: int) -> None:
-    """SIGKILL process `pid` and every process below it."""
-    import psutil
-
-    with contextlib.suppress(psutil.NoSuchProcess):
-        tree = psutil.Process(pid).children(recursive=True)
-        for p in [psutil.Process(pid), *tree]:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(tree, timeout=10)
 
 
 def tails(nodes: list[subprocess.CompletedProcess], chars: int = 2500) -> str:

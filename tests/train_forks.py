@@ -92,10 +92,13 @@ def watch(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def kill_tree(pid: int) -> None:
+    """SIGKILL process `pid` and every process below it, and wait for those below it (the
+    caller reaps `pid`, its child). tests/conftest.py uses it too."""
     import psutil
 
     try:
-        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        tree = psutil.Process(pid).children(recursive=True)
+        procs = [psutil.Process(pid), *tree]
     except psutil.NoSuchProcess:
         return
     for p in procs:
@@ -103,6 +106,7 @@ def kill_tree(pid: int) -> None:
             p.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(tree, timeout=10)
 
 
 def run(request: dict, fds: list[int]) -> None:
