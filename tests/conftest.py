@@ -174,8 +174,9 @@ class ForkedProcess:
 
 
 class TrainForks:
-    """This test process's fork server (tests/train_forks.py), started on first use. Where it
-    cannot serve (FASTLOAD_TEST_FORKS=0, not single-threaded, gone), processes start plainly."""
+    """This test process's fork server (tests/train_forks.py), started on first use (again if
+    it died). Where it cannot serve (FASTLOAD_TEST_FORKS=0, or it found forking unsafe),
+    processes start plainly."""
 
     def __init__(self):
         self.server: subprocess.Popen | None = None

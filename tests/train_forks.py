@@ -20,8 +20,9 @@ otherwise; the callers then start plain processes.
 Prints {"ready": pid} (or {"unsafe": why}) on stdout, then serves connections on the Unix
 socket SOCKET until its stdin closes (the test process that started it is gone). Per
 connection, a watcher process: it receives one request, a JSON line {"argv", "env", "cwd"}
-with three file descriptors (the child's 0, 1, 2), forks the child, answers {"pid": N}, then {"returncode": R} when the child ends (R as subprocess gives it: negative
-for a signal). The caller closing the connection early kills the child and its descendants.
+with three file descriptors (the child's 0, 1, 2), forks the child, answers {"pid": N},
+then {"returncode": R} when the child ends (R as subprocess gives it: negative for a
+signal). The caller closing the connection early kills the child and its descendants.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def run(request: dict, fds: list[int]) -> None:
 
 
 def main(path: str) -> tuple[dict, list[int]]:
-    # The handshake gets an fd of its own; 0 stays the control pipe (EOF: stop), 1 becomes
-    # stderr, so nothing printed while importing can corrupt the handshake.
+    # The handshake (stdout) and the control pipe (stdin; EOF: stop) move to fds of their
+    # own; 0 becomes /dev/null and 1 stderr, so nothing printed while importing can corrupt
+    # the handshake and no child inherits the pipes as its stdio.
     replies = os.fdopen(os.dup(1), "w")
     control = os.fdopen(os.dup(0), "rb", buffering=0)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
