@@ -95,16 +95,28 @@ def run_config(cfg) -> dict:
     }
 
 
+# A feature's switch and the prefix of its settings: while the switch is null (off) in both
+# configs, its settings shape nothing, so they are no difference (nor is their absence from a
+# checkpoint written before the feature existed).
+SETTINGS_OF = {"trainer.ema.decay": "trainer.ema."}
+
+
 def config_differences(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for each key that differs. A key the saved config lacks whose
-    value here is null is an option added since, off by default: not a difference."""
+    value here is null is an option added since, off by default: not a difference; nor are
+    the settings of a feature off in both (`SETTINGS_OF`)."""
     keys = sorted(set(saved) | set(current))
+    inert = tuple(
+        prefix for switch, prefix in SETTINGS_OF.items()
+        if saved.get(switch) is None and current.get(switch) is None
+    )  # fmt: skip
     missing = "(unset)"
     return [
         f"{k}: {saved.get(k, missing)!r} -> {current.get(k, missing)!r}"
         for k in keys
         if saved.get(k, missing) != current.get(k, missing)
         and not (k not in saved and current[k] is None)
+        and not k.startswith(inert)
     ]
 
 

@@ -195,6 +195,20 @@ def broadcast_object(obj, ctx: DistContext):
     return box[0]
 
 
+def broadcast_tensors(tensors: list, ctx: DistContext) -> None:
+    """Rank 0's values of `tensors` on every rank, in place: one collective per dtype."""
+    if not ctx.distributed or not tensors:
+        return
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src=0)
+        for t, part in zip(group, flat.split([t.numel() for t in group]), strict=True):
+            t.detach().copy_(part.view_as(t))
+
+
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

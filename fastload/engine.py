@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
 from fastload.autotune import tune
+from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.host import global_rank
 from fastload.loaders.workers import dead_worker_error
@@ -195,10 +196,14 @@ def stop_agreed(stopper, ctx, watch, over_budget: bool) -> bool:
     return max(agreed) > 0
 
 
-def evaluate(step, loader, ctx) -> tuple[dict, int, int, list[str]]:
-    """The val_* metrics, and the samples skipped as undecodable and those evaluated (all
-    ranks), with the skipped ones' files."""
-    evaluator = step.evaluator()
+def evaluate(step, loader, ctx, ema=None) -> tuple[dict, int, int, list[str]]:
+    """The val_* metrics (with trainer.ema, the EMA's too, as ema_val_*: the same batches,
+    read once), and the samples skipped as undecodable and those evaluated (all ranks), with
+    the skipped ones' files."""
+    evaluators = {"": step.evaluator()}
+    if ema is not None:
+        ema.sync(ctx)
+        evaluators["ema_"] = step.evaluator(ema.model)
     step.eval_mode()
     skipped, seen, files = 0, 0, []
     with torch.no_grad():
@@ -206,10 +211,14 @@ def evaluate(step, loader, ctx) -> tuple[dict, int, int, list[str]]:
             skipped += batch["skipped"]
             files += batch.get("skipped_files", ())
             if batch["image"] is not None:
-                evaluator.add(batch)
+                for evaluator in evaluators.values():
+                    evaluator.add(batch)
                 seen += len(batch["target"])
     skipped, seen = dist.all_reduce([skipped, seen], ctx)
-    return evaluator.result(ctx), int(skipped), int(seen), dist.gather_lists(files, ctx)
+    metrics = {}
+    for prefix, evaluator in evaluators.items():
+        metrics.update({prefix + k: v for k, v in evaluator.result(ctx).items()})
+    return metrics, int(skipped), int(seen), dist.gather_lists(files, ctx)
 
 
 def reduce_timing(timing, resources, ctx) -> dict:
@@ -317,6 +326,7 @@ def check_trainer(cfg: DictConfig) -> None:
         value = t[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"trainer.{key}={value!r}: use a whole number >= {low} ({meaning}).")
+    check_ema_options(t.get("ema"))
     cap = t.max_steps_per_epoch
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
         raise ConfigError(
@@ -401,6 +411,9 @@ class RunRecord:
 
     def finish(self, state: TrainState) -> dict:
         summary = summarize(state.history, self.run_dir, state.best_metric, self.task)
+        if state.ema is not None:
+            summary["best_ema_metric"] = state.best_ema_metric
+            summary["best_ema_" + self.task.metric.removeprefix("val_")] = state.best_ema_metric
         if self.ctx.is_main:
             summary["wandb_sync"] = self.sink.finish()
             summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
@@ -517,11 +530,14 @@ class Epochs:
         row = {"epoch": epoch, **metrics, "lr": lr}
         if self.evaluates(epoch):
             t0 = time.perf_counter()
-            val, val_skipped, val_seen, val_files = evaluate(self.step, data.val, ctx)
+            val, val_skipped, val_seen, val_files = evaluate(self.step, data.val, ctx, state.ema)
             self.budget.check(epoch, "validation", val_skipped, val_seen, val_files)
             row.update(val, val_skipped_corrupt=val_skipped)
             row["eval_time_s"] = time.perf_counter() - t0
             state.best_metric = self.task.best(state.best_metric, row[self.task.metric])
+            if state.ema is not None:
+                ema_metric = row["ema_" + self.task.metric]
+                state.best_ema_metric = self.task.best(state.best_ema_metric, ema_metric)
             self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))

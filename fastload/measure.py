@@ -58,7 +58,7 @@ class SleepStep:
         n = len(batch["target"])
         return torch.tensor([0.0, 0.0, n], dtype=torch.float64, device=self.device)
 
-    def evaluator(self) -> SumsEvaluator:
+    def evaluator(self, model=None) -> SumsEvaluator:
         return SumsEvaluator(self.device, 4, self.eval_sums, ClassificationStep.val_metrics)
 
     def eval_sums(self, batch) -> torch.Tensor:

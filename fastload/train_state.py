@@ -1,6 +1,8 @@
 """Everything a checkpoint holds, in one object: model, optimizer, LR schedule, loss scaler,
 where training stands (epoch, step within it), the best validation metric and the epoch history.
 
+With trainer.ema set, it also holds the model's EMA (fastload/ema.py) and its best metric.
+
 `state_dict()` is the checkpoint layout, written in this one place; `load_state_dict()` reads
 it back. Resuming from it continues bit for bit (tests/test_train.py).
 """
@@ -15,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from fastload import checkpoint as ckpt
+from fastload.ema import ModelEma
 from fastload.errors import CheckpointError
 from fastload.optim import build_optimizer, warmup_cosine
 
@@ -45,6 +48,8 @@ class TrainState:
     stretches: list = field(default_factory=list)
     best_metric: float | None = None  # the task's validation metric at its best
     history: list = field(default_factory=list)
+    ema: ModelEma | None = None  # trainer.ema: the weights' moving average
+    best_ema_metric: float | None = None  # the metric of the EMA at its best
 
     @classmethod
     def create(
@@ -60,7 +65,8 @@ class TrainState:
     ):
         """The model, an SGD-style optimizer at the linearly scaled LR (base_lr x global
         batch / 256, the global batch being batch_size x world size x grad_accum_steps) and a
-        warm-up + cosine schedule stepped per optimizer update."""
+        warm-up + cosine schedule stepped per optimizer update; the EMA of the weights when
+        trainer.ema.decay is set."""
         if model is None:  # the task's model (refused when it is for another task)
             from fastload.tasks.base import build_task
 
@@ -81,6 +87,7 @@ class TrainState:
         return cls(
             model, optimizer, scheduler, scaler, steps_per_epoch, model_config(cfg),
             ckpt.run_config(cfg), world_size, int(cfg.trainer.batch_size), accum,
+            ema=ModelEma.from_config(cfg.trainer.get("ema"), model),
         )  # fmt: skip
 
     def state_dict(self, rngs: list | None = None) -> dict:
@@ -88,6 +95,9 @@ class TrainState:
         so that a resume on as many ranks gives each its own stream back; without them
         (one process) this process's."""
         rngs = rngs or [ckpt.rng_state()]
+        ema = {} if self.ema is None else {
+            "ema": self.ema.state_dict(), "best_ema_metric": self.best_ema_metric,
+        }  # fmt: skip
         return {
             "format": ckpt.FORMAT,
             "model": self.model.state_dict(),
@@ -105,6 +115,7 @@ class TrainState:
             "rng_by_rank": rngs,
             "model_config": self.model_config,
             "run_config": self.run_config,
+            **ema,
         }
 
     def load_state_dict(self, state: dict, path, rank: int = 0) -> None:
@@ -127,6 +138,7 @@ class TrainState:
             ) from None
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
+        self.load_ema(state, path)
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
         self.stretches = [tuple(x) for x in state.get("epoch_stretches", [])]
         # checkpoints written before the detection and super-resolution tasks call it best_acc1
@@ -142,6 +154,21 @@ class TrainState:
         saved_accum = int(state.get("grad_accum_steps", 1))
         if saved is not None and (saved, saved_accum) != (self.world_size, self.grad_accum_steps):
             self.change_global_batch(saved, saved_accum, path, say=rank == 0)
+
+    def load_ema(self, state: dict, path) -> None:
+        if self.ema is None:
+            return
+        if state.get("ema") is None:  # only a checkpoint that predates run_config gets here
+            log.warning("%s holds no EMA of the weights: the EMA starts from its weights", path)
+            self.ema = ModelEma(self.model, self.ema.decay, self.ema.every, self.ema.warmup)
+            return
+        try:
+            self.ema.load_state_dict(state["ema"])
+        except (RuntimeError, KeyError) as exc:
+            raise CheckpointError(
+                f"checkpoint {path}: its EMA does not fit this run's model: {exc}. Use resume=null."
+            ) from None
+        self.best_ema_metric = state.get("best_ema_metric")
 
     def change_global_batch(self, saved: int, saved_accum: int, path, say: bool = True) -> None:
         """Continue a run written at world size `saved` with `saved_accum` accumulation

@@ -265,7 +265,8 @@ def test_malformed_json_and_missing_image_name_the_file(coco_root, tmp_path):
 
 def test_short_cpu_run_lowers_the_loss_and_reports_map(coco_root, tmp_path):
     run_dir = tmp_path / "run"
-    out = run_train(coco_run_args(coco_root, run_dir, "trainer.epochs=3"))
+    # with the EMA of the weights: evaluated by COCOeval beside the model
+    out = run_train(coco_run_args(coco_root, run_dir, "trainer.epochs=3", "trainer.ema.decay=0.5"))
     assert out.returncode == 0, out.stderr
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [0, 1, 2]
@@ -273,11 +274,13 @@ def test_short_cpu_run_lowers_the_loss_and_reports_map(coco_root, tmp_path):
     for r in rows:
         assert {f"dropped_{k}": v for k, v in DROPPED.items()}.items() <= r.items()
         assert 0 <= r["val_map"] <= r["val_map50"] <= 100
+        assert 0 <= r["ema_val_map"] <= r["ema_val_map50"] <= 100
         assert r["train_images"] == 8  # 11 images with boxes, batches of 4, drop_last
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["metric"] == "val_map"
     assert summary["best_map"] == max(r["val_map"] for r in rows)
-    assert "best mAP" in out.stdout
+    assert summary["best_ema_map"] == max(r["ema_val_map"] for r in rows)
+    assert "best mAP" in out.stdout and "best mAP@[.5:.95] (EMA)" in out.stdout
 
 
 @pytest.mark.slow

@@ -253,11 +253,14 @@ def test_lr_hr_size_mismatch_is_one_line_naming_the_file(div2k, tmp_path):
 
 def test_short_cpu_run_learns_and_reports_psnr(tmp_path):
     run_dir = tmp_path / "run"
-    out = run_train(sr_args(tmp_path / "data", run_dir, "trainer.epochs=3", "logger=none"))
+    # with the EMA of the weights, evaluated beside the model
+    out = run_train(sr_args(tmp_path / "data", run_dir, "trainer.epochs=3", "logger=none",
+                            "trainer.ema.decay=0.5"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1, 2]
-    for key in ("train_loss", "train_psnr", "val_loss", "val_psnr", "val_psnr_bicubic"):
+    for key in ("train_loss", "train_psnr", "val_loss", "val_psnr", "val_psnr_bicubic",
+                "ema_val_psnr", "ema_val_loss"):  # fmt: skip
         assert all(np.isfinite(r[key]) for r in rows), key
     assert rows[-1]["val_loss"] < rows[0]["val_loss"]
     assert rows[-1]["val_psnr"] > rows[0]["val_psnr"]
@@ -266,7 +269,9 @@ def test_short_cpu_run_learns_and_reports_psnr(tmp_path):
     assert summary["metric"] == "val_psnr" and summary["best_psnr"] == max(
         r["val_psnr"] for r in rows
     )
-    assert "best PSNR" in out.stdout and " dB" in out.stdout
+    assert summary["best_ema_psnr"] == max(r["ema_val_psnr"] for r in rows)
+    assert rows[-1]["ema_val_psnr"] != rows[-1]["val_psnr"]
+    assert "best PSNR" in out.stdout and " dB" in out.stdout and "best PSNR (EMA)" in out.stdout
 
 
 @pytest.mark.slow

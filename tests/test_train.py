@@ -89,7 +89,8 @@ def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
 
 
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
-    common = ["trainer.epochs=3", "loader.num_workers=0"]
+    # with the EMA of the weights (trainer.ema), which the checkpoint carries too
+    common = ["trainer.epochs=3", "loader.num_workers=0", "trainer.ema.decay=0.8"]
     ref = run_train(tiny_overrides(tiny_folder, tmp_path / "ref" / "r", *common, "name=ref"))
     assert ref.returncode == 0, ref.stderr
 
@@ -123,7 +124,17 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
     b = torch.load(resumed_dir / "checkpoints" / "last.pt", weights_only=True)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    assert [r["epoch"] for r in read_jsonl(resumed_dir / "metrics.jsonl")] == [0, 1, 2]
+    assert a["ema"]["updates"] == b["ema"]["updates"] == 3 * 4  # 4 updates per epoch
+    for k in a["ema"]["model"]:
+        assert torch.equal(a["ema"]["model"][k], b["ema"]["model"][k]), k
+    rows = read_jsonl(resumed_dir / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    # the EMA evaluated beside the model: its own numbers, the same as the uninterrupted run's
+    ref_rows = read_jsonl(tmp_path / "ref" / "r" / "metrics.jsonl")
+    assert rows[-1]["ema_val_loss"] == ref_rows[-1]["ema_val_loss"] != rows[-1]["val_loss"]
+    summary = json.loads((resumed_dir / "summary.json").read_text())
+    assert summary["best_ema_acc1"] == max(r["ema_val_acc1"] for r in rows)
+    assert "best top-1 (EMA)" in resumed.stdout
 
 
 @pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py

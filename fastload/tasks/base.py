@@ -46,8 +46,10 @@ A `Step` is what the loop calls on each batch (the benchmarks pass their own):
     finish()                   the update of a group the data ended inside of
     scaler_skips()             (optional) steps the fp16 loss scaler skipped since the last
                                call, None without a scaler
-    evaluator()                -> an `Evaluator`: `add(batch)` per validation batch,
-                               `result(ctx)` -> the val_* entries, the same on every rank
+    evaluator(model=None)      -> an `Evaluator` of `model` (None: the step's own; the
+                               engine passes the EMA of the weights too): `add(batch)` per
+                               validation batch, `result(ctx)` -> the val_* entries, the
+                               same on every rank
 """
 
 from __future__ import annotations
@@ -175,9 +177,9 @@ def build_task(cfg: DictConfig) -> Task:
 
 class TrainStep(abc.ABC):
     """The part of a Step every task shares: the model under DDP / torch.compile as set, the
-    backward under autocast with the loss scaler, and one optimizer update (and LR step) per
-    trainer.grad_accum_steps batches (the gradients' norm clipped to optim.clip_grad_norm
-    first, when set). A task's step implements `forward_loss(batch) -> (loss, sums)`.
+    backward under autocast with the loss scaler, and one optimizer update (and LR step, and
+    EMA update with trainer.ema) per trainer.grad_accum_steps batches (the gradients' norm
+    clipped to optim.clip_grad_norm first, when set). A task's step implements `forward_loss(batch) -> (loss, sums)`.
 
     Gradient accumulation as timm's --grad-accum-steps: each batch's loss is divided by its
     group's size, so a group of A batches of B makes the update one batch of A x B would (up
@@ -292,6 +294,8 @@ class TrainStep(abc.ABC):
                 # step() skipped the optimizer: count it on the device, no host sync.
                 self.skipped_by_scaler += grad_scale(s.scaler) < before
         s.optimizer.zero_grad(set_to_none=True)
+        if s.ema is not None:  # trainer.ema: per update attempted, as the schedule below
+            s.ema.update(s.model)
         # Per update attempted, as timm and the torchvision references step it: a first update
         # that fp16's scaler skipped (or that had only corrupt batches) still moves the
         # schedule, so the LR stays a function of the step count that resume restores.

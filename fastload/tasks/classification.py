@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -100,14 +102,15 @@ class ClassificationStep(TrainStep):
             "train_acc1": 100.0 * correct / max(count, 1),
         }
 
-    def evaluator(self) -> SumsEvaluator:
-        return SumsEvaluator(self.device, 4, self.eval_sums, self.val_metrics)
+    def evaluator(self, model=None) -> SumsEvaluator:
+        sums = partial(self.eval_sums, self.model if model is None else model)
+        return SumsEvaluator(self.device, 4, sums, self.val_metrics)
 
     @torch.no_grad()
-    def eval_sums(self, batch: dict) -> torch.Tensor:
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
         x, y = batch[IMAGE], batch[TARGET]
         with self.autocast():
-            out = self.model(x)
+            out = model(x)
         loss = self.criterion(out.float(), y)
         top5 = out.topk(min(5, out.shape[1]), dim=1).indices
         n = torch.tensor(len(y), dtype=torch.float64, device=self.device)

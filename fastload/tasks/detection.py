@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -112,15 +113,17 @@ class DetectionStep(TrainStep):
         loss_sum, count = sums
         return {"train_loss": loss_sum / max(count, 1)}
 
-    def evaluator(self) -> CocoEvaluator:
+    def evaluator(self, model=None) -> CocoEvaluator:
         if self.truth is None:
             self.truth = GroundTruth.from_config(self.cfg)
-        return CocoEvaluator(self.predict, self.truth)
+        return CocoEvaluator(
+            partial(self.predict, self.model if model is None else model), self.truth
+        )
 
     @torch.no_grad()
-    def predict(self, images: list) -> list[dict]:
+    def predict(self, model, images: list) -> list[dict]:
         with self.autocast():
-            return self.model(images)
+            return model(images)
 
 
 class GroundTruth:

@@ -18,6 +18,8 @@ perfect patch cannot turn the mean into inf.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -141,14 +143,15 @@ class SRStep(TrainStep):
         loss_sum, psnr_sum, count = sums
         return {"train_loss": loss_sum / max(count, 1), "train_psnr": psnr_sum / max(count, 1)}
 
-    def evaluator(self) -> SumsEvaluator:
-        return SumsEvaluator(self.device, 4, self.eval_sums, self.val_metrics)
+    def evaluator(self, model=None) -> SumsEvaluator:
+        sums = partial(self.eval_sums, self.model if model is None else model)
+        return SumsEvaluator(self.device, 4, sums, self.val_metrics)
 
     @torch.no_grad()
-    def eval_sums(self, batch: dict) -> torch.Tensor:
+    def eval_sums(self, model, batch: dict) -> torch.Tensor:
         x, hr = batch[IMAGE], self.target(batch)
         with self.autocast():
-            out = self.model(x)
+            out = model(x)
         out = out.float()
         n = torch.tensor(len(hr), dtype=torch.float64, device=self.device)
         loss = F.mse_loss(out, hr).double() * len(hr)

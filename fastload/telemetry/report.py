@@ -100,6 +100,15 @@ def best_metric_row(summary: Mapping[str, Any], fmt) -> tuple[str, str]:
     return "best top-1", fmt("best_acc1", ".2f", unit=" %")
 
 
+def ema_metric_row(summary: Mapping[str, Any], fmt) -> list[tuple[str, str]]:
+    """The EMA's best (trainer.ema), when the run kept one."""
+    if "best_ema_metric" not in summary:
+        return []
+    label = summary.get("metric_label") or "best top-1"
+    unit = summary.get("metric_unit", "") if summary.get("metric_label") else " %"
+    return [(f"{label} (EMA)", fmt("best_ema_metric", ".4g", unit=unit))]
+
+
 def format_summary_table(summary: Mapping[str, Any]) -> str:
     """A short aligned plain-text table of a run's summary; missing/None values show "n/a".
 
@@ -109,6 +118,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
       ``peak_pss_mib`` / ``peak_rss_sum_mib`` (MiB, process tree: PSS summed, RSS
       summed), ``best_metric`` (the task's validation metric at its best) with
       ``metric_label`` / ``metric_unit`` (default: top-1, percent; ``best_acc1`` also read),
+      ``best_ema_metric`` (the same for the EMA of the weights, a row only when present),
       ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
       shown instead of ``wandb_dir`` when present).
     """
@@ -143,6 +153,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
         ("GPU util", fmt("gpu_util_mean", ".0f", unit=" %")),
         ("peak memory", memory()),
         best_metric_row(summary, fmt),
+        *ema_metric_row(summary, fmt),
         ("run directory", text("run_dir")),
         ("W&B", text("wandb_sync", "wandb_dir")),
     ]
