@@ -33,6 +33,11 @@ log = logging.getLogger("fastload")
 FORMAT = 2  # 2: checksum + run_config; 1 (the first format): neither, read with a warning
 READABLE = (1, 2)
 LAST = "last.pt"
+# The weights at the best evaluation of the task's metric (and of the EMA's), to use, not to
+# resume: {"kind": "weights", "model": state_dict, "epoch", "metric", "value", ...}.
+BEST = "best.pt"
+BEST_EMA = "best_ema.pt"
+WEIGHTS = "weights"
 
 # Config keys that change how fast a run goes or where it writes, not what it computes.
 NOT_SHAPING = (
@@ -45,6 +50,7 @@ NOT_SHAPING = (
     "trainer.progress",
     "trainer.checkpoint_every",
     "trainer.checkpoint_every_steps",
+    "trainer.keep_best",
     # the global batch (batch_size x world size x grad_accum_steps) may change on a resume:
     # the state follows it (TrainState.change_global_batch), as for another world size
     "trainer.grad_accum_steps",
@@ -234,6 +240,23 @@ def load(path: str | os.PathLike) -> dict:
             f"with it (a disk or copy error). Use an intact checkpoint or resume=null."
         )
     return state
+
+
+def weights_payload(model, of: str, epoch: int, metric: str, value: float, run: dict) -> dict:
+    """A best-weights file's contents: `of` is "model" or "ema"; `run` the model_config and
+    run_config of the run, for the reader."""
+    return {"format": FORMAT, "kind": WEIGHTS, "of": of, "model": model.state_dict(),
+            "epoch": epoch, "metric": metric, "value": value, **run}  # fmt: skip
+
+
+def refuse_weights(path: Path, payload: dict) -> None:
+    """resume= names a best-weights file: it has no optimizer, schedule or RNG state."""
+    if payload.get("kind") == WEIGHTS:
+        raise CheckpointError(
+            f"{path} holds a run's best weights (load them into a model with "
+            f"torch.load(path, weights_only=True)['model']), not a training state to resume: "
+            f"pass resume={Path(path).parent / LAST} (or resume=auto)."
+        )
 
 
 def candidates(output_root: Path, name: str) -> list[Path]:

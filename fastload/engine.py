@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
+from fastload.atomic import temp_path
 from fastload.autotune import tune
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
@@ -45,7 +46,7 @@ from fastload.train_checks import (
     diverged_message,
     weights_finite,
 )
-from fastload.train_state import TrainState, check_same_run
+from fastload.train_state import TrainState, check_same_run, model_config
 
 log = logging.getLogger("fastload")
 
@@ -256,6 +257,7 @@ def find_resume(cfg) -> tuple[Path, dict] | None:
     if cfg.resume != "auto":
         path = Path(cfg.resume)
         payload = ckpt.load(path)
+        ckpt.refuse_weights(path, payload)
     else:
         found = None
         for path in ckpt.candidates(Path(cfg.output_root), cfg.name):
@@ -348,6 +350,9 @@ def check_writable(run_dir: Path) -> None:
         log.warning("less than 100 MB free under %s: checkpoints may not fit", run_dir)
 
 
+BEST_FILE = {"model": ckpt.BEST, "ema": ckpt.BEST_EMA}
+
+
 class RunRecord:
     """What rank 0 writes: metrics.jsonl, summary.json, checkpoints and the logger sink."""
 
@@ -357,6 +362,8 @@ class RunRecord:
         self.checkpoints = (
             cfg.trainer.checkpoint_every > 0 or cfg.trainer.checkpoint_every_steps > 0
         )
+        self.keep_best = self.checkpoints and cfg.trainer.get("keep_best", True)
+        self.run_identity = {"model_config": model_config(cfg), "run_config": ckpt.run_config(cfg)}
         self.files = self.sink = None
         if ctx.is_main:
             self.files = MetricsFiles(run_dir)
@@ -383,6 +390,43 @@ class RunRecord:
         rngs = dist.gather_rng(self.ctx)
         if self.ctx.is_main:
             ckpt.save_atomic(state.state_dict(rngs), self.checkpoint_path)
+
+    def save_best(self, model, of: str, epoch: int, value: float) -> None:
+        """trainer.keep_best: the weights of an evaluation that beat the best so far, as
+        checkpoints/best.pt (the EMA's: best_ema.pt); rank 0 writes."""
+        if not (self.keep_best and self.ctx.is_main):
+            return
+        payload = ckpt.weights_payload(model, of, epoch, self.task.metric, value, self.run_identity)
+        ckpt.save_atomic(payload, self.checkpoint_path.with_name(BEST_FILE[of]))
+
+    def carry_best(self, resumed: Path, history: list) -> None:
+        """A resumed run's best weights so far are in the folder of the run it continues:
+        copied here, when the evaluation they are of is in the resumed history (not one of
+        an attempt that ended before its next checkpoint)."""
+        if not (self.keep_best and self.ctx.is_main):
+            return
+        for of, name in BEST_FILE.items():
+            source, target = resumed.with_name(name), self.checkpoint_path.with_name(name)
+            if not source.is_file() or target.exists() or source.parent == target.parent:
+                continue
+            try:
+                best = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+                key = ("ema_" if of == "ema" else "") + best["metric"]
+                seen = any(r["epoch"] == best["epoch"] and r.get(key) == best["value"]
+                           for r in history)  # fmt: skip
+            except Exception:  # noqa: BLE001 - unreadable: this run writes its own
+                seen = False
+            if not seen:
+                log.info("not carrying %s over: it is of an evaluation the resumed checkpoint "
+                         "does not hold; this run writes its own", source)  # fmt: skip
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = temp_path(target)
+            try:
+                shutil.copyfile(source, tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
 
     def skipped(self, epoch: int, files: list[str]) -> None:
         """What dataset.skip_corrupt left out: the count and the first few on the console,
@@ -534,10 +578,10 @@ class Epochs:
             self.budget.check(epoch, "validation", val_skipped, val_seen, val_files)
             row.update(val, val_skipped_corrupt=val_skipped)
             row["eval_time_s"] = time.perf_counter() - t0
-            state.best_metric = self.task.best(state.best_metric, row[self.task.metric])
+            state.best_metric = self.better(state.best_metric, row, state.model, "model", epoch)
             if state.ema is not None:
-                ema_metric = row["ema_" + self.task.metric]
-                state.best_ema_metric = self.task.best(state.best_ema_metric, ema_metric)
+                state.best_ema_metric = self.better(state.best_ema_metric, row, state.ema.model,
+                                                    "ema", epoch)  # fmt: skip
             self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
@@ -550,6 +594,15 @@ class Epochs:
             self.record.save(state)
         if stopper.signum is not None and not last:
             self.stop(stopper, f"after epoch {epoch}", saved=True)
+
+    def better(self, best: float | None, row: dict, model, of: str, epoch: int) -> float | None:
+        """The best value of the task's metric (of the model or of its EMA) after this
+        evaluation; when it is a new best, its weights are kept (RunRecord.save_best)."""
+        value = row[("ema_" if of == "ema" else "") + self.task.metric]
+        new = self.task.best(best, value)
+        if new != best and new == value:
+            self.record.save_best(model, of, epoch, value)
+        return new
 
     def continued(self, epoch: int, span: EpochSpan) -> None:
         """Say how an epoch begun at another world size goes on (fastload/data/elastic.py)."""
@@ -648,6 +701,8 @@ def fit(cfg: DictConfig) -> dict:
         state.load_state_dict(found[1], found[0], rank=ctx.rank)
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
     record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
+    if found is not None:
+        record.carry_best(found[0], state.history)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket

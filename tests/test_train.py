@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import make_image_folder, run_torchrun, run_train, tiny_overrides
 
+from fastload import checkpoint as ckpt
 from fastload.decode import roi_decoders
 
 EPOCH_KEYS = {
@@ -81,6 +82,15 @@ def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
     assert summary["epochs"] == 4 and summary["best_acc1"] == max(r["val_acc1"] for r in rows)
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert (run_dir / "checkpoints" / "last.pt").is_file()
+    # the weights of the best evaluation, to use: the last epoch's exactly when it was the best
+    best = ckpt.load(run_dir / "checkpoints" / "best.pt")
+    last = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    accs = [r["val_acc1"] for r in rows]
+    assert best["epoch"] == accs.index(max(accs)) and best["value"] == summary["best_acc1"]
+    assert best["kind"] == "weights" and best["metric"] == "val_acc1" and "optimizer" not in best
+    same = all(torch.equal(best["model"][k], v) for k, v in last["model"].items())
+    assert same == (best["epoch"] == 3)
+    assert not (run_dir / "checkpoints" / "best_ema.pt").exists()  # no trainer.ema
     # W&B offline run inside the run directory, the sync command printed in the end table.
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1, list(run_dir.rglob("*"))
@@ -135,6 +145,16 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
     summary = json.loads((resumed_dir / "summary.json").read_text())
     assert summary["best_ema_acc1"] == max(r["ema_val_acc1"] for r in rows)
     assert "best top-1 (EMA)" in resumed.stdout
+    # the best weights, the model's and the EMA's: the uninterrupted run's, bit for bit
+    for name, metric in (("best.pt", "best_acc1"), ("best_ema.pt", "best_ema_acc1")):
+        ref_best = ckpt.load(tmp_path / "ref" / "r" / "checkpoints" / name)
+        got = ckpt.load(resumed_dir / "checkpoints" / name)
+        assert (
+            got["value"] == ref_best["value"] == summary[metric]
+            and got["epoch"] == ref_best["epoch"]
+        )
+        for k, v in ref_best["model"].items():
+            assert torch.equal(got["model"][k], v), (name, k)
 
 
 @pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py

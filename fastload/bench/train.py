@@ -48,6 +48,9 @@ class Timeline:
     def save(self, state) -> None:
         pass
 
+    def save_best(self, model, of: str, epoch: int, value: float) -> None:
+        pass
+
     def skipped(self, epoch: int, files: list) -> None:
         pass
 

@@ -1,0 +1,57 @@
+"""checkpoints/best.pt and best_ema.pt: the weights of the best evaluation, written as it
+happens (tests/test_train.py: a run's and a resumed run's), carried over to a resumed run's
+folder, and refused as a state to resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import compose_config, tiny_overrides
+from omegaconf import open_dict
+
+from fastload import checkpoint as ckpt
+from fastload.dist import DistContext
+from fastload.engine import RunRecord, find_resume
+from fastload.errors import CheckpointError
+from fastload.tasks.base import build_task
+
+
+def weights_file(path, epoch: int, value: float, of: str = "model", metric: str = "val_acc1"):
+    model = torch.nn.Linear(2, 3)
+    ckpt.save_atomic(ckpt.weights_payload(model, of, epoch, metric, value, {}), path)
+    return model
+
+
+def test_a_best_weights_file_is_refused_as_a_state_to_resume(tmp_path):
+    best = tmp_path / "run" / "checkpoints" / ckpt.BEST
+    weights_file(best, 1, 50.0)
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "new", f"resume={best}"))
+    with pytest.raises(CheckpointError) as err:
+        find_resume(cfg)
+    message = err.value.user_message
+    assert str(best) in message and f"resume={best.with_name(ckpt.LAST)}" in message
+    assert "torch.load(path, weights_only=True)['model']" in message
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_resumed_run_carries_the_best_weights_its_history_holds(tmp_path, kept):
+    old = tmp_path / "out" / "exp" / "r1" / "checkpoints"
+    model = weights_file(old / ckpt.BEST, 0, 50.0)
+    weights_file(old / ckpt.BEST_EMA, 1, 61.0, of="ema")
+    run_dir = tmp_path / "out" / "exp" / "r2"
+    cfg = compose_config(tiny_overrides(tmp_path, run_dir, f"trainer.keep_best={kept}"), run_dir)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as train.py's run sees it
+    record = RunRecord(cfg, DistContext(), run_dir, [], build_task(cfg))
+    # best.pt's evaluation is in the history; best_ema.pt's is not (an attempt that ended
+    # after evaluating epoch 1, before its checkpoint)
+    history = [{"epoch": 0, "val_acc1": 50.0, "ema_val_acc1": 40.0},
+               {"epoch": 1, "val_acc1": 45.0, "ema_val_acc1": 60.0}]  # fmt: skip
+    record.carry_best(old / ckpt.LAST, history)
+    carried = run_dir / "checkpoints" / ckpt.BEST
+    assert carried.is_file() == kept
+    assert not (run_dir / "checkpoints" / ckpt.BEST_EMA).exists()
+    if kept:
+        payload = ckpt.load(carried)  # intact: the checksum holds
+        assert (payload["epoch"], payload["value"]) == (0, 50.0)
+        assert torch.equal(payload["model"]["weight"], model.weight.detach())
