@@ -66,6 +66,7 @@ def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
         scaler=torch.amp.GradScaler("cpu", init_scale=3e38),
+        ema=None,  # trainer.ema off
     )
     ctx = SimpleNamespace(device=torch.device("cpu"), distributed=False, rank=0)
     step = ClassificationStep(state, cfg, ctx, amp=None)
