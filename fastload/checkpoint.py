@@ -43,6 +43,7 @@ WEIGHTS = "weights"
 NOT_SHAPING = (
     "name",
     "resume",
+    "evaluate",
     "output_root",
     "logger",
     "hydra",
@@ -213,31 +214,38 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def load(path: str | os.PathLike) -> dict:
-    """A checkpoint, verified; CheckpointError naming the file when it is missing, not a
-    fastload checkpoint, or damaged."""
+# What to pass instead of an unusable file, by the option that named it.
+INSTEAD = {
+    "resume": "a checkpoints/last.pt written by train.py, or resume=null to start fresh",
+    "evaluate": "a checkpoints/best.pt, best_ema.pt or last.pt written by train.py",
+}
+
+
+def load(path: str | os.PathLike, option: str = "resume") -> dict:
+    """A checkpoint (or best-weights file), verified; CheckpointError naming the file when it
+    is missing, not a fastload checkpoint, or damaged. `option`: the option that named it."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; check the resume= path.")
+        raise CheckpointError(f"checkpoint {path} does not exist; check the {option}= path.")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's own advice (weights_only=False, file an issue) misleads
         raise CheckpointError(
             f"{path} is not a fastload checkpoint, or it is damaged (torch cannot read it: "
-            f"{type(exc).__name__}). Pass a checkpoints/last.pt written by train.py, or "
-            f"resume=null to start fresh."
+            f"{type(exc).__name__}). Pass {INSTEAD[option]}."
         ) from None
     if not isinstance(state, dict) or state.get("format") not in READABLE:
         raise CheckpointError(
-            f"{path} is not a fastload checkpoint (no format {FORMAT} record); pass a "
-            f"checkpoints/last.pt written by train.py, or resume=null."
+            f"{path} is not a fastload checkpoint (no format {FORMAT} record); pass "
+            f"{INSTEAD[option]}."
         )
     if state["format"] == 1:
         log.warning("%s predates checkpoint checksums: it cannot be verified", path)
     elif state.get("checksum") != checksum(state):
         raise CheckpointError(
             f"checkpoint {path} is damaged: its contents do not match the checksum written "
-            f"with it (a disk or copy error). Use an intact checkpoint or resume=null."
+            f"with it (a disk or copy error). Use an intact copy"
+            + (" or resume=null." if option == "resume" else ".")
         )
     return state
 

@@ -9,6 +9,7 @@ calls the task's step object (fastload/tasks/; the benchmarks pass their own) on
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -27,12 +28,20 @@ from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
 from fastload.atomic import temp_path
 from fastload.autotune import tune
+from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.host import global_rank
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
-from fastload.pipeline import DataPath, build_backend, build_data, build_plan, prepare_data
+from fastload.pipeline import (
+    DataPath,
+    build_backend,
+    build_data,
+    build_loader,
+    build_plan,
+    prepare_data,
+)
 from fastload.preflight import preflight
 from fastload.telemetry.report import ProgressBar, format_summary_table
 from fastload.telemetry.sampler import ResourceSampler
@@ -651,6 +660,36 @@ class Epochs:
         )
 
 
+def evaluate_weights(cfg, ctx, path: Path, payload: dict, state: TrainState, step, val_loader,
+                     run_dir: Path) -> dict:  # fmt: skip
+    """evaluate=<file>: that file's weights (best.pt, best_ema.pt, or a checkpoint's model and
+    EMA) on the validation split, no training (the torchvision references' --test-only): the
+    val_* entries printed and written to evaluation.json in the run directory."""
+    ema = None
+    try:
+        state.model.load_state_dict(payload["model"])
+        if payload.get("ema") is not None:  # a checkpoint of a run with trainer.ema
+            ema = ModelEma(state.model, decay=0.0)
+            ema.load_state_dict(payload["ema"])
+    except (RuntimeError, KeyError) as exc:
+        raise CheckpointError(f"{path} does not fit this run's model: {exc}") from None
+    t0 = time.perf_counter()
+    val, skipped, seen, files = evaluate(step, val_loader, ctx, ema)
+    epoch_of = payload.get("epoch")
+    SkipBudget(cfg.dataset.max_skipped_share, seen).check(epoch_of or 0, "validation", skipped,
+                                                         seen, files)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    row = {"weights": str(path), "of": payload.get("of", "model"), "epoch": epoch_of, **val,
+           "val_images": seen, "val_skipped_corrupt": skipped, "eval_time_s": seconds,
+           "images_per_s": seen / seconds if seconds > 0 else 0.0}  # fmt: skip
+    if ctx.is_main:
+        (run_dir / "evaluation.json").write_text(json.dumps(row, indent=2) + "\n")
+        width = max(map(len, row))
+        print("\n".join(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}"
+                        for k, v in row.items()), flush=True)  # fmt: skip
+    return row
+
+
 def finished_already(path: Path, run_dir: Path, cfg, ctx) -> dict:
     """resume= names a run that trained all its epochs: say so and keep no new folder."""
     if ctx.is_main:
@@ -675,6 +714,8 @@ def fit(cfg: DictConfig) -> dict:
     if ctx.is_main:
         check_writable(run_dir)
         ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
+    if cfg.get("evaluate"):
+        return evaluate_only(cfg, ctx, run_dir)
     found = find_resume(cfg)
     if nothing_left(found, cfg):
         return finished_already(found[0], run_dir, cfg, ctx)
@@ -686,9 +727,7 @@ def fit(cfg: DictConfig) -> dict:
     plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
     model = plan.task.build_model(cfg)  # so is a model made for another task
     prepare_data(cfg, ctx, plan.storage)  # once per node: generate, stage, pack
-    channels_last = cfg.trainer.channels_last
-    channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
-    amp = amp_dtype(cfg.trainer.precision, ctx.device)
+    channels_last, amp = device_options(cfg, ctx)
     # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
     plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp)
     data = build_data(plan, ctx, channels_last=channels_last)
@@ -706,10 +745,7 @@ def fit(cfg: DictConfig) -> dict:
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket
-        died = dead_worker_error(exc) or dist.lost_rank_error(exc, ctx)
-        if died is None:
-            raise
-        raise died from None
+        raise plain_death(exc, ctx) from None
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
@@ -717,3 +753,60 @@ def fit(cfg: DictConfig) -> dict:
     summary = record.finish(state)
     dist.barrier(ctx)
     return summary
+
+
+def device_options(cfg, ctx) -> tuple[bool, torch.dtype | None]:
+    """(channels_last, the autocast dtype or None) of trainer.channels_last / precision."""
+    channels_last = cfg.trainer.channels_last
+    channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
+    return channels_last, amp_dtype(cfg.trainer.precision, ctx.device)
+
+
+def plain_death(exc: RuntimeError, ctx) -> Exception:
+    """torch's words for a dead worker or rank name a pid or a socket: ours name the cause
+    and the fix. Anything else is re-raised as it is."""
+    died = dead_worker_error(exc) or dist.lost_rank_error(exc, ctx)
+    if died is None:
+        raise exc
+    return died
+
+
+def evaluate_only(cfg, ctx, run_dir: Path) -> dict:
+    """evaluate=<file>: the validation split alone is prepared (staged, packed) and loaded;
+    no training split, no loader=auto probe (its loader options as the yaml sets them)."""
+    if cfg.resume not in (None, "", "null"):
+        raise ConfigError(
+            f"evaluate={cfg.evaluate} and resume={cfg.resume}: evaluate= evaluates weights "
+            f"without training, resume= continues training; set one of them."
+        )
+    path = Path(cfg.evaluate)
+    payload = ckpt.load(path, option="evaluate")  # before any data work
+    have = payload.get("model_config")
+    if have is not None and have != model_config(cfg):
+        raise CheckpointError(
+            f"{path} holds weights of model {have}, but this run builds {model_config(cfg)}: "
+            f"pass the model= and dataset= of the run that wrote it."
+        )
+    torch.manual_seed(cfg.seed)
+    backend = build_backend(cfg)
+    preflight(cfg, ctx)
+    plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
+    model = plan.task.build_model(cfg)
+    prepare_data(cfg, ctx, plan.storage, splits=("val",))
+    channels_last, amp = device_options(cfg, ctx)
+    val = build_loader(plan, "val", device=ctx.device, channels_last=channels_last,
+                       rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
+    plan.task.check(val.dataset.reader, val.dataset.reader)  # dataset.num_classes, at least
+    state = TrainState.create(cfg, ctx.device, ctx.world_size, 1, amp=amp,
+                              channels_last=channels_last, model=model)  # fmt: skip
+    try:
+        step = plan.task.step(state, cfg, ctx, amp)
+        row = evaluate_weights(cfg, ctx, path, payload, state, step, val, run_dir)
+    except RuntimeError as exc:
+        raise plain_death(exc, ctx) from None
+    finally:
+        val.close()
+        if ctx.is_local_main:
+            plan.storage.finish(plan.layout, [plan.splits["val"]])
+    dist.barrier(ctx)
+    return row

@@ -4,9 +4,11 @@ folder, and refused as a state to resume."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import compose_config, tiny_overrides
+from conftest import compose_config, run_train, tiny_overrides
 from omegaconf import open_dict
 
 from fastload import checkpoint as ckpt
@@ -14,6 +16,10 @@ from fastload.dist import DistContext
 from fastload.engine import RunRecord, find_resume
 from fastload.errors import CheckpointError
 from fastload.tasks.base import build_task
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def weights_file(path, epoch: int, value: float, of: str = "model", metric: str = "val_acc1"):
@@ -31,6 +37,8 @@ def test_a_best_weights_file_is_refused_as_a_state_to_resume(tmp_path):
     message = err.value.user_message
     assert str(best) in message and f"resume={best.with_name(ckpt.LAST)}" in message
     assert "torch.load(path, weights_only=True)['model']" in message
+    with pytest.raises(CheckpointError, match="check the evaluate= path"):
+        ckpt.load(tmp_path / "missing.pt", option="evaluate")
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -55,3 +63,38 @@ def test_a_resumed_run_carries_the_best_weights_its_history_holds(tmp_path, kept
         payload = ckpt.load(carried)  # intact: the checksum holds
         assert (payload["epoch"], payload["value"]) == (0, 50.0)
         assert torch.equal(payload["model"]["weight"], model.weight.detach())
+
+
+def test_evaluate_gives_the_numbers_the_run_had_for_those_weights(tiny_folder, tmp_path):
+    run_dir = tmp_path / "out" / "t" / "r"
+    trained = run_train(tiny_overrides(tiny_folder, run_dir, "name=t", "trainer.ema.decay=0.5"))
+    assert trained.returncode == 0, trained.stderr
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    folder = run_dir / "checkpoints"
+
+    def evaluated(weights, *extra):
+        out_dir = tmp_path / "out" / "e" / weights.name
+        out = run_train(tiny_overrides(tiny_folder, out_dir, "name=e", f"evaluate={weights}",
+                                       *extra))  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "val_acc1" in out.stdout
+        return json.loads((out_dir / "evaluation.json").read_text())
+
+    # a checkpoint: its model and its EMA, as the last epoch evaluated them
+    last = evaluated(folder / ckpt.LAST)
+    assert last["epoch"] == 2 and last["val_images"] == 9  # 3 classes x 3
+    for key in ("val_acc1", "val_loss", "ema_val_acc1", "ema_val_loss"):
+        assert last[key] == rows[-1][key], key
+    # the EMA's best weights: the EMA's numbers at that epoch, as the model's here
+    best_ema = evaluated(folder / ckpt.BEST_EMA)
+    at = rows[best_ema["epoch"]]
+    assert best_ema["of"] == "ema" and "ema_val_acc1" not in best_ema
+    assert (best_ema["val_acc1"], best_ema["val_loss"]) == (at["ema_val_acc1"], at["ema_val_loss"])
+
+    other = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "x" / "r", "model=resnet50",
+                                     f"evaluate={folder / ckpt.BEST}"))  # fmt: skip
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    assert str(folder / ckpt.BEST) in other.stderr and "resnet18" in other.stderr
+    both = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "y" / "r", "resume=auto",
+                                    f"evaluate={folder / ckpt.BEST}"))  # fmt: skip
+    assert both.returncode == 2 and "set one of them" in both.stderr
