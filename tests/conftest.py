@@ -250,6 +250,26 @@ class TrainForks:
 TRAIN_FORKS = TrainForks()
 
 
+def run_gloo_ranks(target, tmp_path: Path, world: int = 2, messages: int = 1) -> list:
+    """`target(rank, world, init, tmp_path, out)` in `world` spawned processes that join one
+    gloo group at `init` and put `messages` results each on `out`: the results, in the order
+    they came, once every process exited cleanly."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=target, args=(r, world, init, tmp_path, out))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in range(messages * world)]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return results
+
+
 def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300, env=None,
                  launcher: tuple[str, ...] = ()):  # fmt: skip
     """`torchrun --standalone --nproc_per_node=N [launcher args] train.py` on tiny data (gloo

@@ -13,8 +13,8 @@ from omegaconf import open_dict
 
 from fastload import checkpoint as ckpt
 from fastload.dist import DistContext
-from fastload.engine import RunRecord, find_resume
-from fastload.errors import CheckpointError
+from fastload.engine import RunRecord, evaluate_only, find_resume
+from fastload.errors import CheckpointError, FastloadError
 from fastload.tasks.base import build_task
 
 
@@ -91,10 +91,12 @@ def test_evaluate_gives_the_numbers_the_run_had_for_those_weights(tiny_folder, t
     assert best_ema["of"] == "ema" and "ema_val_acc1" not in best_ema
     assert (best_ema["val_acc1"], best_ema["val_loss"]) == (at["ema_val_acc1"], at["ema_val_loss"])
 
-    other = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "x" / "r", "model=resnet50",
-                                     f"evaluate={folder / ckpt.BEST}"))  # fmt: skip
-    assert other.returncode == 2 and "Traceback" not in other.stderr
-    assert str(folder / ckpt.BEST) in other.stderr and "resnet18" in other.stderr
-    both = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "y" / "r", "resume=auto",
-                                    f"evaluate={folder / ckpt.BEST}"))  # fmt: skip
-    assert both.returncode == 2 and "set one of them" in both.stderr
+    # refused before any data work: weights of another model; evaluate= with resume=
+    refused = tmp_path / "out" / "x" / "r"
+    for extra, needles in ((["model=resnet50"], [str(folder / ckpt.BEST), "resnet18"]),
+                           (["resume=auto"], ["set one of them"])):  # fmt: skip
+        cfg = compose_config(tiny_overrides(tiny_folder, refused, f"evaluate={folder / ckpt.BEST}",
+                                            *extra))  # fmt: skip
+        with pytest.raises(FastloadError) as err:
+            evaluate_only(cfg, DistContext(), refused)
+        assert all(n in err.value.user_message for n in needles), err.value.user_message

@@ -9,8 +9,7 @@ import datetime
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
-from conftest import compose_config, tiny_overrides
+from conftest import compose_config, run_gloo_ranks, tiny_overrides
 from test_grad_accum import batches, train
 
 from fastload import checkpoint as ckpt
@@ -181,18 +180,7 @@ def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
 
 
 def test_under_ddp_every_rank_evaluates_rank_0s_ema(tmp_path):
-    world = 2
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_ddp_rank, args=(r, world, init, tmp_path, out))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    results = {rank: (before, after) for rank, before, after in (out.get() for _ in range(world))}
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = {rank: (before, after) for rank, before, after in run_gloo_ranks(_ddp_rank, tmp_path)}
     (before0, after0), (before1, after1) = results[0], results[1]
     stats = "1.running_mean"  # BatchNorm's statistics: each rank's own batches
     assert before0[stats] != before1[stats]

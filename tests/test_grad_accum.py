@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as torch_dist
-import torch.multiprocessing as mp
-from conftest import compose_config, make_image_folder, run_torchrun, run_train, tiny_overrides
+from conftest import (
+    compose_config,
+    make_image_folder,
+    run_gloo_ranks,
+    run_torchrun,
+    run_train,
+    tiny_overrides,
+)
 
 from fastload.dist import DistContext
 from fastload.tasks.classification import ClassificationStep
@@ -174,17 +180,7 @@ def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
 
 def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
     world = 2
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_ddp_rank, args=(r, world, init, tmp_path, out))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    results = [out.get() for _ in range(3 * world)]
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    results = run_gloo_ranks(_ddp_rank, tmp_path, world, messages=3)
     by = {(rank, accum): (calls, torch.tensor(flat)) for rank, accum, calls, flat in results}
     # 4 batches: 4 all-reduce rounds without accumulation, 2 with groups of 2 (no_sync)
     assert by[0, 1][0] == by[1, 1][0] == 2 * by[0, 2][0] == 2 * by[1, 2][0]
