@@ -156,6 +156,22 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
         for k, v in ref_best["model"].items():
             assert torch.equal(got["model"][k], v), (name, k)
 
+    # evaluate=: the files give the numbers the run had for them, with no training
+    def evaluated(weights):
+        out_dir = tmp_path / "out" / "e" / weights.name
+        out = run_train(tiny_overrides(tiny_folder, out_dir, "name=e", f"evaluate={weights}"))
+        assert out.returncode == 0 and "val_acc1" in out.stdout, out.stderr[-3000:]
+        return json.loads((out_dir / "evaluation.json").read_text())
+
+    last = evaluated(resumed_dir / "checkpoints" / "last.pt")  # its model and its EMA
+    assert last["epoch"] == 3 and last["val_images"] == 9  # 3 classes x 3
+    for key in ("val_acc1", "val_loss", "ema_val_acc1", "ema_val_loss"):
+        assert last[key] == rows[-1][key], key
+    best_ema = evaluated(resumed_dir / "checkpoints" / "best_ema.pt")  # the EMA's, as a model
+    at = rows[best_ema["epoch"]]
+    assert best_ema["of"] == "ema" and "ema_val_acc1" not in best_ema
+    assert (best_ema["val_acc1"], best_ema["val_loss"]) == (at["ema_val_acc1"], at["ema_val_loss"])
+
 
 @pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py
 def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
