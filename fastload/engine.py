@@ -675,11 +675,16 @@ def evaluate_weights(cfg, ctx, path: Path, payload: dict, state: TrainState, ste
         raise CheckpointError(f"{path} does not fit this run's model: {exc}") from None
     t0 = time.perf_counter()
     val, skipped, seen, files = evaluate(step, val_loader, ctx, ema)
-    epoch_of = payload.get("epoch")
-    SkipBudget(cfg.dataset.max_skipped_share, seen).check(epoch_of or 0, "validation", skipped,
-                                                         seen, files)  # fmt: skip
+    # the epoch of metrics.jsonl's row the weights are of (a checkpoint names the one to run
+    # next; one written inside an epoch, the steps of it they trained too)
+    epoch_of, inside = payload.get("epoch"), payload.get("step_in_epoch") or 0
+    if payload.get("kind") != ckpt.WEIGHTS and epoch_of is not None and not inside:
+        epoch_of -= 1
+    SkipBudget(cfg.dataset.max_skipped_share, seen).check(max(epoch_of or 0, 0), "validation",
+                                                         skipped, seen, files)  # fmt: skip
     seconds = time.perf_counter() - t0
-    row = {"weights": str(path), "of": payload.get("of", "model"), "epoch": epoch_of, **val,
+    row = {"weights": str(path), "of": payload.get("of", "model"), "epoch": epoch_of,
+           **({"step_in_epoch": inside} if inside else {}), **val,
            "val_images": seen, "val_skipped_corrupt": skipped, "eval_time_s": seconds,
            "images_per_s": seen / seconds if seconds > 0 else 0.0}  # fmt: skip
     if ctx.is_main:
