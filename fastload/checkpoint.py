@@ -217,7 +217,8 @@ def set_rng_state(state: dict) -> None:
 # What to pass instead of an unusable file, by the option that named it.
 INSTEAD = {
     "resume": "a checkpoints/last.pt written by train.py, or resume=null to start fresh",
-    "evaluate": "a checkpoints/best.pt, best_ema.pt or last.pt written by train.py",
+    "evaluate": "a checkpoints/best.pt, best_ema.pt or last.pt written by train.py, or a "
+    "state dict saved with torch.save(model.state_dict(), path)",
 }
 
 
@@ -225,15 +226,43 @@ def load(path: str | os.PathLike, option: str = "resume") -> dict:
     """A checkpoint (or best-weights file), verified; CheckpointError naming the file when it
     is missing, not a fastload checkpoint, or damaged. `option`: the option that named it."""
     path = Path(path)
+    return verified(read(path, option), path, option)
+
+
+def read(path: Path, option: str):
+    """The file's contents, read without pickle (weights_only)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the {option}= path.")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's own advice (weights_only=False, file an issue) misleads
         raise CheckpointError(
             f"{path} is not a fastload checkpoint, or it is damaged (torch cannot read it: "
             f"{type(exc).__name__}). Pass {INSTEAD[option]}."
         ) from None
+
+
+def load_weights(path: str | os.PathLike) -> dict:
+    """evaluate=: a fastload file (verified as `load` does), or weights published or saved
+    elsewhere: a state dict (torchvision's and timm's .pth files), or one under "state_dict"
+    or "model" ("module." prefixes of DDP-saved ones dropped) -> {"model": state dict, ...}."""
+    path = Path(path)
+    state = read(path, "evaluate")
+    if isinstance(state, dict) and "format" not in state:
+        for candidate in (state, state.get("state_dict"), state.get("model")):
+            if is_state_dict(candidate):
+                return {"kind": "state_dict", "of": "model", "model": {
+                    k.removeprefix("module."): v for k, v in candidate.items()}}  # fmt: skip
+    return verified(state, path, "evaluate")
+
+
+def is_state_dict(value) -> bool:
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(k, str) and torch.is_tensor(v) for k, v in value.items()))  # fmt: skip
+
+
+def verified(state, path: Path, option: str) -> dict:
+    """A fastload file's contents, its format and checksum checked."""
     if not isinstance(state, dict) or state.get("format") not in READABLE:
         raise CheckpointError(
             f"{path} is not a fastload checkpoint (no format {FORMAT} record); pass "

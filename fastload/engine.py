@@ -785,7 +785,7 @@ def evaluate_only(cfg, ctx, run_dir: Path) -> dict:
             f"without training, resume= continues training; set one of them."
         )
     path = Path(cfg.evaluate)
-    payload = ckpt.load(path, option="evaluate")  # before any data work
+    payload = ckpt.load_weights(path)  # before any data work
     have = payload.get("model_config")
     if have is not None and have != model_config(cfg):
         raise CheckpointError(

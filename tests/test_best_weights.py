@@ -35,6 +35,20 @@ def test_a_best_weights_file_is_refused_as_a_state_to_resume(tmp_path):
         ckpt.load(tmp_path / "missing.pt", option="evaluate")
 
 
+def test_evaluate_takes_state_dicts_saved_elsewhere_and_names_what_it_cannot_use(tmp_path):
+    weights = {"fc.weight": torch.ones(3, 2), "fc.bias": torch.zeros(3)}
+    for name, saved in (("plain.pth", weights), ("timm.pth", {"state_dict": weights}),
+                        ("ddp.pth", {"model": {f"module.{k}": v for k, v in weights.items()}})):  # fmt: skip
+        torch.save(saved, tmp_path / name)
+        got = ckpt.load_weights(tmp_path / name)["model"]
+        assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got)
+    torch.save({"epoch": 3, "notes": "no tensors"}, tmp_path / "junk.pth")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_weights(tmp_path / "junk.pth")
+    assert str(tmp_path / "junk.pth") in err.value.user_message
+    assert "torch.save(model.state_dict(), path)" in err.value.user_message
+
+
 @pytest.mark.parametrize("kept", [True, False])
 def test_a_resumed_run_carries_the_best_weights_its_history_holds(tmp_path, kept):
     old = tmp_path / "out" / "exp" / "r1" / "checkpoints"
