@@ -257,8 +257,9 @@ def load_weights(path: str | os.PathLike) -> dict:
 
 
 def is_state_dict(value) -> bool:
-    return (isinstance(value, dict) and bool(value)
-            and all(isinstance(k, str) and torch.is_tensor(v) for k, v in value.items()))  # fmt: skip
+    if not isinstance(value, dict) or not value:
+        return False
+    return all(isinstance(k, str) and torch.is_tensor(v) for k, v in value.items())
 
 
 def verified(state, path: Path, option: str) -> dict:

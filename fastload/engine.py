@@ -669,7 +669,7 @@ def evaluate_weights(cfg, ctx, path: Path, payload: dict, state: TrainState, ste
     try:
         state.model.load_state_dict(payload["model"])
         if payload.get("ema") is not None:  # a checkpoint of a run with trainer.ema
-            ema = ModelEma(state.model, decay=0.0)
+            ema = ModelEma(state.model, decay=0.0)  # evaluated only, never updated
             ema.load_state_dict(payload["ema"])
     except (RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path} does not fit this run's model: {exc}") from None

@@ -37,8 +37,9 @@ def test_a_best_weights_file_is_refused_as_a_state_to_resume(tmp_path):
 
 def test_evaluate_takes_state_dicts_saved_elsewhere_and_names_what_it_cannot_use(tmp_path):
     weights = {"fc.weight": torch.ones(3, 2), "fc.bias": torch.zeros(3)}
+    ddp = {f"module.{k}": v for k, v in weights.items()}
     for name, saved in (("plain.pth", weights), ("timm.pth", {"state_dict": weights}),
-                        ("ddp.pth", {"model": {f"module.{k}": v for k, v in weights.items()}})):  # fmt: skip
+                        ("ddp.pth", {"model": ddp})):  # fmt: skip
         torch.save(saved, tmp_path / name)
         got = ckpt.load_weights(tmp_path / name)["model"]
         assert got.keys() == weights.keys() and all(torch.equal(got[k], weights[k]) for k in got)

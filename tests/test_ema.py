@@ -92,8 +92,8 @@ def test_the_warmup_follows_the_model_first_and_reaches_decay_later():
 
 def test_the_step_updates_the_ema_once_per_optimizer_update(tmp_path):
     # 7 batches, grad_accum_steps=3: updates after 3, 6 and 7 -> three EMA updates
-    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.grad_accum_steps=3",
-                                        "trainer.ema.decay=0.5", "trainer.ema.warmup=false"))  # fmt: skip
+    overrides = ["trainer.grad_accum_steps=3", "trainer.ema.decay=0.5", "trainer.ema.warmup=false"]
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", *overrides))
     state = TrainState.create(cfg, torch.device("cpu"), 1, 7, amp=None, channels_last=False,
                               model=bn_net())  # fmt: skip
     start = snapshot(state.ema.model)

@@ -179,7 +179,8 @@ class TrainStep(abc.ABC):
     """The part of a Step every task shares: the model under DDP / torch.compile as set, the
     backward under autocast with the loss scaler, and one optimizer update (and LR step, and
     EMA update with trainer.ema) per trainer.grad_accum_steps batches (the gradients' norm
-    clipped to optim.clip_grad_norm first, when set). A task's step implements `forward_loss(batch) -> (loss, sums)`.
+    clipped to optim.clip_grad_norm first, when set). A task's step implements
+    `forward_loss(batch) -> (loss, sums)`.
 
     Gradient accumulation as timm's --grad-accum-steps: each batch's loss is divided by its
     group's size, so a group of A batches of B makes the update one batch of A x B would (up
