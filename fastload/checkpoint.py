@@ -249,17 +249,24 @@ def load_weights(path: str | os.PathLike) -> dict:
     path = Path(path)
     state = read(path, "evaluate")
     if isinstance(state, dict) and "format" not in state:
-        for candidate in (state, state.get("state_dict"), state.get("model")):
-            if is_state_dict(candidate):
-                return {"kind": "state_dict", "of": "model", "model": {
-                    k.removeprefix("module."): v for k, v in candidate.items()}}  # fmt: skip
+        weights = state_dict_in(state)
+        if weights is not None:
+            return {"kind": "state_dict", "of": "model", "model": weights}
     return verified(state, path, "evaluate")
 
 
-def is_state_dict(value) -> bool:
-    if not isinstance(value, dict) or not value:
-        return False
-    return all(isinstance(k, str) and torch.is_tensor(v) for k, v in value.items())
+def state_dict_in(saved) -> dict | None:
+    """The state dict of what torch.load read: tensors by name, alone or under "state_dict"
+    (timm) or "model" (torchvision's references, train.py), "module." prefixes of a
+    DDP-wrapped model dropped; None when there is none."""
+    if not isinstance(saved, dict):
+        return None
+    for candidate in (saved, saved.get("state_dict"), saved.get("model")):
+        if not isinstance(candidate, dict) or not candidate:
+            continue
+        if all(isinstance(k, str) and torch.is_tensor(v) for k, v in candidate.items()):
+            return {k.removeprefix("module."): v for k, v in candidate.items()}
+    return None
 
 
 def verified(state, path: Path, option: str) -> dict:

@@ -27,16 +27,19 @@ with its downloaded backbone weights.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torchvision
+from fastload.models.weights import load_weights
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops.misc import FrozenBatchNorm2d
 
 from fastload.errors import ConfigError
 
 RESNET_LAYERS = ("layer4", "layer3", "layer2", "layer1", "conv1")
+WHOLE_MODEL_FITS = (
+    "Its classes must match dataset.num_classes + 1 (background), and the arch must be the one "
+    "it was saved from; for an ImageNet trunk use model.weights_backbone."
+)
 
 
 class PadNormalize(GeneralizedRCNNTransform):
@@ -98,37 +101,8 @@ def build_detector(
     if weights_backbone:
         load_backbone(model, weights_backbone, trainable_backbone_layers)
     if weights:
-        load_weights(model, weights, "model.weights")
+        load_weights(model, weights, "model.weights", fits=WHOLE_MODEL_FITS)
     return model
-
-
-def _read(path: str, option: str) -> dict:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"{option}={path}: no such file. Pass a local .pth state dict "
-                          f"(nothing is downloaded here), or {option}=null.")  # fmt: skip
-    try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle / zip errors differ by torch version
-        raise ConfigError(f"{option}={path} is not a torch state dict ({exc}).") from None
-    if isinstance(state, dict) and isinstance(state.get("model"), dict):
-        state = state["model"]  # a fastload (or torchvision reference) checkpoint
-    if not isinstance(state, dict):
-        raise ConfigError(f"{option}={path} holds a {type(state).__name__}, not a state dict.")
-    return state
-
-
-def load_weights(module: torch.nn.Module, path: str, option: str, ignore=()) -> None:
-    state = {k: v for k, v in _read(path, option).items() if not k.startswith(ignore)}
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).splitlines()[1:3]
-        raise ConfigError(
-            f"{option}={path} does not fit this model ({'; '.join(s.strip() for s in first)}). "
-            f"Its classes must match dataset.num_classes + 1 (background), and the arch must be "
-            f"the one it was saved from; for an ImageNet trunk use model.weights_backbone."
-        ) from None
 
 
 def load_backbone(model, path: str, trainable_layers: int | None) -> None:

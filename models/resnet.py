@@ -1,12 +1,21 @@
-"""torchvision ResNets, built from scratch (no weight downloads)."""
+"""torchvision ResNets, built from scratch (no weight downloads), or from a local weights
+file (`weights`, e.g. torchvision's resnet50-0676ba61.pth saved elsewhere): loaded strictly,
+except that a classifier (`fc`) of another class count starts fresh, as timm's and the
+torchvision references' fine-tuning does."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torchvision
+from fastload.models.weights import load_weights, read_state_dict
+
+log = logging.getLogger("fastload")
 
 
-def build_resnet(arch: str = "resnet50", num_classes: int = 1000, zero_init_residual: bool = True):
+def build_resnet(arch: str = "resnet50", num_classes: int = 1000, zero_init_residual: bool = True,
+                 weights: str | None = None):  # fmt: skip
     """zero_init_residual starts each residual branch as identity (Goyal et al.), which
     helps large-batch and short schedules."""
     if arch not in torchvision.models.list_models(module=torchvision.models):
@@ -14,4 +23,14 @@ def build_resnet(arch: str = "resnet50", num_classes: int = 1000, zero_init_resi
     model: torch.nn.Module = torchvision.models.get_model(
         arch, weights=None, num_classes=num_classes, zero_init_residual=zero_init_residual
     )
+    if weights:
+        state = read_state_dict(weights, "model.weights")
+        saved, fc = state.get("fc.weight"), getattr(model, "fc", None)
+        fresh = fc is not None and saved is not None and saved.shape != fc.weight.shape
+        if fresh:
+            log.info("model.weights=%s has a classifier of %d classes; this run predicts %d "
+                     "(dataset.num_classes): fc starts fresh", weights, saved.shape[0],
+                     num_classes)  # fmt: skip
+        load_weights(model, weights, "model.weights", state=state, keep=("fc.",) if fresh else (),
+                     fits=f"It must be a state dict of a torchvision {arch}.")  # fmt: skip
     return model
