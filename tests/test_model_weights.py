@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastload.models.resnet import build_resnet
 
 from fastload.errors import ConfigError
-from fastload.models.resnet import build_resnet
 
 
 def test_resnet_weights_load_whole_or_start_a_fresh_classifier(tmp_path, caplog):
