@@ -724,15 +724,7 @@ def fit(cfg: DictConfig) -> dict:
     found = find_resume(cfg)
     if nothing_left(found, cfg):
         return finished_already(found[0], run_dir, cfg, ctx)
-    torch.manual_seed(cfg.seed)
-    backend = build_backend(cfg)  # a missing decoder is refused before any data work
-    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
-    # The data path resolved once (storage, layout, backend, task, normalisation, loader
-    # options); everything below takes the plan, not the config.
-    plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
-    model = plan.task.build_model(cfg)  # so is a model made for another task
-    prepare_data(cfg, ctx, plan.storage)  # once per node: generate, stage, pack
-    channels_last, amp = device_options(cfg, ctx)
+    plan, model, channels_last, amp = set_up(cfg, ctx, splits=("train", "val"))
     # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
     plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp)
     data = build_data(plan, ctx, channels_last=channels_last)
@@ -760,11 +752,21 @@ def fit(cfg: DictConfig) -> dict:
     return summary
 
 
-def device_options(cfg, ctx) -> tuple[bool, torch.dtype | None]:
-    """(channels_last, the autocast dtype or None) of trainer.channels_last / precision."""
+def set_up(cfg, ctx, splits: tuple[str, ...]):
+    """What training and evaluate= start alike: the seed, the checks that stop a run before
+    any data work, the plan, the model, the `splits` prepared; -> (plan, model, channels_last,
+    the autocast dtype or None)."""
+    torch.manual_seed(cfg.seed)
+    backend = build_backend(cfg)  # a missing decoder is refused before any data work
+    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
+    # The data path resolved once (storage, layout, backend, task, normalisation, loader
+    # options); everything below takes the plan, not the config.
+    plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
+    model = plan.task.build_model(cfg)  # so is a model made for another task
+    prepare_data(cfg, ctx, plan.storage, splits=splits)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
-    return channels_last, amp_dtype(cfg.trainer.precision, ctx.device)
+    return plan, model, channels_last, amp_dtype(cfg.trainer.precision, ctx.device)
 
 
 def plain_death(exc: RuntimeError, ctx) -> Exception:
@@ -792,13 +794,7 @@ def evaluate_only(cfg, ctx, run_dir: Path) -> dict:
             f"{path} holds weights of model {have}, but this run builds {model_config(cfg)}: "
             f"pass the model= and dataset= of the run that wrote it."
         )
-    torch.manual_seed(cfg.seed)
-    backend = build_backend(cfg)
-    preflight(cfg, ctx)
-    plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
-    model = plan.task.build_model(cfg)
-    prepare_data(cfg, ctx, plan.storage, splits=("val",))
-    channels_last, amp = device_options(cfg, ctx)
+    plan, model, channels_last, amp = set_up(cfg, ctx, splits=("val",))
     val = build_loader(plan, "val", device=ctx.device, channels_last=channels_last,
                        rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
     plan.task.check(val.dataset.reader, val.dataset.reader)  # dataset.num_classes, at least
