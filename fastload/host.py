@@ -152,20 +152,27 @@ def spawn_pool(workers: int):
     every process of the terminal's group; the parent handles it (one line, exit 130) and
     stops the pool. An initializer that ignores SIGINT comes too late: a child still
     importing the main module dies of it with a traceback, which a 16-core box showed when
-    train.py imported torch at its top. An ignored signal stays ignored across exec, and
-    Python leaves an inherited SIG_IGN alone, so the parent ignores it while the pool starts.
-    Every child imports the main module and the task's module: keep both free of torch at
-    their top (train.py, fastload.pack, fastload.storage.*, fastload.data.synthetic*), or
-    each child pays seconds and some hundred MiB before its first task."""
+    train.py imported torch at its top. So the parent blocks SIGINT while the pool starts:
+    a signal mask survives fork and exec and Python leaves it alone, so the children (and the
+    pool's threads) never take SIGINT, while the parent's own Ctrl-C stays pending and is
+    raised the moment the mask is restored. (Ignoring it instead, SIG_IGN, did the same for
+    the children but threw away a Ctrl-C that came during those milliseconds: the parent
+    went on generating.) The resource tracker is started first because starting it
+    unblocks SIGINT. Every child imports the main module and the task's module: keep both
+    free of torch at their top (train.py, fastload.pack, fastload.storage.*,
+    fastload.data.synthetic*), or each child pays seconds and some hundred MiB before its
+    first task."""
     import multiprocessing
     import signal
     import threading
+    from multiprocessing import resource_tracker
 
     ctx = multiprocessing.get_context("spawn")
     if threading.current_thread() is not threading.main_thread():
-        return ctx.Pool(workers)  # signal.signal works in the main thread only
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return ctx.Pool(workers)  # a Ctrl-C is the main thread's to take
+    resource_tracker.ensure_running()  # it unblocks SIGINT when it starts
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        return ctx.Pool(workers)  # its processes start here, inheriting SIG_IGN
+        return ctx.Pool(workers)  # its processes and threads start here, SIGINT blocked
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a pending Ctrl-C lands here

@@ -312,6 +312,49 @@ def test_ctrl_c_during_generation_is_one_line_and_exit_130(tmp_path, when):
     assert not list(cache.glob(".*tmp*"))  # the partial dataset is gone
 
 
+CTRL_C_WHILE_THE_POOL_STARTS = """
+import multiprocessing.context, os, signal
+from fastload.host import spawn_pool
+
+real = multiprocessing.context.SpawnContext.Pool
+def pool_hit_by_ctrl_c(self, *a, **k):
+    pool = real(self, *a, **k)
+    os.kill(os.getpid(), signal.SIGINT)  # lands inside spawn_pool's window
+    masks = pool.map(blocked_in_child, range(2))
+    print("children block SIGINT:", all(m & 2 for m in masks), flush=True)
+    return pool
+multiprocessing.context.SpawnContext.Pool = pool_hit_by_ctrl_c
+
+def blocked_in_child(_):
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(l.split()[1], 16) for l in f if l.startswith("SigBlk"))
+
+if __name__ == "__main__":
+    try:
+        spawn_pool(2)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    else:
+        print("Ctrl-C lost", flush=True)
+"""
+
+
+def test_ctrl_c_while_the_pool_starts_is_not_lost(tmp_path):
+    """The window the test above can only hit by chance: a Ctrl-C during the pool's start is
+    raised in the parent once it started (a lost one let a run generate on), and the children
+    never take it."""
+    script = tmp_path / "pool_window.py"
+    script.write_text(CTRL_C_WHILE_THE_POOL_STARTS)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert out.stdout.split("\n")[:2] == ["children block SIGINT: True", "interrupted"], (
+        out.stdout + out.stderr
+    )
+    assert "Traceback" not in out.stderr, out.stderr
+
+
 # 13, 14. Tracebacks where a message belongs --------------------------------------------------
 
 
