@@ -19,6 +19,7 @@ device-normalising loader with normalize_on=cpu.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,8 @@ from fastload.errors import ConfigError
 from fastload.loaders.device_prep import DTYPES, DevicePrep
 from fastload.loaders.workers import resolve_num_workers
 from fastload.tasks.base import build_task
+
+log = logging.getLogger(__name__)
 
 SPLIT_KEYS = {"train": "train_split", "val": "val_split"}
 NORMALIZE_ON = ("device", "cpu")
@@ -119,6 +122,14 @@ def normalize_on(cfg: DictConfig, backend=None) -> str:
             f"backend={backend.name} decodes in device prep, after the workers: it needs "
             f"loader.normalize_on=device (not cpu)."
         )
+    if backend is not None and backend.device_decoder is not None:
+        if not get_class(cfg.loader._target_).normalizes_on_device:
+            log.info(
+                "backend=%s decodes on the training thread's CUDA stream with this loader, "
+                "between steps; loader=prefetch (or prefetch+bg) decodes the next batch on a "
+                "side stream while the current step runs",
+                backend.name,
+            )
     return where
 
 

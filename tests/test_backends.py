@@ -384,44 +384,124 @@ def test_nvjpeg_path_through_loader_and_device_prep(kinds, monkeypatch):
         build_test_loader("loader.normalize_on=cpu", **common)
 
 
+def gpu_batch(backend, datas: dict, t, device: str):
+    """Every file of `datas` through backend.load (seed = its position) and collate, then the
+    device decoder: {name: HWC uint8 numpy} in the batch's order."""
+    samples = [backend.load(d, t, sample_rng(0, 0, i)) for i, d in enumerate(datas.values())]
+    items = [torch.from_numpy(s).permute(2, 0, 1) if isinstance(s, np.ndarray) else s
+             for s in samples]  # fmt: skip
+    batch = collate([(s, 0) for s in items])
+    images = (
+        batch["image"]
+        if "encoded" not in batch
+        else backend.device_decoder(batch["image"], batch["encoded"], torch.device(device))
+    )
+    return {k: images[i].permute(1, 2, 0).cpu().numpy() for i, k in enumerate(datas)}
+
+
 @pytest.mark.cuda
-def test_nvjpeg_on_gpu_matches_pil(kinds):
+@pytest.mark.parametrize("hw_load", [0.9, 0.0])  # the hardware decoder's share; 0: CUDA only
+def test_nvjpeg_on_gpu_crops_the_cpu_paths_boxes(kinds, hw_load):
+    """A batch of every kind through the GPU decoder: the same boxes as backend=pil (one RNG
+    draw each), pixels within 30 dB of PIL's (nvJPEG's IDCT and chroma upsampling differ from
+    libjpeg-turbo's, and the resize is a block mean + bilinear, not PIL's filter); progressive,
+    CMYK, EXIF-rotated and non-JPEG files take the worker's PIL path, counted."""
     from fastload.decode.nvjpeg import NvjpegBackend
 
-    backend = NvjpegBackend()
-    t = RandomResizedCropFlip(224)
-    for kind, data in kinds.items():
-        out = backend.load(data, t, sample_rng(0, 0, 1))
-        if isinstance(out, np.ndarray):
-            continue
-        batch = type(out).collate([out], [0])
-        img = backend.device_decoder(None, batch, torch.device("cuda"))[0]
-        got = img.permute(1, 2, 0).cpu().numpy()
-        want = PILBackend().load(data, t, sample_rng(0, 0, 1))
-        # nvJPEG's IDCT/upsampling differ from libjpeg-turbo's: a looser bound than the CPU one
-        assert psnr(got, want) >= 30.0, kind
+    backend, t = NvjpegBackend(hw_load=hw_load), RandomResizedCropFlip(224)
+    got = gpu_batch(backend, kinds, t, "cuda")
+    for i, (kind, data) in enumerate(kinds.items()):
+        want = PILBackend().load(data, t, sample_rng(0, 0, i))
+        assert psnr(got[kind], want) >= 30.0, kind
+    counts = backend.pop_counts()
+    assert counts["decode_fallback_progressive"] == 1 and counts["decode_fallback_cmyk"] == 1
+    assert backend.device_decoder.refused == 0
 
 
 @pytest.mark.parametrize("size", [224, 64, 32])
-def test_batched_gpu_crop_matches_pil_resized_crop(photo, size):
-    """backend=nvjpeg's batched crop (grouped grid_sample, block-averaged below 2x), run on
-    the CPU: the same boxes and flips as PIL's resized_crop, pixels within the PSNR bound.
-    Measured here: min 43.7 / 40.9 / 36.1 dB at 224 / 64 / 32."""
-    from fastload.decode.nvjpeg import batched_resized_crop
+def test_batched_crop_matches_pil_resized_crop(photo, size):
+    """backend=nvjpeg's batched resize (block means below 2x, a clamped bilinear gather per
+    group of factors), run on the CPU over regions laid out as the decoder lays them out: the
+    same boxes and flips as PIL's resized_crop, pixels within the PSNR bound."""
+    from fastload.decode.batched_crop import plan, resize_regions
 
-    image = torch.from_numpy(np.array(photo)).permute(2, 0, 1).contiguous()
+    pixels = np.array(photo)
     t, rng = RandomResizedCropFlip(size), np.random.default_rng(size)
     draws = [t.sample(photo.width, photo.height, rng) for _ in range(24)]
-    out = batched_resized_crop([image] * 24, [b for b, _ in draws], [f for _, f in draws], size)
+    plans = [plan(box, size, photo.width, photo.height) for box, _ in draws]
+    assert size == 224 or len({factors for factors, _, _ in plans}) > 1  # several groups
+    canvas = torch.full((24, max(p[1][3] for p in plans), max(p[1][2] for p in plans), 3), 7,
+                        dtype=torch.uint8)  # fmt: skip
+    for k, (_, (x, y, w, h), _) in enumerate(plans):
+        canvas[k, :h, :w] = torch.from_numpy(pixels[y : y + h, x : x + w])
+    out = resize_regions(
+        canvas,
+        torch.tensor([p[1] for p in plans]),
+        torch.tensor([p[0] for p in plans]),
+        torch.tensor([p[2] for p in plans], dtype=torch.float64),
+        torch.tensor([f for _, f in draws]),
+        size,
+    )
     assert out.shape == (24, 3, size, size) and out.dtype == torch.uint8
-    assert len({(b[2] // size, b[3] // size) for b, _ in draws}) > 1  # several groups
     for k, (box, flip) in enumerate(draws):
         want = np.asarray(resized_crop(photo, box, size, flip))
         assert psnr(out[k].permute(1, 2, 0).numpy(), want) >= MIN_PSNR_DB, (box, flip)
 
 
+def test_nvjpeg_decoder_on_cpu_matches_pil_and_counts_progressive(kinds, monkeypatch):
+    """The device decoder's calls on nvImageCodec's CPU backend: one batch of every kind, the
+    regions decoded into the padded canvas, the same boxes as PIL; progressive files take the
+    worker's PIL path and are counted."""
+    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(96)
+    got = gpu_batch(backend, kinds, t, "cpu")
+    for i, (kind, data) in enumerate(kinds.items()):
+        want = PILBackend().load(data, t, sample_rng(0, 0, i))
+        assert psnr(got[kind], want) >= MIN_PSNR_DB, kind
+    counts = backend.pop_counts()
+    assert counts["decode_fallback_progressive"] == 1
+    assert counts["decode_fallback_not_jpeg"] == 3 and backend.device_decoder.refused == 0
+
+
+def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, caplog):
+    """An image nvImageCodec refuses in a batch (None in its results) is decoded by PIL into its
+    slot instead: the same pixels as when it is not refused, logged and counted."""
+    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(64)
+    datas = {k: kinds[k] for k in ("baseline", "grayscale")}
+    want = gpu_batch(backend, datas, t, "cpu")
+    dec = backend.device_decoder._decoder(torch.device("cpu"))
+    real = type(dec).decode
+
+    class RefusesTheFirst:
+        def decode(self, streams, **kwargs):
+            got = real(dec, streams, **kwargs)
+            return [None, *got[1:]]
+
+    backend.device_decoder._decoders["cpu"] = RefusesTheFirst()
+    got = gpu_batch(backend, datas, t, "cpu")
+    for kind in datas:
+        assert psnr(got[kind], want[kind]) >= 45.0, kind  # libjpeg-turbo either way
+    assert backend.device_decoder.refused == 1 and "refused 1 of 2 JPEGs" in caplog.text
+
+
+def test_canvas_chunks_bound_the_padded_canvas():
+    """A batch's canvas is n x tallest x widest: a few huge photos split the batch instead."""
+    from fastload.decode.nvjpeg import canvas_chunks
+
+    small, huge = (500, 375), (6000, 4000)
+    assert canvas_chunks([small] * 256) == [(0, 256)]
+    spans = canvas_chunks([small] * 100 + [huge] + [small] * 100, limit=1 << 30)
+    assert spans[0][0] == 0 and spans[-1][1] == 201
+    assert all(a < b for a, b in spans) and all(
+        b == c for (_, b), (c, _) in zip(spans, spans[1:], strict=False)
+    )
+    for a, b in spans:  # every chunk fits, or is one image
+        shapes = ([small] * 100 + [huge] + [small] * 100)[a:b]
+        worst = (b - a) * max(h for _, h in shapes) * max(w for w, _ in shapes) * 3
+        assert worst <= 1 << 30 or b - a == 1
+
+
 def test_encoded_bytes_stay_on_the_host_through_device_prep():
-    """nvJPEG reads host memory: torchvision's decode_jpeg refuses device tensors."""
+    """nvImageCodec parses the headers and nvJPEG reads its input in host memory."""
     from fastload.loaders.device_prep import DevicePrep
 
     seen = {}

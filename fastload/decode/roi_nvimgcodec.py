@@ -8,9 +8,10 @@ was not built.
 
 Set-up, once per process, before nvImageCodec is imported:
 
-* only its libjpeg-turbo extension is loaded (a folder holding a link to it, given as
-  NVIMGCODEC_EXTENSIONS_PATH): the GPU extensions would each print "Failed to load nvJPEG
-  / nvJPEG2000 / nvTIFF" on a machine without those optional libraries, and are not used;
+* only its libjpeg-turbo extension is loaded, plus its nvJPEG one where a GPU is visible (a
+  folder holding links to them, given as NVIMGCODEC_EXTENSIONS_PATH): the other extensions
+  would each print "Failed to load nvJPEG2000 / nvTIFF" on a machine without those optional
+  libraries, and are not used;
 * its logging is off (PYNVIMGCODEC_VERBOSITY=0): a file it refuses takes the simplejpeg /
   PIL path, whose error names the file, so its own lines would only be noise.
 
@@ -113,32 +114,51 @@ def package_version() -> str | None:
     return None
 
 
+GPU_EXTENSION = "libnvjpeg_ext.so"
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU is visible to this process (its device files; no CUDA call, which a
+    forked worker must not make)."""
+    return os.path.exists("/dev/nvidiactl") and any(
+        n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev")
+    )
+
+
 def _extensions_folder(package: str) -> str:
-    """A folder that holds only a link to nvImageCodec's libjpeg-turbo extension (under the
-    fastload cache, one per installed package; under the temp directory where the cache is
-    read-only)."""
+    """A folder that holds only links to the nvImageCodec extensions this process uses: the
+    libjpeg-turbo one, and the nvJPEG one where a GPU is visible (backend=nvjpeg decodes with
+    it in the training process; extensions are chosen once per process, at import). Under the
+    fastload cache, one per installed package and set; under the temp directory where the
+    cache is read-only."""
     ext_dir = os.path.join(package, "extensions")
-    names = sorted(n for n in os.listdir(ext_dir) if n.startswith(EXTENSION))
-    if not names:
-        raise ImportError(f"{ext_dir} has no {EXTENSION}*: reinstall nvImageCodec ({INSTALL})")
-    target = os.path.join(ext_dir, names[-1])
+    wanted = [EXTENSION] + ([GPU_EXTENSION] if gpu_present() else [])
+    targets = []
+    for prefix in wanted:
+        names = sorted(n for n in os.listdir(ext_dir) if n.startswith(prefix))
+        if not names and prefix == EXTENSION:
+            raise ImportError(f"{ext_dir} has no {EXTENSION}*: reinstall nvImageCodec ({INSTALL})")
+        targets += [os.path.join(ext_dir, names[-1])] if names else []
     cache = os.environ.get("FASTLOAD_CACHE", os.path.expanduser("~/.cache/fastload"))
-    digest = hashlib.sha256(os.path.realpath(target).encode()).hexdigest()[:12]
+    digest = hashlib.sha256("\n".join(map(os.path.realpath, targets)).encode()).hexdigest()[:12]
     key = f"{package_version() or 'unknown'}-{digest}"
     folder = os.path.join(cache, "nvimgcodec-extensions", key)
-    link = os.path.join(folder, names[-1])
-    if os.path.realpath(link) == os.path.realpath(target):
+    links = [os.path.join(folder, os.path.basename(t)) for t in targets]
+    if all(
+        os.path.realpath(lk) == os.path.realpath(t) for lk, t in zip(links, targets, strict=True)
+    ):
         return folder
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError:  # a read-only home: the same folder under the temp directory
         folder = os.path.join(tempfile.gettempdir(), f"fastload-nvimgcodec-extensions-{key}")
         os.makedirs(folder, exist_ok=True)
-        link = os.path.join(folder, names[-1])
-    # Published by rename: concurrent workers never see a half-made link.
-    tmp = f"{link}.tmp-{os.getpid()}-{threading.get_ident()}"
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
+    for target in targets:
+        link = os.path.join(folder, os.path.basename(target))
+        # Published by rename: concurrent workers never see a half-made link.
+        tmp = f"{link}.tmp-{os.getpid()}-{threading.get_ident()}"
+        os.symlink(target, tmp)
+        os.replace(tmp, link)
     return folder
 
 

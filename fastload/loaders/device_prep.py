@@ -63,8 +63,8 @@ class DevicePrep:
     def transfer(self, batch):
         """Copy every tensor of the (nested) batch to the device; non_blocking only for
         pinned sources, where it is truly asynchronous (for pageable memory it buys nothing).
-        The encoded part of a GPU-decoding batch stays on the host: nvJPEG reads its input
-        from host memory (torchvision's decode_jpeg refuses device tensors)."""
+        The encoded part of a GPU-decoding batch stays on the host: nvImageCodec parses the
+        headers and nvJPEG reads its input from host memory."""
         if isinstance(batch, dict) and ENCODED in batch:
             rest = {k: v for k, v in batch.items() if k != ENCODED}
             return {**self.transfer(rest), ENCODED: batch[ENCODED]}
