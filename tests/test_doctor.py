@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
 
 from fastload import preflight as env
@@ -241,6 +242,29 @@ def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
     for name in ("storage read", "decode", "augment", "collate", "transfer + device prep",
                  "model step", "epoch boundary (amortised)"):  # fmt: skip
         assert name in stages
+
+
+def test_the_doctor_times_gpu_decode_and_offers_it_when_decode_bounds(tiny_folder):
+    """backend=nvjpeg's device half timed on this dataset (here on the CPU, where nvImageCodec
+    decodes the same way; the doctor does it on a GPU run), and offered when decode bounds the
+    workers, its time charged to the model's step."""
+    from fastload.doctor import pipeline
+
+    argv = ["--images", "4", "--step-ms", "5", *doctor_overrides(tiny_folder)]
+    s = pipeline.setup(pipeline.parse(argv))
+    ms = pipeline.device_decode_ms(s, torch.device("cpu"), n=8, reps=1)
+    assert ms is not None and 0 < ms < 1000
+    costs = {"storage read": 0.1, "decode": 5.0, "augment": 1.0, "collate": 0.1,
+             "extra per-sample work (ms)": 0.0}  # fmt: skip
+    bound = {"stage": "decode", "model_img_s": 1000.0}
+    alt = {"backends": {}, "mean_side": 200.0, "gpu_decode_ms": 0.5}
+    advice = pipeline.advice(s, bound, costs, alt, {"host_img_s": 150.0}, 1000.0)
+    (line,) = [a for a in advice if a[0] == "backend=nvjpeg loader=prefetch"]
+    assert line[1] == pytest.approx(1000 / 1.5)  # 1 ms of model + 0.5 ms of decode per image
+    assert "0.500 ms per image" in line[2] and "taken from the model's" in line[2]
+    alt.pop("gpu_decode_ms")  # no GPU: not offered
+    assert not [a for a in pipeline.advice(s, bound, costs, alt, {"host_img_s": 150.0}, 1000.0)
+                if "nvjpeg" in a[0]]  # fmt: skip
 
 
 def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, capsys):

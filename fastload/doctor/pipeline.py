@@ -18,6 +18,9 @@ objects (fastload/pipeline.py builds them, as for training):
                     ceiling bench train measures), or --step-ms MS: a fixed step
     epoch boundary  the first batch of a new epoch beyond a steady batch interval, amortised
                     over a whole epoch of this dataset
+    GPU decode      on a CUDA run with a CPU backend: backend=nvjpeg's device half (decode +
+                    crop + resize of a batch of this dataset's JPEGs), offered as a change
+                    when decoding bounds the workers, its time charged to the model's step
 
 The worker stages (read, decode, augment, collate) run one after another inside each worker,
 so each one alone would allow workers / its cost images/s, and together workers / their sum;
@@ -346,6 +349,45 @@ def alternatives(s: Setup, n: int = 16) -> dict:
     return out
 
 
+def device_decode_ms(s: Setup, device, n: int = 64, reps: int = 3) -> float | None:
+    """backend=nvjpeg's device half on `device`, ms per image: up to `n` of this dataset's
+    JPEGs (the ones it takes: no fallbacks) drawn, planned and collated as its workers do, then
+    decoded, cropped and resized as one batch (the best of `reps` after a warm-up), or None
+    where there is nothing to time (no crop transform, no such JPEG, nvImageCodec missing)."""
+    from fastload.data.dataset import sample_rng
+    from fastload.decode.jpeg_header import fallback_reason, jpeg_info
+    from fastload.decode.nvjpeg import EncodedJpeg, NvjpegDecoder
+    from fastload.errors import ConfigError
+
+    transform = getattr(s.task.dataset("train", s.reader, s.backend, None), "transform", None)
+    if transform is None or not hasattr(transform, "sample"):
+        return None
+    samples = []
+    for i in np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist():
+        data = s.reader.get(i, "image")
+        info = jpeg_info(data)
+        if fallback_reason(info) is not None or info.progressive:
+            continue
+        box, flip = transform.sample(info.width, info.height, sample_rng(0, 0, i))
+        samples.append(EncodedJpeg(data, box, flip, transform.size, info.width, info.height))
+    if not samples:
+        return None
+    batch = EncodedJpeg.collate(samples, list(range(len(samples))))
+    decoder = NvjpegDecoder()
+    try:
+        decoder(None, batch, device)  # warm-up: nvImageCodec's decoders, the resize's kernels
+    except ConfigError:
+        return None
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        decoder(None, batch, device)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best / len(samples)
+
+
 def verdict(s: Setup, rows: list, costs: dict, alt: dict, loader: dict) -> tuple[dict, list]:
     """The bound (stage, img/s, what it is against the model's appetite) and the advice,
     the change predicted to help most first."""
@@ -420,6 +462,16 @@ def advice(s: Setup, b: dict, costs: dict, alt: dict, loader: dict, nxt: float) 
         for name, ms in alt["backends"].items():
             out.append((f"backend={name}", workers_at(total - path + ms),
                         f"its decode+crop measured {ms:.2f} ms vs {path:.2f}"))  # fmt: skip
+    gpu_ms = alt.get("gpu_decode_ms")
+    if stage in ("decode", "augment") and gpu_ms:
+        # The workers only read headers then; the GPU decodes, taking its time from the model's
+        # (predicted as if the decode did not overlap the step, as measured on an H100).
+        model_ms = 1000 / b["model_img_s"] if b["model_img_s"] != float("inf") else 0.0
+        batch = int(cfg.trainer.batch_size)
+        out.append(("backend=nvjpeg loader=prefetch", min(nxt, 1000 / (model_ms + gpu_ms)),
+                    f"GPU decode + crop measured {gpu_ms:.3f} ms per image here "
+                    f"({gpu_ms * batch:.0f} ms per batch of {batch}), taken from the "
+                    f"model's {model_ms * batch:.0f} ms step"))  # fmt: skip
     if stage == "decode":
         side = alt["mean_side"]
         if side > 256:
@@ -480,6 +532,8 @@ def run(args) -> tuple[Setup, Report]:
     prep_s, device_batch = device_stage(s, loader["device_prep"], loader["batch"])
     step = make_step(s, args.step_ms)
     step_s = model_stage(s, step, device_batch, args.model_steps)
+    if s.ctx.device.type == "cuda" and getattr(s.backend, "name", None) != "nvjpeg":
+        alt["gpu_decode_ms"] = device_decode_ms(s, s.ctx.device)
     rep.stages = stage_rows(s, costs, loader, prep_s, step_s)
     rep.bound, rep.advice = verdict(s, rep.stages, costs, alt, loader)
     rep.measured = {
