@@ -234,8 +234,8 @@ def fastload_loader_rate(root: Path, backend, size: int, workers: int, batch_siz
 
 def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 256) -> dict | None:
     """backend=nvjpeg's device half in images/s on the GPU, or None without CUDA: batched full
-    decode alone (nvImageCodec, the same backends), and the product's path (each sample's
-    region decoded into the padded canvas, then the batched resize/flip to `size`, with
+    decode alone (nvImageCodec, the same backends), and the product's path (each image decoded
+    into its slot of the padded canvas, then the batched crop/resize/flip to `size`, with
     RandomResizedCrop's boxes), for the hardware decoder's default share and for the CUDA
     decoder alone (hw_load=0). Progressive files are left out (the workers decode them)."""
     import torch
@@ -505,7 +505,7 @@ def main(argv: list[str]) -> int:
         how = f"hardware decoder {hw_load:g} of each batch" if hw_load else "CUDA decoder only"
         row(f"nvjpeg batched full decode (GPU, {how})", "gpu", None, full)
         row(
-            f"backend=nvjpeg: region decode + batched resize to {args.size} (GPU, {how})",
+            f"backend=nvjpeg: decode + batched crop/resize to {args.size} (GPU, {how})",
             "gpu", None, product, vs_full_decode=product / full,
         )  # fmt: skip
     timing = (args.size, w, args.batch_size, args.repeats)
