@@ -421,8 +421,9 @@ def test_nvjpeg_on_gpu_crops_the_cpu_paths_boxes(kinds, hw_load):
 @pytest.mark.parametrize("size", [224, 64, 32])
 def test_batched_crop_matches_pil_resized_crop(photo, size):
     """backend=nvjpeg's batched resize (block means below 2x, a clamped bilinear gather per
-    group of factors), run on the CPU over regions laid out as the decoder lays them out: the
-    same boxes and flips as PIL's resized_crop, pixels within the PSNR bound."""
+    group of factors), run on the CPU over images laid out as the decoder lays them out (top-left
+    of slots larger than they are): the same boxes and flips as PIL's resized_crop, pixels
+    within the PSNR bound."""
     from fastload.decode.batched_crop import plan, resize_regions
 
     pixels = np.array(photo)
@@ -430,10 +431,8 @@ def test_batched_crop_matches_pil_resized_crop(photo, size):
     draws = [t.sample(photo.width, photo.height, rng) for _ in range(24)]
     plans = [plan(box, size, photo.width, photo.height) for box, _ in draws]
     assert size == 224 or len({factors for factors, _, _ in plans}) > 1  # several groups
-    canvas = torch.full((24, max(p[1][3] for p in plans), max(p[1][2] for p in plans), 3), 7,
-                        dtype=torch.uint8)  # fmt: skip
-    for k, (_, (x, y, w, h), _) in enumerate(plans):
-        canvas[k, :h, :w] = torch.from_numpy(pixels[y : y + h, x : x + w])
+    canvas = torch.full((24, photo.height + 5, photo.width + 9, 3), 7, dtype=torch.uint8)
+    canvas[:, : photo.height, : photo.width] = torch.from_numpy(pixels)
     out = resize_regions(
         canvas,
         torch.tensor([p[1] for p in plans]),

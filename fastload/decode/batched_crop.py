@@ -1,16 +1,16 @@
-"""Crop + resize + flip of a whole batch of decoded regions in a few tensor ops (backend=nvjpeg's
-second half, after the GPU decoded each sample's region into one padded canvas).
+"""Crop + resize + flip of a whole batch of decoded images in a few tensor ops (backend=nvjpeg's
+second half, after the GPU decoded each image into one padded canvas).
 
 The worker plans each sample (`plan`): for its crop box it picks integer pre-averaging factors
 (kx, ky) (antialiasing, as turbo's cv2 path: exact block means while the downscale is >= 2), the
 block-aligned region of the image that covers the box, and the box in the averaged region's
-pixels. Device prep decodes every image (or just its region) into its slot of one
-(n, H, W, 3) uint8 canvas and `resize_regions` does the rest for the whole batch: per group
-of samples with the same factors, one gather of the regions, one block mean
-(avg_pool2d) and one 4-tap bilinear gather whose taps are clamped to each sample's own region
-(PIL's pixel centres; the region's edge repeats past it, as in PIL). No per-sample kernels:
-a batch of 256 ImageNet crops is a handful of launches per group, and there are rarely more
-than four groups. The same code runs on the CPU, which is how it is tested without a GPU.
+pixels. Device prep decodes every image into its slot of one (n, H, W, 3) uint8 canvas and
+`resize_regions` does the rest for the whole batch: per group of samples with the same
+factors, one gather of the regions, one block mean (avg_pool2d) and one 4-tap bilinear gather
+whose taps are clamped to each sample's own region (PIL's pixel centres; the region's edge
+repeats past it, as in PIL). No per-sample kernels: a batch of 256 ImageNet crops is a handful
+of launches per group, and there are rarely more than four groups. The same code runs on the
+CPU, which is how it is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -47,15 +47,15 @@ def _taps(start, length, size: int, extent, flip=None):
     return lo.clamp(min=0).minimum(top), (lo + 1).clamp(min=0).minimum(top), frac
 
 
-def resize_regions(canvas, regions, factors, boxes, flips, size: int, origins=None):
-    """canvas: (n, H, W, 3) uint8, sample k's decoded pixels in slot k; regions: (n, 4) int64
-    (x0, y0, rw, rh), the planned regions; origins: None when each slot holds just its region
-    at its top-left (a region decode), else (n, 2) int64, where the region starts in the slot
-    (a whole-image decode: the regions' own x0, y0); factors: (n, 2) int64 (kx, ky); boxes:
-    (n, 4) float64 (left, top, w, h) in averaged region pixels; flips: (n,) bool. Returns
-    (n, 3, size, size) uint8 with channels_last strides (the layout the decode writes)."""
+def resize_regions(canvas, regions, factors, boxes, flips, size: int, out=None):
+    """canvas: (n, H, W, 3) uint8, sample k's whole decoded image at the top-left of slot k;
+    regions: (n, 4) int64 (x0, y0, rw, rh), the planned regions in those images; factors:
+    (n, 2) int64 (kx, ky); boxes: (n, 4) float64 (left, top, w, h) in averaged region pixels;
+    flips: (n,) bool. Writes (n, size, size, 3) uint8 into `out` (a new tensor by default) and
+    returns it as (n, 3, size, size) with channels_last strides (the layout the decode writes)."""
     device, (n, height, width, _) = canvas.device, canvas.shape
-    out = torch.empty((n, size, size, 3), dtype=torch.uint8, device=device)
+    if out is None:
+        out = torch.empty((n, size, size, 3), dtype=torch.uint8, device=device)
     # The grouping and the group's extent are read on the host copies (no device sync).
     regions_host, factors_host = regions.tolist(), factors.tolist()
     groups: dict[tuple, list[int]] = {}
@@ -63,21 +63,17 @@ def resize_regions(canvas, regions, factors, boxes, flips, size: int, origins=No
         groups.setdefault(tuple(f), []).append(k)
     to = dict(device=device, non_blocking=True)
     regions, boxes, flips = regions.to(**to), boxes.to(**to), flips.to(**to)
-    if origins is not None:
-        origins = origins.to(**to)
     pixels_of = canvas.reshape(n * height * width, 3)
     for (kx, ky), members in groups.items():
         hmax = max(regions_host[k][3] for k in members)
         wmax = max(regions_host[k][2] for k in members)
         idx = torch.tensor(members, device=device)
-        if origins is None:
-            group = canvas[:, :hmax, :wmax].index_select(0, idx)
-        else:  # one gather: each member's region out of its whole image
-            ox, oy = origins[idx, 0], origins[idx, 1]
-            ys = (oy[:, None] + torch.arange(hmax, device=device)).clamp_(max=height - 1)
-            xs = (ox[:, None] + torch.arange(wmax, device=device)).clamp_(max=width - 1)
-            at = (idx * (height * width))[:, None, None] + ys[:, :, None] * width + xs[:, None, :]
-            group = pixels_of[at]
+        # One gather: each member's region out of its whole image.
+        x0, y0 = regions[idx, 0], regions[idx, 1]
+        ys = (y0[:, None] + torch.arange(hmax, device=device)).clamp_(max=height - 1)
+        xs = (x0[:, None] + torch.arange(wmax, device=device)).clamp_(max=width - 1)
+        at = (idx * (height * width))[:, None, None] + ys[:, :, None] * width + xs[:, None, :]
+        group = pixels_of[at]
         group = group.permute(0, 3, 1, 2).float()
         if kx > 1 or ky > 1:
             group = torch.nn.functional.avg_pool2d(group, (ky, kx))

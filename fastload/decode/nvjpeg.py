@@ -105,7 +105,7 @@ class NvjpegDecoder:
                 "JPEG decoder is a number from 0 (CUDA decoder only) to 1."
             )
         self.hw_load = float(hw_load)
-        self.refused = 0  # regions the device decoder refused, decoded on the host instead
+        self.refused = 0  # images the device decoder refused, decoded on the host instead
         self._decoders: dict = {}
         self._in_flight: deque = deque()  # (event, host bytes) until the decode has run
         self._nv = None
@@ -148,10 +148,10 @@ class NvjpegDecoder:
         for a, b in canvas_chunks(shapes):
             part = {k: v[a:b] for k, v in encoded.items() if k in PER_SAMPLE}
             canvas = self._decode(encoded, a, b, shapes, device)
-            out[a:b] = resize_regions(
+            resize_regions(
                 canvas, part["region"], part["factor"], part["local"], part["flip"], size,
-                origins=part["region"][:, :2],
-            ).permute(0, 2, 3, 1)  # fmt: skip
+                out=out[a:b],
+            )  # fmt: skip
         out = out.permute(0, 3, 1, 2)
         if image is None:
             return out
