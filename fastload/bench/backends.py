@@ -237,27 +237,21 @@ def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 256) -> dict |
     decode alone (nvImageCodec, the same backends), and the product's path (each image decoded
     into its slot of the padded canvas, then the batched crop/resize/flip to `size`, with
     RandomResizedCrop's boxes), for the hardware decoder's default share and for the CUDA
-    decoder alone (hw_load=0). Progressive files are left out (the workers decode them)."""
+    decoder alone (hw_load=0). The workers' fallbacks (progressive files, ...) are left out."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     from fastload.data.transforms import RandomResizedCropFlip
-    from fastload.decode.jpeg_header import jpeg_info
-    from fastload.decode.nvjpeg import EncodedJpeg, NvjpegDecoder
+    from fastload.decode.nvjpeg import NvjpegDecoder, encoded_batch
 
     device = torch.device("cuda", torch.cuda.current_device())
     t, rng = RandomResizedCropFlip(size), np.random.default_rng(0)
-    samples, kept = [], []
-    for d in datas:
-        info = jpeg_info(d)
-        if info is None or info.progressive:
-            continue
-        box, flip = t.sample(info.width, info.height, rng)
-        samples.append(EncodedJpeg(d, box, flip, size, info.width, info.height))
-        kept.append(d)
-    spans = [(k, min(k + batch_size, len(kept))) for k in range(0, len(kept), batch_size)]
-    encoded = [EncodedJpeg.collate(samples[a:b], list(range(b - a))) for a, b in spans]
+    batches = [datas[k : k + batch_size] for k in range(0, len(datas), batch_size)]
+    encoded = [e for b in batches if (e := encoded_batch(b, t, [rng] * len(b))) is not None]
+    # The full-decode row reads the same JPEGs: each encoded batch's bytes.
+    jpegs = [np.split(e["data"].numpy(), e["offsets"][1:-1].tolist()) for e in encoded]
+    images = sum(map(len, jpegs))
 
     def measure(hw_load: float) -> tuple[float, float]:
         dec = NvjpegDecoder(hw_load)
@@ -265,8 +259,8 @@ def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 256) -> dict |
         stream = torch.cuda.current_stream(device).cuda_stream
 
         def full():
-            for a, b in spans:
-                streams = [nv.CodeStream(d) for d in kept[a:b]]
+            for batch in jpegs:
+                streams = [nv.CodeStream(d) for d in batch]
                 nvdec.decode(streams, params=dec.params, cuda_stream=stream)
 
         def product():
@@ -278,7 +272,7 @@ def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 256) -> dict |
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
-            return len(kept) / (time.perf_counter() - t0)
+            return images / (time.perf_counter() - t0)
 
         full(), product()  # warm-up: nvImageCodec's buffers, the resize's kernels
         return max(rate(full) for _ in range(3)), max(rate(product) for _ in range(3))

@@ -39,7 +39,7 @@ import torch
 
 from fastload.decode.base import DeferredSample, JpegOnlyBackend, Need, open_rgb
 from fastload.decode.batched_crop import plan, resize_regions
-from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts
+from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
 from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
 
@@ -79,6 +79,20 @@ class EncodedJpeg(DeferredSample):
             "size": samples[0].size,
             "position": torch.tensor(positions, dtype=torch.int64),
         }
+
+
+def encoded_batch(datas: list[bytes], transform, rngs) -> dict | None:
+    """batch["encoded"] of the JPEGs among `datas` that the device decodes (the workers'
+    fallbacks left out: not JPEG, CMYK, EXIF-rotated, progressive), each box drawn with its
+    rng as a worker draws it; None when there is none. For tools that time the device half."""
+    samples = []
+    for data, rng in zip(datas, rngs, strict=True):
+        info = jpeg_info(data)
+        if fallback_reason(info) is not None or info.progressive:
+            continue
+        box, flip = transform.sample(info.width, info.height, rng)
+        samples.append(EncodedJpeg(data, box, flip, transform.size, info.width, info.height))
+    return EncodedJpeg.collate(samples, list(range(len(samples)))) if samples else None
 
 
 def load_nvimgcodec():

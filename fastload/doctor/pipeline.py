@@ -355,24 +355,17 @@ def device_decode_ms(s: Setup, device, n: int = 64, reps: int = 3) -> float | No
     decoded, cropped and resized as one batch (the best of `reps` after a warm-up), or None
     where there is nothing to time (no crop transform, no such JPEG, nvImageCodec missing)."""
     from fastload.data.dataset import sample_rng
-    from fastload.decode.jpeg_header import fallback_reason, jpeg_info
-    from fastload.decode.nvjpeg import EncodedJpeg, NvjpegDecoder
+    from fastload.decode.nvjpeg import NvjpegDecoder, encoded_batch
     from fastload.errors import ConfigError
 
     transform = getattr(s.task.dataset("train", s.reader, s.backend, None), "transform", None)
     if transform is None or not hasattr(transform, "sample"):
         return None
-    samples = []
-    for i in np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist():
-        data = s.reader.get(i, "image")
-        info = jpeg_info(data)
-        if fallback_reason(info) is not None or info.progressive:
-            continue
-        box, flip = transform.sample(info.width, info.height, sample_rng(0, 0, i))
-        samples.append(EncodedJpeg(data, box, flip, transform.size, info.width, info.height))
-    if not samples:
+    idx = np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist()
+    datas = [s.reader.get(i, "image") for i in idx]
+    batch = encoded_batch(datas, transform, [sample_rng(0, 0, i) for i in idx])
+    if batch is None:
         return None
-    batch = EncodedJpeg.collate(samples, list(range(len(samples))))
     decoder = NvjpegDecoder()
     try:
         decoder(None, batch, device)  # warm-up: nvImageCodec's decoders, the resize's kernels
@@ -385,7 +378,7 @@ def device_decode_ms(s: Setup, device, n: int = 64, reps: int = 3) -> float | No
         decoder(None, batch, device)
         sync(device)
         best = min(best, time.perf_counter() - t0)
-    return 1000 * best / len(samples)
+    return 1000 * best / (len(batch["offsets"]) - 1)
 
 
 def verdict(s: Setup, rows: list, costs: dict, alt: dict, loader: dict) -> tuple[dict, list]:
