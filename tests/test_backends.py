@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 import sys
 import types
 
@@ -447,6 +449,62 @@ def test_batched_crop_matches_pil_resized_crop(photo, size):
         assert psnr(out[k].permute(1, 2, 0).numpy(), want) >= MIN_PSNR_DB, (box, flip)
 
 
+def kernel_vs_torch(device: str, size: int, scale: float = 1.0) -> tuple[int, float, int]:
+    """The Triton crop kernel against the torch ops on one canvas of mixed image sizes (many
+    factor groups, flips), ImageNet's sizes times `scale`: (largest pixel difference, share of
+    differing values, factor groups)."""
+    from fastload.decode import crop_kernel
+    from fastload.decode.batched_crop import plan, resize_regions_torch
+
+    full = [(500, 375), (333, 500), (1200, 900), (90, 70), (2000, 1500), (64, 48)]
+    shapes = [(max(8, int(w * scale)), max(8, int(h * scale))) for w, h in full]
+    n, gen, rng = 2 * len(shapes), torch.Generator().manual_seed(size), np.random.default_rng(1)
+    hmax, wmax = max(h for _, h in shapes), max(w for w, _ in shapes)
+    canvas = torch.full((n, hmax + 3, wmax + 5, 3), 7, dtype=torch.uint8)
+    t, plans, flips = RandomResizedCropFlip(size), [], []
+    for k in range(n):
+        w, h = shapes[k % len(shapes)]
+        coarse = torch.randint(0, 256, (1, 3, h // 8 + 1, w // 8 + 1), generator=gen).float()
+        smooth = torch.nn.functional.interpolate(coarse, size=(h, w), mode="bilinear")
+        canvas[k, :h, :w] = smooth[0].permute(1, 2, 0).round().to(torch.uint8)
+        box, flip = t.sample(w, h, rng)
+        plans.append(plan(box, size, w, h))
+        flips.append(flip)
+    args = (
+        torch.tensor([p[1] for p in plans]),
+        torch.tensor([p[0] for p in plans]),
+        torch.tensor([p[2] for p in plans], dtype=torch.float64),
+        torch.tensor(flips),
+        size,
+    )
+    want = resize_regions_torch(canvas, *args)
+    got = crop_kernel.crop_resize(canvas.to(device), *args).cpu()
+    diff = (got.int() - want.int()).abs()
+    return int(diff.max()), float((diff > 0).float().mean()), len({p[0] for p in plans})
+
+
+def test_crop_kernel_matches_the_torch_ops_in_tritons_interpreter():
+    """backend=nvjpeg's fused Triton crop kernel (what runs on a GPU), run by Triton's CPU
+    interpreter: the torch ops' pixels (the path the PIL comparisons check), to within one
+    level where float32 coordinates land on a rounding edge."""
+    pytest.importorskip("triton")
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from test_backends import kernel_vs_torch; "
+        "print(*kernel_vs_torch('cpu', 24, scale=0.2))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    worst, share, groups = out.stdout.split()
+    assert int(groups) >= 4 and int(worst) <= 1 and float(share) < 0.01, out.stdout
+
+
+@pytest.mark.cuda
+def test_crop_kernel_on_the_gpu_matches_the_torch_ops():
+    worst, share, groups = kernel_vs_torch("cuda", 224)
+    assert groups >= 4 and worst <= 1 and share < 0.01, (worst, share)
+
+
 def test_nvjpeg_decoder_on_cpu_matches_pil_and_counts_progressive(kinds, monkeypatch):
     """The device decoder's calls on nvImageCodec's CPU backend: one batch of every kind, the
     regions decoded into the padded canvas, the same boxes as PIL; progressive files take the
@@ -467,7 +525,8 @@ def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, c
     backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(64)
     datas = {k: kinds[k] for k in ("baseline", "grayscale")}
     want = gpu_batch(backend, datas, t, "cpu")
-    dec = backend.device_decoder._decoder(torch.device("cpu"))
+    state = backend.device_decoder.state(torch.device("cpu"))
+    dec = state.decoder
     real = type(dec).decode
 
     class RefusesTheFirst:
@@ -475,11 +534,32 @@ def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, c
             got = real(dec, streams, **kwargs)
             return [None, *got[1:]]
 
-    backend.device_decoder._decoders["cpu"] = RefusesTheFirst()
+    state.decoder = RefusesTheFirst()
     got = gpu_batch(backend, datas, t, "cpu")
     for kind in datas:
         assert psnr(got[kind], want[kind]) >= 45.0, kind  # libjpeg-turbo either way
     assert backend.device_decoder.refused == 1 and "refused 1 of 2 JPEGs" in caplog.text
+
+
+def test_nvjpeg_decoder_reuses_its_canvases_in_turn_and_their_image_objects(kinds, monkeypatch):
+    """The decoder's targets: two canvases per stream used in turn (a decode never writes the
+    canvas whose crops were just queued), each with its nvImageCodec image objects made once
+    per slot layout; batch after batch, the pixels stay those of a fresh decoder."""
+    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(48)
+    datas = {k: kinds[k] for k in ("baseline", "grayscale", "png_rgba")}
+    first = gpu_batch(backend, datas, t, "cpu")
+    state = backend.device_decoder.state(torch.device("cpu"))
+    (used,) = [c for c in state.canvases if c.buffer is not None]
+    objects = {k: [id(i) for i in v] for k, v in used.layouts.items()}
+    second = gpu_batch(backend, datas, t, "cpu")
+    a, b = state.canvases
+    assert a.buffer is not None and b.buffer is not None
+    assert a.buffer.data_ptr() != b.buffer.data_ptr()
+    third = gpu_batch(backend, datas, t, "cpu")  # back on the first canvas
+    assert {k: [id(i) for i in v] for k, v in used.layouts.items()} == objects
+    for kind in datas:
+        assert np.array_equal(first[kind], second[kind]), kind
+        assert np.array_equal(first[kind], third[kind]), kind
 
 
 def test_canvas_chunks_bound_the_padded_canvas():
@@ -523,7 +603,7 @@ def test_train_py_with_nvjpeg_runs_an_epoch_on_the_gpu(tiny_folder, tmp_path):
     run_dir = tmp_path / "run"
     args = tiny_overrides(tiny_folder, run_dir, "backend=nvjpeg", "trainer.epochs=1")
     args = [a for a in args if a != "trainer.device=cpu"] + ["trainer.device=cuda"]
-    out = run_train(args + ["loader.num_workers=2"])
+    out = run_train(args + ["loader=prefetch", "loader.num_workers=2"])  # the prep thread
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["decoder"].startswith("nvjpeg") and row["val_acc1"] >= 0

@@ -255,7 +255,7 @@ def nvjpeg_rates(datas: list[bytes], size: int, batch_size: int = 256) -> dict |
 
     def measure(hw_load: float) -> tuple[float, float]:
         dec = NvjpegDecoder(hw_load)
-        nvdec, nv = dec._decoder(device), dec._nv
+        nvdec, nv = dec.state(device).decoder, dec._nv
         stream = torch.cuda.current_stream(device).cuda_stream
 
         def full():

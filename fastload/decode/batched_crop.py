@@ -9,8 +9,9 @@ pixels. Device prep decodes every image into its slot of one (n, H, W, 3) uint8 
 factors, one gather of the regions, one block mean (avg_pool2d) and one 4-tap bilinear gather
 whose taps are clamped to each sample's own region (PIL's pixel centres; the region's edge
 repeats past it, as in PIL). No per-sample kernels: a batch of 256 ImageNet crops is a handful
-of launches per group, and there are rarely more than four groups. The same code runs on the
-CPU, which is how it is tested without a GPU.
+of launches per group, and there are rarely more than four groups. On a GPU the same maths runs
+as one fused Triton kernel instead (fastload/decode/crop_kernel.py), which reads the taps
+straight from the canvas; these torch ops are its reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def _taps(start, length, size: int, extent, flip=None):
 
 
 def resize_regions(canvas, regions, factors, boxes, flips, size: int, out=None):
+    """The batch's crops (the arguments of `resize_regions_torch`): on a GPU one Triton kernel
+    (fastload/decode/crop_kernel.py), elsewhere, or without triton, the torch ops below."""
+    from fastload.decode import crop_kernel
+
+    if canvas.is_cuda and crop_kernel.available():
+        return crop_kernel.crop_resize(canvas, regions, factors, boxes, flips, size, out=out)
+    return resize_regions_torch(canvas, regions, factors, boxes, flips, size, out=out)
+
+
+def resize_regions_torch(canvas, regions, factors, boxes, flips, size: int, out=None):
     """canvas: (n, H, W, 3) uint8, sample k's whole decoded image at the top-left of slot k;
     regions: (n, 4) int64 (x0, y0, rw, rh), the planned regions in those images; factors:
     (n, 2) int64 (kx, ky); boxes: (n, 4) float64 (left, top, w, h) in averaged region pixels;
@@ -89,5 +100,5 @@ def resize_regions(canvas, regions, factors, boxes, flips, size: int, out=None):
         bottom = flat[rows_b + xa] * (1 - fx) + flat[rows_b + xb] * fx
         fy = fy[:, :, None, None]
         pixels = top * (1 - fy) + bottom * fy
-        out[idx] = pixels.round_().clamp_(0, 255).to(torch.uint8)
+        out[idx] = pixels.add_(0.5).floor_().clamp_(0, 255).to(torch.uint8)
     return out.permute(0, 3, 1, 2)

@@ -1,21 +1,27 @@
 """backend=nvjpeg: workers ship encoded JPEG bytes and crop plans; device prep decodes the batch
 on the GPU (nvImageCodec, on the GPU's hardware JPEG engines where it has them) and crops and
-resizes the whole batch in a few kernels.
+resizes the whole batch in one kernel.
 
 In the worker, `load` reads the header, samples the crop box on the full-resolution size (the
 same RNG draw, the same box as backend=pil) and plans it (fastload/decode/batched_crop.py: the
 block-aligned region that covers the box, the pre-averaging factors); `collate` packs a
 batch's deferred samples into one contiguous uint8 byte tensor with offsets and the plans
 (batch["encoded"]). After the transfer, DevicePrep calls this backend's `device_decoder`: one
-batched nvImageCodec call decodes every image into its slot of one padded canvas on the
-current CUDA stream, with no synchronisation of ours (with loader=prefetch that is the side
-stream; nvImageCodec's call itself appears to return only once the batch is decoded, so on an
-H100 the decode still held the training thread ~18 ms per batch of 256), then
-`resize_regions` gathers each crop's region, block-averages, resizes and flips the batch.
+batched nvImageCodec call decodes every image into its slot of a padded canvas (reused batch
+after batch, with the decoder's image objects of its slots), then `resize_regions` crops,
+block-averages, resizes and flips the batch (one Triton kernel on a GPU:
+fastload/decode/crop_kernel.py).
+
+nvImageCodec's call returns only once the batch is decoded, and it first waits until the GPU
+has run the work queued before it, on any stream (on an H200: 250 ms behind 250 ms of queued
+matrix products, with those on the default stream or on a stream of their own). In the
+training thread that would stall every step's launches; loader=prefetch therefore runs device
+prep in a thread of its own (fastload/loaders/cuda_prefetch.py), and the pipeline says so
+when backend=nvjpeg runs with another loader.
 
 Whole images, not regions: nvImageCodec 0.9.0 decodes no region on the GPU (every one comes
 back refused on an H100, hardware and hybrid decoders alike; its issue #55), while whole
-images decode at full speed; the crop costs a gather on the GPU instead.
+images decode at full speed; the crop reads the region out of the canvas instead.
 
 nvImageCodec's backends, in order: the hardware decoder (NVJPG engines on A100, H100, H200,
 B200 and some others; not on consumer GPUs) takes `hw_load` of each batch, the CUDA decoders
@@ -32,6 +38,7 @@ on the host with PIL instead (the same box), logged and counted in `NvjpegDecode
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 
 import numpy as np
@@ -110,7 +117,8 @@ class NvjpegDecoder:
     -> uint8 NCHW batch on `device` (channels_last strides), in sample order. On a CPU device
     it decodes with nvImageCodec's CPU backend (the same calls and the same resize), which is
     how it is tested without a GPU. Picklable (the backend travels to the loader's workers);
-    the nvImageCodec decoders are made on first use, one per device."""
+    the nvImageCodec decoders and canvases are made on first use, one per (device, stream):
+    the training loader's prep thread and an evaluation loader each get their own."""
 
     def __init__(self, hw_load: float = 0.9):
         if not 0.0 <= float(hw_load) <= 1.0:
@@ -120,7 +128,8 @@ class NvjpegDecoder:
             )
         self.hw_load = float(hw_load)
         self.refused = 0  # images the device decoder refused, decoded on the host instead
-        self._decoders: dict = {}
+        self._streams: dict = {}  # (device, stream) -> _StreamState
+        self._lock = threading.Lock()
         self._in_flight: deque = deque()  # (event, host bytes) until the decode has run
         self._nv = None
 
@@ -130,27 +139,31 @@ class NvjpegDecoder:
     def __setstate__(self, state):
         self.__init__(**state)
 
-    def _decoder(self, device: torch.device):
-        key = str(device)
-        if key not in self._decoders:
-            nv = self._nv = load_nvimgcodec()
-            kind = nv.BackendKind
-            if device.type == "cuda":
-                backends = [nv.Backend(kind.GPU_ONLY), nv.Backend(kind.HYBRID_CPU_GPU)]
-                if self.hw_load > 0:
-                    backends.insert(0, nv.Backend(kind.HW_GPU_ONLY, load_hint=self.hw_load))
-                dec = nv.Decoder(device_id=device.index, backends=backends)
-            else:
-                dec = nv.Decoder(
-                    device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
-                    max_num_cpu_threads=1,
-                    backends=[nv.Backend(kind.CPU_ONLY)],
+    def _new_decoder(self, device: torch.device):
+        nv = self._nv = load_nvimgcodec()
+        kind = nv.BackendKind
+        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
+        if device.type == "cuda":
+            backends = [nv.Backend(kind.GPU_ONLY), nv.Backend(kind.HYBRID_CPU_GPU)]
+            if self.hw_load > 0:
+                backends.insert(0, nv.Backend(kind.HW_GPU_ONLY, load_hint=self.hw_load))
+            return nv.Decoder(device_id=device.index, backends=backends)
+        return nv.Decoder(
+            device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=1,
+            backends=[nv.Backend(kind.CPU_ONLY)],
+        )
+
+    def state(self, device: torch.device) -> _StreamState:
+        """The decoder and canvas of `device`'s current stream (made on first use)."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (str(device), stream)
+        with self._lock:
+            if key not in self._streams:
+                self._streams[key] = _StreamState(
+                    self._new_decoder(device), self._nv, device, stream
                 )
-            self.params = nv.DecodeParams(
-                apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB
-            )
-            self._decoders[key] = dec
-        return self._decoders[key]
+            return self._streams[key]
 
     def __call__(self, image: torch.Tensor | None, encoded: dict, device) -> torch.Tensor:
         device = torch.device(device)
@@ -158,14 +171,17 @@ class NvjpegDecoder:
             device = torch.device("cuda", torch.cuda.current_device())
         shapes = encoded["shape"].tolist()
         size = int(encoded["size"])
+        state = self.state(device)
         out = torch.empty((len(shapes), size, size, 3), dtype=torch.uint8, device=device)
-        for a, b in canvas_chunks(shapes):
-            part = {k: v[a:b] for k, v in encoded.items() if k in PER_SAMPLE}
-            canvas = self._decode(encoded, a, b, shapes, device)
-            resize_regions(
-                canvas, part["region"], part["factor"], part["local"], part["flip"], size,
-                out=out[a:b],
-            )  # fmt: skip
+        with state.lock:  # a second thread on this stream waits for this batch's crops
+            for a, b in canvas_chunks(shapes):
+                part = {k: v[a:b] for k, v in encoded.items() if k in PER_SAMPLE}
+                target, canvas = self._decode(state, encoded, a, b, shapes)
+                resize_regions(
+                    canvas, part["region"], part["factor"], part["local"], part["flip"], size,
+                    out=out[a:b],
+                )  # fmt: skip
+                target.read_by_queued_work()
         out = out.permute(0, 3, 1, 2)
         if image is None:
             return out
@@ -178,24 +194,19 @@ class NvjpegDecoder:
         full[~on_device] = image.to(out.device)
         return full
 
-    def _decode(self, encoded: dict, a: int, b: int, shapes: list, device) -> torch.Tensor:
-        """Samples a..b decoded whole, each into its slot of one (b - a, H, W, 3) canvas, in
-        one batched nvImageCodec call on the current stream (no host synchronisation)."""
-        dec = self._decoder(device)
-        nv = self._nv
+    def _decode(self, state: _StreamState, encoded: dict, a: int, b: int, shapes: list):
+        """Samples a..b decoded whole, each into its slot of one of the stream's canvases (at
+        the slot's top-left), in one batched nvImageCodec call: (the canvas, its pixels)."""
+        nv, device = self._nv, state.device
         data, offsets = encoded["data"].numpy(), encoded["offsets"].tolist()
         hmax, wmax = max(h for _, h in shapes[a:b]), max(w for w, _ in shapes[a:b])
-        canvas = torch.empty((b - a, hmax, wmax, 3), dtype=torch.uint8, device=device)
-        on_gpu = device.type == "cuda"
-        stream = torch.cuda.current_stream(device).cuda_stream if on_gpu else 0
-        streams, slots = [], []
-        for k in range(a, b):
-            w, h = shapes[k]
-            streams.append(nv.CodeStream(data[offsets[k] : offsets[k + 1]]))
-            view = canvas[k - a, :h, :w]
-            slots.append(nv.as_image(view if on_gpu else view.numpy(), cuda_stream=stream))
-        got = dec.decode(streams, images=slots, params=self.params, cuda_stream=stream)
-        if on_gpu:
+        target = state.next_canvas()
+        canvas, slots = target.view(b - a, hmax, wmax)
+        streams = [nv.CodeStream(data[offsets[k] : offsets[k + 1]]) for k in range(a, b)]
+        got = state.decoder.decode(
+            streams, images=slots, params=self.params, cuda_stream=state.stream
+        )
+        if device.type == "cuda":
             # The hardware decoder may read the host bytes after decode() returns: keep them
             # until the stream has passed this batch's decode.
             done = torch.cuda.Event()
@@ -206,7 +217,7 @@ class NvjpegDecoder:
         refused = [k for k, g in enumerate(got) if g is None]
         if refused:
             self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b])
-        return canvas
+        return target, canvas
 
     def _decode_on_host(self, canvas, refused, data, offsets, shapes) -> None:
         """PIL decodes the images the device decoder refused into their canvas slots."""
@@ -222,9 +233,83 @@ class NvjpegDecoder:
             canvas[k, :h, :w] = torch.from_numpy(pixels)
 
 
+def slot_side(pixels: int) -> int:
+    """A canvas slot's height or width for images up to `pixels`: rounded up to SLOT_GRID, so
+    that batches of similar images share one slot layout (and its image objects)."""
+    return -(-pixels // SLOT_GRID) * SLOT_GRID
+
+
+class _StreamState:
+    """One (device, stream)'s nvImageCodec decoder and its CANVASES decode targets, used in
+    turn. A decode into a canvas must not start before the crops that read its previous batch
+    have run, and nvImageCodec evidently does not order its writes after the work queued on its
+    stream: with one reused canvas and the crops queued behind a busy stream, the prep-thread
+    test on an H200 got half of a batch's values wrong. So the host waits (an
+    event) until the crops that last read a canvas have run before decoding into it again; with
+    two canvases that is the batch before the previous one, long done in a steady pipeline.
+    The other direction needs nothing: the call returns once the batch is decoded, so crops
+    queued after it read the decoded pixels."""
+
+    def __init__(self, decoder, nv, device: torch.device, stream: int):
+        self.decoder, self.device, self.stream = decoder, device, stream
+        self.canvases = [_Canvas(nv, device, stream) for _ in range(CANVASES)]
+        self.turn = 0
+        self.lock = threading.Lock()
+
+    def next_canvas(self) -> _Canvas:
+        canvas = self.canvases[self.turn]
+        self.turn = (self.turn + 1) % len(self.canvases)
+        canvas.wait_for_readers()
+        return canvas
+
+
+class _Canvas:
+    """A decode target: a uint8 buffer viewed as (n, H, W, 3) slots, and nvImageCodec image
+    objects of its slots, per slot layout, made once and passed to every decode (it writes
+    each image at the top-left of its slot, at the slot's row pitch). Making 256 image objects
+    per batch took ~6 ms of host time on an H200's host; reused, a batch makes only its code
+    streams. The buffer is kept (the largest chunk's canvas so far, below CANVAS_BYTES)."""
+
+    def __init__(self, nv, device: torch.device, stream: int):
+        self.nv, self.device, self.stream = nv, device, stream
+        self.buffer: torch.Tensor | None = None
+        self.layouts: dict[tuple[int, int], list] = {}
+        self.readers: torch.cuda.Event | None = None
+
+    def wait_for_readers(self) -> None:
+        if self.readers is not None:
+            self.readers.synchronize()
+            self.readers = None
+
+    def read_by_queued_work(self) -> None:
+        """The crops just queued on the current stream read this canvas: the next decode
+        into it waits for them."""
+        if self.device.type == "cuda":
+            self.readers = torch.cuda.Event()
+            self.readers.record(torch.cuda.current_stream(self.device))
+
+    def view(self, n: int, height: int, width: int):
+        """(n, H, W, 3) slots for images up to height x width, and their image objects."""
+        rows, cols = slot_side(height), slot_side(width)
+        slot = rows * cols * 3
+        if self.buffer is None or self.buffer.numel() < n * slot:
+            self.buffer = torch.empty(n * slot, dtype=torch.uint8, device=self.device)
+            self.layouts.clear()  # their images point into the old buffer
+        room = self.buffer.numel() // slot
+        whole = self.buffer[: room * slot].view(room, rows, cols, 3)
+        images = self.layouts.setdefault((rows, cols), [])
+        while len(images) < n:
+            view = whole[len(images)]
+            view = view.numpy() if self.device.type == "cpu" else view
+            images.append(self.nv.as_image(view, cuda_stream=self.stream))
+        return whole[:n], images[:n]
+
+
 # The per-sample entries of batch["encoded"] that a chunk of the batch slices.
 PER_SAMPLE = ("region", "factor", "local", "flip")
-CANVAS_BYTES = 1 << 30  # a chunk's canvas (samples x tallest x widest x 3) stays below this
+CANVASES = 2  # decode targets per stream, used in turn
+CANVAS_BYTES = 1 << 30  # a chunk's canvas (samples x slot rows x slot columns x 3) stays below
+SLOT_GRID = 128  # slot sides are multiples of this (ImageNet's 500 px sides: 512 px slots)
 
 
 def canvas_chunks(shapes: list, limit: int = CANVAS_BYTES) -> list[tuple[int, int]]:
@@ -232,10 +317,10 @@ def canvas_chunks(shapes: list, limit: int = CANVAS_BYTES) -> list[tuple[int, in
     few huge photos in a batch must not make a canvas of batch x huge x huge); usually one."""
     spans, start, hmax, wmax = [], 0, 0, 0
     for k, (w, h) in enumerate(shapes):
-        grown_h, grown_w = max(hmax, h), max(wmax, w)
+        grown_h, grown_w = max(hmax, slot_side(h)), max(wmax, slot_side(w))
         if k > start and (k + 1 - start) * grown_h * grown_w * 3 > limit:
             spans.append((start, k))
-            start, grown_h, grown_w = k, h, w
+            start, grown_h, grown_w = k, slot_side(h), slot_side(w)
         hmax, wmax = grown_h, grown_w
     spans.append((start, len(shapes)))
     return spans
