@@ -460,6 +460,34 @@ def test_cuda_prefetch_batches_are_not_overwritten_while_in_use(folder):
 
 
 @pytest.mark.cuda
+def test_nvjpeg_prep_thread_gives_the_same_batches_and_keeps_them_while_in_use(folder):
+    """backend=nvjpeg under loader=prefetch: device prep (the GPU decode) runs in the prep
+    thread, batches ahead and not ordered after the model's queued work. Its batches equal
+    the same-thread path's (loader=baseline, the same decode), and none changes under slow
+    consumer kernels while it is kept."""
+    opts = ("backend=nvjpeg", "loader.num_workers=2")
+    expected = [
+        b["image"].cpu() for b in epoch(make_loader("baseline", folder, *opts, device="cuda"))
+    ]
+    loader = make_loader("prefetch", folder, *opts, device="cuda")
+    assert loader.prep_thread
+    loader.set_epoch(0)
+    big = torch.randn(4096, 4096, device="cuda")
+    kept, threads = [], set()
+    for b in loader:
+        threads.update(t.name for t in threading.enumerate() if t.name.startswith("fastload-prep"))
+        for _ in range(20):  # queue ~100 ms of work before the batch is read
+            big = big @ big
+            big = big / big.norm()
+        kept.append(b["image"].clone())
+    torch.cuda.synchronize()
+    assert threads, "no prep thread ran"
+    assert len(kept) == len(expected)
+    for e, g in zip(expected, kept, strict=True):
+        torch.testing.assert_close(e, g.cpu(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.cuda
 def test_cuda_prefetch_channels_last_and_bf16():
     loader = make_loader(
         "prefetch",

@@ -43,10 +43,10 @@ class _Producer(BackgroundGenerator):
     """The thread. It holds the queue, the source and the stop event, never the consumer-side
     `BackgroundIterator`, so dropping that object lets it be collected (and close us)."""
 
-    def __init__(self, source, max_prefetch: int, stop: threading.Event):
+    def __init__(self, source, max_prefetch: int, stop: threading.Event, name: str):
         self.stop = stop
         super().__init__(source, max_prefetch=max_prefetch)  # starts the thread
-        self.name = f"fastload-bg-{self.ident}"
+        self.name = f"{name}-{self.ident}"
 
     def _put(self, item) -> bool:
         while not self.stop.is_set():
@@ -77,7 +77,9 @@ class BackgroundIterator:
     """`BackgroundGenerator(source, max_prefetch)` that re-raises with the original traceback,
     can be closed, and stops its thread when closed or collected."""
 
-    def __init__(self, source, max_prefetch: int = 2, join_timeout: float = 10.0):
+    def __init__(
+        self, source, max_prefetch: int = 2, join_timeout: float = 10.0, name: str = "fastload-bg"
+    ):
         if int(max_prefetch) < 1:
             raise ConfigError(
                 f"loader.max_prefetch={max_prefetch}: use 1 or more (a bounded queue)."
@@ -85,7 +87,7 @@ class BackgroundIterator:
         self._stop = threading.Event()
         self._done = False
         self.join_timeout = join_timeout
-        self._thread = _Producer(iter(source), int(max_prefetch), self._stop)
+        self._thread = _Producer(iter(source), int(max_prefetch), self._stop, name)
         _live.add(self)
 
     def __iter__(self):
