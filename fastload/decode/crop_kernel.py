@@ -61,62 +61,32 @@ if triton is not None:
         base = canvas + s.to(tl.int64) * slot_stride
         row_a = base + (y0 + ya * ky).to(tl.int64) * pitch
         row_b = base + (y0 + yb * ky).to(tl.int64) * pitch
-        col_a = (x0 + xa * kx) * 3
-        col_b = (x0 + xb * kx) * 3
-        # Four taps x three channels, each summed over its kx x ky block.
-        aa0 = tl.zeros([BLOCK], tl.float32)
-        aa1 = tl.zeros([BLOCK], tl.float32)
-        aa2 = tl.zeros([BLOCK], tl.float32)
-        ab0 = tl.zeros([BLOCK], tl.float32)
-        ab1 = tl.zeros([BLOCK], tl.float32)
-        ab2 = tl.zeros([BLOCK], tl.float32)
-        ba0 = tl.zeros([BLOCK], tl.float32)
-        ba1 = tl.zeros([BLOCK], tl.float32)
-        ba2 = tl.zeros([BLOCK], tl.float32)
-        bb0 = tl.zeros([BLOCK], tl.float32)
-        bb1 = tl.zeros([BLOCK], tl.float32)
-        bb2 = tl.zeros([BLOCK], tl.float32)
+        channel = tl.arange(0, 4)  # RGB and one masked lane: a power of two
+        col_a = ((x0 + xa * kx) * 3)[:, None] + channel[None, :]
+        col_b = ((x0 + xb * kx) * 3)[:, None] + channel[None, :]
+        mask = inside[:, None] & (channel[None, :] < 3)
+        # The four taps, each summed over its kx x ky block, all channels at once.
+        aa = tl.zeros([BLOCK, 4], tl.float32)
+        ab = tl.zeros([BLOCK, 4], tl.float32)
+        ba = tl.zeros([BLOCK, 4], tl.float32)
+        bb = tl.zeros([BLOCK, 4], tl.float32)
         for dy in range(0, ky):
-            ra = row_a + dy * pitch
-            rb = row_b + dy * pitch
+            ra = (row_a + dy * pitch)[:, None]
+            rb = (row_b + dy * pitch)[:, None]
             for dx in range(0, kx):
-                ca = col_a + dx * 3
-                cb = col_b + dx * 3
-                aa0 += tl.load(ra + ca, mask=inside, other=0).to(tl.float32)
-                aa1 += tl.load(ra + ca + 1, mask=inside, other=0).to(tl.float32)
-                aa2 += tl.load(ra + ca + 2, mask=inside, other=0).to(tl.float32)
-                ab0 += tl.load(ra + cb, mask=inside, other=0).to(tl.float32)
-                ab1 += tl.load(ra + cb + 1, mask=inside, other=0).to(tl.float32)
-                ab2 += tl.load(ra + cb + 2, mask=inside, other=0).to(tl.float32)
-                ba0 += tl.load(rb + ca, mask=inside, other=0).to(tl.float32)
-                ba1 += tl.load(rb + ca + 1, mask=inside, other=0).to(tl.float32)
-                ba2 += tl.load(rb + ca + 2, mask=inside, other=0).to(tl.float32)
-                bb0 += tl.load(rb + cb, mask=inside, other=0).to(tl.float32)
-                bb1 += tl.load(rb + cb + 1, mask=inside, other=0).to(tl.float32)
-                bb2 += tl.load(rb + cb + 2, mask=inside, other=0).to(tl.float32)
+                aa += tl.load(ra + col_a + dx * 3, mask=mask, other=0).to(tl.float32)
+                ab += tl.load(ra + col_b + dx * 3, mask=mask, other=0).to(tl.float32)
+                ba += tl.load(rb + col_a + dx * 3, mask=mask, other=0).to(tl.float32)
+                bb += tl.load(rb + col_b + dx * 3, mask=mask, other=0).to(tl.float32)
         scale = 1.0 / (kx * ky).to(tl.float32)
-        w_aa = (1.0 - wy) * (1.0 - wx) * scale
-        w_ab = (1.0 - wy) * wx * scale
-        w_ba = wy * (1.0 - wx) * scale
-        w_bb = wy * wx * scale
-        dst = out + s.to(tl.int64) * size * size * 3 + offs * 3
-        for_c0 = aa0 * w_aa + ab0 * w_ab + ba0 * w_ba + bb0 * w_bb
-        for_c1 = aa1 * w_aa + ab1 * w_ab + ba1 * w_ba + bb1 * w_bb
-        for_c2 = aa2 * w_aa + ab2 * w_ab + ba2 * w_ba + bb2 * w_bb
-        lo, hi = 0.0, 255.0
-        tl.store(
-            dst, tl.minimum(tl.maximum(tl.floor(for_c0 + 0.5), lo), hi).to(tl.uint8), mask=inside
-        )
-        tl.store(
-            dst + 1,
-            tl.minimum(tl.maximum(tl.floor(for_c1 + 0.5), lo), hi).to(tl.uint8),
-            mask=inside,
-        )
-        tl.store(
-            dst + 2,
-            tl.minimum(tl.maximum(tl.floor(for_c2 + 0.5), lo), hi).to(tl.uint8),
-            mask=inside,
-        )
+        wy = wy[:, None]
+        wx = wx[:, None]
+        pixel = (
+            (aa * (1.0 - wx) + ab * wx) * (1.0 - wy) + (ba * (1.0 - wx) + bb * wx) * wy
+        ) * scale
+        pixel = tl.minimum(tl.maximum(tl.floor(pixel + 0.5), 0.0), 255.0)
+        dst = out + s.to(tl.int64) * size * size * 3 + (offs * 3)[:, None] + channel[None, :]
+        tl.store(dst, pixel.to(tl.uint8), mask=mask)
 
 
 def available() -> bool:
