@@ -631,7 +631,10 @@ def test_bench_train_cli_smoke(tiny_folder, tmp_path, capsys):
     assert [r["epoch"] for r in rows] == [0, 1, 2, "all"]
     for r in rows[:3]:
         assert r["images_per_s"] > 0 and 0 <= r["data_wait_share"] < 1 and r["eval_s"] > 0
-        assert 0 < r["vs_ceiling"] <= 1.5
+        # the ceiling's epoch over this one (a 3-step epoch of 5 ms steps is all noise on a
+        # loaded 2-core machine: the ratio itself ran to 1.9 there)
+        assert r["vs_ceiling"] > 0
+        assert r["vs_ceiling"] == pytest.approx(r["ceiling_wall_s"] / r["wall_s"])
     run = rows[-1]
     assert run["epochs"] == 3 and run["wall_s"] > 3 * 3 * 0.005
     assert run["steps_time_s"] == pytest.approx(3 * 3 * 0.005 + 3 * 3 * 0.005 / 3)  # 9 val imgs
