@@ -125,9 +125,9 @@ def normalize_on(cfg: DictConfig, backend=None) -> str:
     if backend is not None and backend.device_decoder is not None:
         if not get_class(cfg.loader._target_).normalizes_on_device:
             log.info(
-                "backend=%s decodes on the training thread's CUDA stream with this loader, "
-                "between steps; loader=prefetch (or prefetch+bg) decodes the next batch on a "
-                "side stream while the current step runs",
+                "backend=%s decodes in the training thread with this loader, between steps, "
+                "and its decode call waits for the GPU's queued work; loader=prefetch (or "
+                "prefetch+bg) decodes in a thread of its own, two batches ahead",
                 backend.name,
             )
     return where
