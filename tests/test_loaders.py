@@ -459,6 +459,56 @@ def test_cuda_prefetch_batches_are_not_overwritten_while_in_use(folder):
         torch.testing.assert_close(e, g.cpu(), rtol=0, atol=1e-6)
 
 
+class _FakeStream:
+    """Stands in for a CUDA stream / event on the CPU: records what the prefetcher asks."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+    def record(self, stream=None):
+        pass
+
+
+def test_prep_thread_on_the_cpu_keeps_order_and_stops_with_the_consumer(folder, monkeypatch):
+    """The prep thread's mechanics, with CUDA's stream calls faked on the CPU (the GPU test
+    below checks the streams): backend=nvjpeg's batches (its decoder on nvImageCodec's CPU
+    backend) come out of loader=prefetch's thread in the same-thread loader's order and
+    values, the consumer waits on one event per batch, and an early break stops the thread."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # NvjpegBackend's check
+    opts = ("backend=nvjpeg", "loader.num_workers=2")
+    expected = [b["image"] for b in epoch(make_loader("baseline", folder, *opts))]
+    loader = make_loader("prefetch", folder, *opts)
+    assert loader.prep_thread and loader.stream is None  # a CPU device: no side stream
+    consumer = _FakeStream()
+    loader.stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    prepared_in = []
+
+    class Recording(type(loader.device_prep)):
+        def __call__(self, batch):
+            prepared_in.append(threading.current_thread().name)
+            return super().__call__(batch)
+
+    loader.device_prep.__class__ = Recording
+    got = [b["image"] for b in epoch(loader)]
+    assert len(consumer.waited) == len(got) == len(expected) == len(prepared_in)
+    assert all(name.startswith("fastload-prep") for name in prepared_in), prepared_in
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(e, g, rtol=0, atol=0)
+    loader.set_epoch(1)
+    for _ in loader:
+        break  # the consumer leaves early: the thread and the workers stop
+    assert not [t for t in threading.enumerate() if t.name.startswith("fastload-prep")]
+
+
 @pytest.mark.cuda
 def test_nvjpeg_prep_thread_gives_the_same_batches_and_keeps_them_while_in_use(folder):
     """backend=nvjpeg under loader=prefetch: device prep (the GPU decode) runs in the prep
