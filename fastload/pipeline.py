@@ -126,7 +126,7 @@ def normalize_on(cfg: DictConfig, backend=None) -> str:
         if not get_class(cfg.loader._target_).normalizes_on_device:
             log.info(
                 "backend=%s decodes in the training thread with this loader, between steps, "
-                "and its decode call waits for the GPU's queued work; loader=prefetch (or "
+                "and its decode call returns after the GPU's queued work; loader=prefetch (or "
                 "prefetch+bg) decodes in a thread of its own, two batches ahead",
                 backend.name,
             )

@@ -12,13 +12,13 @@ after batch, with the decoder's image objects of its slots), then `resize_region
 block-averages, resizes and flips the batch (one Triton kernel on a GPU:
 fastload/decode/crop_kernel.py).
 
-nvImageCodec's call returns only once the batch is decoded, and it first waits until the GPU
-has run the work queued before it, on any stream (on an H200, four decodes that take 35 ms
-alone returned after 250 ms behind 218 ms of queued matrix products, whether those ran on the
-default stream or on a stream of their own). In the
-training thread that would stall every step's launches; loader=prefetch therefore runs device
-prep in a thread of its own (fastload/loaders/cuda_prefetch.py), and the pipeline says so
-when backend=nvjpeg runs with another loader.
+nvImageCodec's call returns only once the batch is decoded, and on a busy GPU that takes as
+long as the work queued before it (on an H200, four decodes that take 35 ms alone returned
+after 250 ms behind 218 ms of queued matrix products, whether those ran on the default stream
+or on a stream of their own: the CUDA decoders' share needs the SMs). In the training thread
+that would stall every step's launches; loader=prefetch therefore runs device prep in a thread
+of its own (fastload/loaders/cuda_prefetch.py), and the pipeline says so when backend=nvjpeg
+runs with another loader.
 
 Whole images, not regions: nvImageCodec 0.9.0 decodes no region on the GPU (every one comes
 back refused on an H100, hardware and hybrid decoders alike; its issue #55), while whole
@@ -243,13 +243,14 @@ def slot_side(pixels: int) -> int:
 class _StreamState:
     """One (device, stream)'s nvImageCodec decoder and its CANVASES decode targets, used in
     turn. A decode into a canvas must not start before the crops that read its previous batch
-    have run, and nvImageCodec evidently does not order its writes after the work queued on its
-    stream: with one reused canvas and the crops queued behind a busy stream, the prep-thread
-    test on an H200 got half of a batch's values wrong. So the host waits (an
-    event) until the crops that last read a canvas have run before decoding into it again; with
-    two canvases that is the batch before the previous one, long done in a steady pipeline.
-    The other direction needs nothing: the call returns once the batch is decoded, so crops
-    queued after it read the decoded pixels."""
+    have run, and nothing orders that on the GPU: the hardware decoder writes beside the SMs,
+    while the crops may still wait for SMs the model fills. With one reused canvas and ~100 ms
+    of matrix products queued per batch, the prep-thread test on an H200 got half of a batch's
+    values wrong (the likely cause). So the host waits
+    (an event) until the crops that last read a canvas have run before decoding into it again;
+    with two canvases that is the batch before the previous one, long done in a steady
+    pipeline. The other direction needs nothing: the call returns once the batch is decoded,
+    so crops queued after it read the decoded pixels."""
 
     def __init__(self, decoder, nv, device: torch.device, stream: int):
         self.decoder, self.device, self.stream = decoder, device, stream

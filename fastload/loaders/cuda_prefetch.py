@@ -20,10 +20,10 @@ Per loader, one side stream (timm#2781: a stream per epoch leaked memory). For e
    (for example, keeps it beyond the next step).
 
 With a backend that decodes on the device (backend=nvjpeg), device prep runs in a prep thread
-instead, `PREP_AHEAD` batches ahead: nvImageCodec's decode call blocks until the GPU has run
-everything queued before it and the batch is decoded (it releases the GIL meanwhile), so in
-the training thread it would stall the next step's launches at every batch (on an H100 the
-step lost ~18 ms per batch of 256 that way). The thread skips step 1, whose argument needs
+instead, `PREP_AHEAD` batches ahead: nvImageCodec's decode call returns once the batch is
+decoded, which on a busy GPU takes as long as the work queued before it (it releases the GIL
+meanwhile), so in the training thread it would stall the next step's launches at every batch
+(on an H100 the step lost ~18 ms per batch of 256 that way). The thread skips step 1, whose argument needs
 the consumer suspended in `next()` while we queue; memory stays safe without it: the caching
 allocator hands the side stream only blocks of its own pool, a batch's blocks are reused only
 after the consumer's uses recorded by step 3 have run, and the decoder keeps its canvases and
