@@ -23,11 +23,11 @@ With a backend that decodes on the device (backend=nvjpeg), device prep runs in 
 instead, `PREP_AHEAD` batches ahead: nvImageCodec's decode call returns once the batch is
 decoded, which on a busy GPU takes as long as the work queued before it (it releases the GIL
 meanwhile), so in the training thread it would stall the next step's launches at every batch
-(on an H100 the step lost ~18 ms per batch of 256 that way). The thread skips step 1, whose argument needs
-the consumer suspended in `next()` while we queue; memory stays safe without it: the caching
-allocator hands the side stream only blocks of its own pool, a batch's blocks are reused only
-after the consumer's uses recorded by step 3 have run, and the decoder keeps its canvases and
-host bytes until their readers have run.
+(on an H100 the step lost ~18 ms per batch of 256 that way). The thread skips step 1, whose
+argument needs the consumer suspended in `next()` while we queue; memory stays safe without it:
+the caching allocator hands the side stream only blocks of its own pool, a batch's blocks are
+reused only after the consumer's uses recorded by step 3 have run, and the decoder keeps its
+canvases and host bytes until their readers have run.
 
 Normalisation happens here exactly once, on the GPU: the builder refuses loader.normalize_on=cpu
 with this loader (`normalizes_on_device`).

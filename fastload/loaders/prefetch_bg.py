@@ -12,10 +12,11 @@ The order that overlaps the most, and why:
   between two steps while the GPU idles.
 * The prefetcher stays in the training thread: queuing an async copy and a few kernels costs
   microseconds, and its safety argument (`wait_stream` on the consumer's current stream,
-  `record_stream`, an event per batch; see cuda_prefetch.py) is about the thread that runs
-  the model (with a GPU-decoding backend the prefetcher's device prep has a thread of its
-  own, cuda_prefetch.py says why). In the other order the thread would queue GPU work against a stream that is
-  not the model's and hold `max_prefetch` extra batches in GPU memory for nothing.
+  `record_stream`, an event per batch; see cuda_prefetch.py) is about the thread that runs the
+  model (with a GPU-decoding backend the prefetcher's device prep has a thread of its own,
+  cuda_prefetch.py says why). In the other order the thread would queue GPU work against a
+  stream that is not the model's and hold `max_prefetch` extra batches in GPU memory for
+  nothing.
 
 This is plain cooperative inheritance: BackgroundLoader overrides the host stage,
 CudaPrefetchLoader the device stage; no code here, and no if/elif over strategy names.
