@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 
 import numpy as np
 import torch
@@ -131,7 +130,6 @@ class NvjpegDecoder:
         self.refused = 0  # images the device decoder refused, decoded on the host instead
         self._streams: dict = {}  # (device, stream) -> _StreamState
         self._lock = threading.Lock()
-        self._in_flight: deque = deque()  # (event, host bytes) until the decode has run
         self._nv = None
 
     def __getstate__(self):
@@ -198,7 +196,7 @@ class NvjpegDecoder:
     def _decode(self, state: _StreamState, encoded: dict, a: int, b: int, shapes: list):
         """Samples a..b decoded whole, each into its slot of one of the stream's canvases (at
         the slot's top-left), in one batched nvImageCodec call: (the canvas, its pixels)."""
-        nv, device = self._nv, state.device
+        nv = self._nv
         data, offsets = encoded["data"].numpy(), encoded["offsets"].tolist()
         hmax, wmax = max(h for _, h in shapes[a:b]), max(w for w, _ in shapes[a:b])
         target = state.next_canvas()
@@ -207,14 +205,7 @@ class NvjpegDecoder:
         got = state.decoder.decode(
             streams, images=slots, params=self.params, cuda_stream=state.stream
         )
-        if device.type == "cuda":
-            # The hardware decoder may read the host bytes after decode() returns: keep them
-            # until the stream has passed this batch's decode.
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            self._in_flight.append((done, encoded["data"]))
-            while self._in_flight and self._in_flight[0][0].query():
-                self._in_flight.popleft()
+        target.host_bytes = encoded["data"]  # kept while the canvas's readers may run
         refused = [k for k, g in enumerate(got) if g is None]
         if refused:
             self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b])
@@ -246,10 +237,9 @@ class _StreamState:
     have run, and nothing orders that on the GPU: the hardware decoder writes beside the SMs,
     while the crops may still wait for SMs the model fills. With one reused canvas and ~100 ms
     of matrix products queued per batch, the prep-thread test on an H200 got half of a batch's
-    values wrong (the likely cause). So the host waits
-    (an event) until the crops that last read a canvas have run before decoding into it again;
-    with two canvases that is the batch before the previous one, long done in a steady
-    pipeline. The other direction needs nothing: the call returns once the batch is decoded,
+    values wrong (the likely cause). So the host waits (an event) until the crops that last
+    read a canvas have run before decoding into it again; with two canvases that is the batch
+    before the previous one, long done in a steady pipeline. The other direction needs nothing: the call returns once the batch is decoded,
     so crops queued after it read the decoded pixels."""
 
     def __init__(self, decoder, nv, device: torch.device, stream: int):
@@ -277,11 +267,15 @@ class _Canvas:
         self.buffer: torch.Tensor | None = None
         self.layouts: dict[tuple[int, int], list] = {}
         self.readers: torch.cuda.Event | None = None
+        # The JPEG bytes of the batch last decoded here: the hardware decoder may read them
+        # after decode() returns, so they are kept until the crops after that decode have run.
+        self.host_bytes: torch.Tensor | None = None
 
     def wait_for_readers(self) -> None:
         if self.readers is not None:
             self.readers.synchronize()
             self.readers = None
+        self.host_bytes = None
 
     def read_by_queued_work(self) -> None:
         """The crops just queued on the current stream read this canvas: the next decode
