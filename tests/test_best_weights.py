@@ -4,9 +4,11 @@ folder, and refused as a state to resume."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import compose_config, tiny_overrides
+from conftest import compose_config, run_torchrun, run_train, tiny_overrides
 from omegaconf import open_dict
 
 from fastload import checkpoint as ckpt
@@ -87,3 +89,26 @@ def test_evaluate_refuses_before_any_data_work(tmp_path):
         with pytest.raises(FastloadError) as err:
             evaluate_only(cfg, DistContext(), refused)
         assert all(n in err.value.user_message for n in needles), err.value.user_message
+
+
+def test_evaluate_under_torchrun_gives_the_numbers_of_one_process(tiny_folder, tmp_path):
+    """evaluate= on two ranks: each evaluates its share of the 9 validation images (5 and 4,
+    the first rank's last batch short), and the numbers summed over both are the ones a
+    single process gets: no image left out, none counted twice (no sampler padding)."""
+    import torchvision
+
+    torch.manual_seed(3)
+    weights = tmp_path / "resnet18.pth"
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), weights)
+    one_dir = tmp_path / "out" / "one" / "r"
+    one = run_train(tiny_overrides(tiny_folder, one_dir, f"evaluate={weights}"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_torchrun(tiny_folder, tmp_path, f"output_root={tmp_path / 'two'}", "name=e",
+                       f"evaluate={weights}")  # fmt: skip
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    (two_json,) = (tmp_path / "two" / "e").glob("*/evaluation.json")  # one folder, rank 0's
+    a = json.loads((one_dir / "evaluation.json").read_text())
+    b = json.loads(two_json.read_text())
+    assert a["val_images"] == b["val_images"] == 9 and b["val_skipped_corrupt"] == 0
+    assert b["val_acc1"] == a["val_acc1"] and b["val_acc5"] == a["val_acc5"]
+    assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-6)  # summed in another order
