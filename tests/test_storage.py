@@ -715,6 +715,46 @@ def test_coco_bad_input_names_the_file(tmp_path):
     assert pack_main([*args, "--images", str(images)]) == 2  # a clear error, no traceback
 
 
+def test_missing_inputs_name_the_config_keys_in_train_and_the_flags_in_pack(tmp_path):
+    """The same missing folder or file, named by the dataset yaml (a layout: train.py) or by
+    `python -m fastload.pack`: each error says how to fix it in the words of its command."""
+    from fastload.data.layouts import CocoLayout, Div2kLayout
+    from fastload.data.sources import CocoSource, Div2kSource
+    from fastload.errors import DatasetError
+
+    def message(make) -> str:
+        with pytest.raises(DatasetError) as err:
+            make()
+        return err.value.user_message
+
+    ann, images = make_coco(tmp_path / "coco")
+    hr, lr = make_div2k(tmp_path / "div2k")
+    nowhere = tmp_path / "nowhere"
+    cases = [  # (by the config, by the pack command, what both name, the keys, the flags)
+        (lambda: CocoLayout(str(nowhere)).source("train2017"),
+         lambda: CocoSource(nowhere / "annotations" / "instances_train2017.json", images),
+         "instances_train2017.json", ["dataset.root", "dataset.layout.annotations"],
+         ["--annotations"]),
+        (lambda: CocoLayout(str(ann.parent.parent), images="nope").source("train2017"),
+         lambda: CocoSource(ann, images.parent / "nope"),
+         "nope", ["dataset.layout.images"], ["--images"]),
+        (lambda: Div2kLayout(str(nowhere)).source("train"),
+         lambda: Div2kSource(nowhere / "DIV2K_train_HR"),
+         "DIV2K_train_HR", ["dataset.root", "dataset.layout.hr"], ["--hr"]),
+        (lambda: Div2kLayout(str(hr.parent), lr="X{scale}").source("train"),
+         lambda: Div2kSource(hr, hr.parent / "X2", 2),
+         "X2", ["dataset.layout.lr", "dataset.layout.lr=null"], ["--lr"]),
+        (lambda: Div2kLayout(str(hr.parent), scale=5).source("train"),
+         lambda: Div2kSource(hr, lr, 5),
+         "5", ["dataset.scale=5"], ["--scale"]),
+    ]  # fmt: skip
+    for by_config, by_pack, named, keys, flags in cases:
+        train, pack = message(by_config), message(by_pack)
+        assert named in train and named in pack, (train, pack)
+        assert all(k in train for k in keys) and not any(f in train for f in flags), train
+        assert all(f in pack for f in flags) and "dataset." not in pack, pack
+
+
 def make_div2k(root, n=3, scale=2):
     from PIL import Image
 

@@ -21,6 +21,30 @@ from pathlib import Path
 from fastload.data.records import Schema
 from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
 
+# The fixes a missing input's error gives (fastload/data/sources.py), in the config's words:
+# a layout is what train.py builds from the dataset yaml.
+COCO_CONFIG_FIXES = {
+    "annotations": "Point dataset.root at the COCO folder that holds it (unzip "
+    "annotations_trainval2017.zip there), or set dataset.layout.annotations to its path under "
+    "dataset.root ('{{split}}' for the split's name, dataset.train_split / val_split).",
+    "images": "Point dataset.root at the folder that holds the split's images, or set "
+    "dataset.layout.images to their folder under dataset.root ('{{split}}' for the split's "
+    "name): the folder of the .jpg files listed in {ann}.",
+    "files": "Set dataset.layout.images to the folder of this split's images, or finish the "
+    "download/unzip.",
+}
+DIV2K_CONFIG_FIXES = {
+    "hr": "Point dataset.root at a DIV2K folder (DIV2K_train_HR/, DIV2K_valid_HR/, ...), or set "
+    "dataset.layout.hr to the HR images' folder under dataset.root (\"dataset.layout.hr='{{split}}'\" "
+    "for <root>/<split>/).",
+    "scale": "dataset.scale={scale}: use 2, 3, 4 or 8 (HR side / LR side).",
+    "lr": "Set dataset.layout.lr to the LR images' folder under dataset.root (DIV2K's: "
+    "DIV2K_{{split}}_LR_bicubic/X{{scale}}), or dataset.layout.lr=null to make each LR patch "
+    "from its HR patch by bicubic downscale.",
+    "pair": "Check dataset.layout.lr and dataset.scale, or set dataset.layout.lr=null to make "
+    "the LR patches from the HR ones.",
+}
+
 
 class Layout(abc.ABC):
     root: str
@@ -77,7 +101,7 @@ class CocoLayout(Layout):
 
     def source(self, split: str) -> CocoSource:
         images = Path(self.root) / self.images.format(split=split)
-        return CocoSource(self.annotation_file(split), images, subset=self.subset)
+        return CocoSource(self.annotation_file(split), images, self.subset, COCO_CONFIG_FIXES)
 
     @property
     def schema(self) -> Schema:
@@ -108,7 +132,8 @@ class Div2kLayout(Layout):
     def source(self, split: str) -> Div2kSource:
         hr = Path(self.root) / self.hr.format(split=split)
         lr = self._lr(split)
-        return Div2kSource(hr, None if lr is None else Path(self.root) / lr, self.scale)
+        lr = None if lr is None else Path(self.root) / lr
+        return Div2kSource(hr, lr, self.scale, DIV2K_CONFIG_FIXES)
 
     @property
     def schema(self) -> Schema:

@@ -20,6 +20,11 @@ Packing never decodes here; the pack workers read and (re-)encode the files.
 * `Div2kSource(hr, lr=None, scale=None)`: super-resolution pairs; records = the HR images
   (sorted by name); fields: image, position (the record's place); with `lr` also lr, the LR
   image of the same stem (`0001x2.png`, DIV2K's naming, or `0001.png`) in the LR folder.
+
+A missing input is a DatasetError that names the path and says how to fix it in the words of
+whoever named the path: the pack command's flags by default (`COCO_PACK_FIXES`,
+`DIV2K_PACK_FIXES`); a layout, which train.py builds from the config, passes the config's
+keys instead (fastload/data/layouts.py).
 """
 
 from __future__ import annotations
@@ -145,6 +150,22 @@ def _clip_xywh(bbox, width, height) -> tuple[float, float, float, float] | None:
     return x0, y0, x1 - x0, y1 - y0
 
 
+# The fix each missing input's error gives, as `python -m fastload.pack` names the inputs;
+# format fields: ann (the annotation file's name), lr and scale (the LR folder and scale given).
+COCO_PACK_FIXES = {
+    "annotations": "Pass --annotations <coco>/annotations/instances_<split>.json (unzip "
+    "annotations_trainval2017.zip).",
+    "images": "Pass --images <coco>/<split> (the folder holding the .jpg files listed in {ann}).",
+    "files": "Point --images at the folder of this split, or finish the download/unzip.",
+}
+DIV2K_PACK_FIXES = {
+    "hr": "Pass --hr <div2k>/DIV2K_train_HR.",
+    "scale": "--lr {lr} needs --scale 2|3|4|8 (got {scale}).",
+    "lr": "Pass --lr <div2k>/DIV2K_train_LR_bicubic/X{scale}.",
+    "pair": "Check --lr and --scale.",
+}
+
+
 class CocoSource(Source):
     kind = "coco"
     schema = Schema(
@@ -154,18 +175,15 @@ class CocoSource(Source):
         Field("labels", "array"),  # (n,) int64 category ids
     )
 
-    def __init__(self, annotations, images, subset: int | None = None):
+    def __init__(self, annotations, images, subset: int | None = None, fixes=COCO_PACK_FIXES):
         ann_path, self.images = Path(annotations).absolute(), Path(images).absolute()
+        fix = {k: v.format(ann=ann_path.name) for k, v in fixes.items()}
         if not ann_path.is_file():
             raise DatasetError(
-                f"COCO annotation file {ann_path} does not exist. Pass --annotations "
-                f"<coco>/annotations/instances_<split>.json (unzip annotations_trainval2017.zip)."
+                f"COCO annotation file {ann_path} does not exist. {fix['annotations']}"
             )
         if not self.images.is_dir():
-            raise DatasetError(
-                f"COCO image folder {self.images} does not exist. Pass --images <coco>/<split> "
-                f"(the folder holding the .jpg files listed in {ann_path.name})."
-            )
+            raise DatasetError(f"COCO image folder {self.images} does not exist. {fix['images']}")
         self.annotations = ann_path
         coco = _load_coco(ann_path)
         self.root = str(self.images)
@@ -179,7 +197,7 @@ class CocoSource(Source):
         self.ids = np.array(ids, np.int64)
         self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
         self._index_boxes(coco, ids)
-        self._check_files(ann_path)
+        self._check_files(ann_path, fix["files"])
         self._files = {"image": self._path}  # bound methods: a source crosses spawn
         self._values = {"image_id": self.ids, "boxes": self._box_xywh, "labels": self._box_labels}
 
@@ -205,13 +223,12 @@ class CocoSource(Source):
         self._offsets = np.array(offsets, np.int64)
         self.dropped["images_without_boxes"] = int(np.sum(np.diff(self._offsets) == 0))
 
-    def _check_files(self, ann_path: Path) -> None:
+    def _check_files(self, ann_path: Path, fix: str) -> None:
         missing = [f for f in self.files if not (self.images / f).is_file()]
         if missing:
             raise DatasetError(
                 f"{len(missing)} image(s) listed in {ann_path} are missing from {self.images}, "
-                f"first: {self.images / missing[0]}. Point --images at the folder of this "
-                f"split, or finish the download/unzip."
+                f"first: {self.images / missing[0]}. {fix}"
             )
 
     def __len__(self) -> int:
@@ -241,12 +258,11 @@ class Div2kSource(Source):
     HR = Schema(IMAGE_FIELD, Field("position", "int", ext=""))
     PAIRED = Schema(*HR, Field("lr", "encoded"))  # <key>.lr.png in WebDataset shards
 
-    def __init__(self, hr, lr=None, scale=None):
+    def __init__(self, hr, lr=None, scale=None, fixes=DIV2K_PACK_FIXES):
         self.hr = Path(hr).absolute()
+        fix = {k: v.format(lr=lr, scale=scale) for k, v in fixes.items()}
         if not self.hr.is_dir():
-            raise DatasetError(
-                f"DIV2K HR folder {self.hr} does not exist. Pass --hr <div2k>/DIV2K_train_HR."
-            )
+            raise DatasetError(f"DIV2K HR folder {self.hr} does not exist. {fix['hr']}")
         self.files = np.array(
             sorted(n for n in os.listdir(self.hr) if n.lower().endswith(IMG_EXTENSIONS))
         )
@@ -259,18 +275,15 @@ class Div2kSource(Source):
         self._values = {"position": np.arange(len(self.files), dtype=np.int64)}
         self.pairs = None
         if self.lr is not None:
-            self.pairs = self._find_pairs(scale)
+            self.pairs = self._find_pairs(scale, fix)
             self._files["lr"] = self._lr_path
             self._divide = {"lr": scale}
 
-    def _find_pairs(self, scale) -> np.ndarray:
+    def _find_pairs(self, scale, fix: dict) -> np.ndarray:
         if scale not in (2, 3, 4, 8):
-            raise DatasetError(f"--lr {self.lr} needs --scale 2|3|4|8 (got {scale}).")
+            raise DatasetError(fix["scale"])
         if not self.lr.is_dir():
-            raise DatasetError(
-                f"DIV2K LR folder {self.lr} does not exist. Pass --lr "
-                f"<div2k>/DIV2K_train_LR_bicubic/X{scale}."
-            )
+            raise DatasetError(f"DIV2K LR folder {self.lr} does not exist. {fix['lr']}")
         pairs = []
         for name in self.files:
             stem, ext = os.path.splitext(name)
@@ -281,7 +294,7 @@ class Div2kSource(Source):
             else:
                 raise DatasetError(
                     f"no LR image for {self.hr / name} in {self.lr} (looked for "
-                    f"{stem}x{scale}{ext} and {name}); check --lr and --scale."
+                    f"{stem}x{scale}{ext} and {name}). {fix['pair']}"
                 )
         return np.array(pairs)
 
