@@ -40,7 +40,7 @@ from pathlib import Path
 
 from fastload.atomic import folder_id
 from fastload.data.sources import CocoSource, Div2kSource
-from fastload.errors import FastloadError, StorageError
+from fastload.errors import DatasetError, FastloadError, StorageError
 from fastload.storage import lmdb_store, shards
 from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.packing import pack_split, stale_reason
@@ -262,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.dst is None:
             p.error("DST is required")
+        if not args.src.is_dir():
+            raise DatasetError(
+                f"SRC {args.src} is not a folder: pass a dataset root (SRC/<split>/<class>/"
+                f"<image>, e.g. ImageNet's train/ and val/) or one split (SRC/<class>/<image>)."
+            )
         dirs = split_dirs(args.src)
         if args.splits:
             dirs = [args.src / s for s in args.splits.split(",")]

@@ -715,7 +715,7 @@ def test_coco_bad_input_names_the_file(tmp_path):
     assert pack_main([*args, "--images", str(images)]) == 2  # a clear error, no traceback
 
 
-def test_missing_inputs_name_the_config_keys_in_train_and_the_flags_in_pack(tmp_path):
+def test_missing_inputs_name_the_config_keys_in_train_and_the_flags_in_pack(tmp_path, capsys):
     """The same missing folder or file, named by the dataset yaml (a layout: train.py) or by
     `python -m fastload.pack`: each error says how to fix it in the words of its command."""
     from fastload.data.layouts import CocoLayout, Div2kLayout
@@ -753,6 +753,17 @@ def test_missing_inputs_name_the_config_keys_in_train_and_the_flags_in_pack(tmp_
         assert named in train and named in pack, (train, pack)
         assert all(k in train for k in keys) and not any(f in train for f in flags), train
         assert all(f in pack for f in flags) and "dataset." not in pack, pack
+    # an image folder: the pack command's SRC that is not there, and one without images
+    assert pack_main(["lmdb", str(nowhere), str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty" / "cls").mkdir(parents=True)
+    assert pack_main(["lmdb", str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[0] == f"error: SRC {nowhere} is not a folder: pass a dataset root (SRC/<split>/"
+        "<class>/<image>, e.g. ImageNet's train/ and val/) or one split (SRC/<class>/<image>)."
+    )
+    assert "no image files" in err[1] and "dataset.root (train.py) or SRC" in err[1], err
 
 
 def make_div2k(root, n=3, scale=2):

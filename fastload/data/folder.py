@@ -71,6 +71,10 @@ def warn_skipped(where, skipped: list[str]) -> None:
         )  # fmt: skip
 
 
+# What names the folder, for the fixes below: train.py's option, or the pack command's SRC.
+CHECK = "dataset.root (train.py) or SRC (python -m fastload.pack)"
+
+
 def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
     split_dir = Path(split_dir)
     if not split_dir.is_dir():
@@ -82,7 +86,7 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
     if not classes:
         raise DatasetError(
             f"{split_dir} has no class folders. Expected {split_dir}/<class_name>/<image>.jpg "
-            f"(torchvision ImageFolder layout); check dataset.root."
+            f"(torchvision ImageFolder layout); check {CHECK}."
         )
     paths: list[str] = []
     targets: list[int] = []
@@ -110,7 +114,7 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
     if not paths:
         raise DatasetError(
             f"{split_dir} has class folders ({', '.join(classes[:5])}…) but no image files "
-            f"with extensions {', '.join(IMG_EXTENSIONS)}; check dataset.root."
+            f"with extensions {', '.join(IMG_EXTENSIONS)}; check {CHECK}."
         )
     warn_skipped(split_dir, skipped)
     return FolderIndex(
