@@ -709,11 +709,17 @@ def finished_already(path: Path, run_dir: Path, cfg, ctx) -> dict:
     return {"nothing_left": True, "checkpoint": str(path)}
 
 
-def fit(cfg: DictConfig) -> dict:
+def check_config(cfg: DictConfig) -> None:
+    """The checks of the config alone that every run makes before any work: `???` values,
+    the trainer's, optimiser's and skip-share numbers."""
     check_required(cfg)
     check_trainer(cfg)
     check_optim_options(cfg.optim)
     checked_share(cfg.dataset.max_skipped_share)
+
+
+def fit(cfg: DictConfig) -> dict:
+    check_config(cfg)
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if ctx.is_main:

@@ -19,18 +19,22 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
+def resolve_all(cfg) -> dict:
+    """Every value but Hydra's, resolved: catches typos in interpolations and missing keys."""
+    return {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in cfg
+        if k != "hydra"
+    }
+
+
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes(group, option, tmp_path):
     overrides = [f"{group}={option}", f"hydra.run.dir={tmp_path}"]
     cfg = compose_config(overrides, tmp_path)
     if OmegaConf.is_missing(cfg.dataset, "root"):  # a real dataset (imagenet, coco2017, ...)
         cfg = compose_config([*overrides, "dataset.root=/data/real"], tmp_path)
-    # Resolving everything catches typos in interpolations and missing keys.
-    resolved = {
-        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-        for k in cfg
-        if k != "hydra"
-    }
+    resolved = resolve_all(cfg)
     assert cfg.hydra.runtime.choices[group] == option
     assert resolved["name"] and cfg.hydra.run.dir
     for key in ("storage", "backend", "loader", "model", "logger"):
@@ -144,16 +148,11 @@ def test_every_train_py_command_in_the_docs_composes(overrides, tmp_path):
     """Every option a doc tells users to pass exists (a renamed key or group option fails
     here, not on a user's machine), every value resolves, and the checks a run makes before
     any work accept it."""
-    from fastload.engine import check_optim_options, check_trainer
-    from fastload.train_checks import checked_share
+    from fastload.engine import check_config
 
     cfg = compose_config([*overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
-    for key in cfg:
-        if key != "hydra" and OmegaConf.is_config(cfg[key]):
-            OmegaConf.to_container(cfg[key], resolve=True)
-    check_trainer(cfg)
-    check_optim_options(cfg.optim)
-    checked_share(cfg.dataset.max_skipped_share)
+    resolve_all(cfg)
+    check_config(cfg)
 
 
 def test_readme_and_ci_use_the_same_test_command():
