@@ -57,11 +57,13 @@ def tiny_folder(tmp_path_factory) -> Path:
 
 
 def tiny_overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
-    """Shrink the real config to seconds on 2 CPU cores. trainer.device=cpu: these runs test
-    the application's logic (bit-exact resume, gloo DDP, messages) the same way on a GPU
-    machine; the cuda-marked tests train on the GPU."""
+    """Shrink the real config (data, crops, batch, epochs, the model: small_model) to seconds
+    on 2 CPU cores. trainer.device=cpu: these runs test the application's logic (bit-exact
+    resume, gloo DDP, messages) the same way on a GPU machine; the cuda-marked tests train
+    on the GPU."""
     return [
         "trainer.device=cpu",
+        *small_model(extra),
         f"dataset.root={root}",
         "dataset.prepare=null",
         "dataset.num_classes=3",
@@ -77,6 +79,21 @@ def tiny_overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
         f"output_root={run_dir.parent.parent}",
         *extra,
     ]
+
+
+# Overrides that pick or shape the model themselves (another model, another task's dataset,
+# an experiment): those runs keep the model the config names.
+OWN_MODEL = ("model=", "model.", "dataset=", "experiment=")
+
+
+def small_model(extra) -> list[str]:
+    """The default ResNet-18 of a tiny run, shrunk (tests.helpers.build_small_resnet): a step
+    takes ~10 ms on a CPU core instead of ~110 ms, and what the tests check (resume, DDP,
+    messages, learning) does not depend on the width. The product's own ResNets are built by
+    the runs that name a model and by test_model_weights.py."""
+    if any(o.lstrip("+~").startswith(OWN_MODEL) for o in extra):
+        return []
+    return ["model._target_=tests.helpers.build_small_resnet"]
 
 
 def compose_config(overrides: list[str], run_dir: Path | None = None):
@@ -283,7 +300,7 @@ def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout
         f"--nproc_per_node={nproc}",
         *launcher,
         str(REPO / "train.py"),
-        *launch_overrides(root, workdir),
+        *launch_overrides(root, workdir, extra),
         *extra,
     ]
     return TRAIN_FORKS.run(cmd, launch_env(env), workdir, timeout)
@@ -298,13 +315,13 @@ def launch_env(extra: dict | None = None) -> dict:
     return {**env, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **(extra or {})}
 
 
-def launch_overrides(root: Path, workdir: Path) -> list[str]:
-    """The tiny overrides without a run directory: the config names it (output_root/name/
-    <launch id>), so every rank must agree on it."""
+def launch_overrides(root: Path, workdir: Path, extra=()) -> list[str]:
+    """The tiny overrides (for a launch given `extra`) without a run directory: the config
+    names it (output_root/name/<launch id>), so every rank must agree on it."""
     return [
         o
-        for o in tiny_overrides(root, workdir / "unused")
-        if not o.startswith(("hydra.run.dir", "output_root"))
+        for o in tiny_overrides(root, workdir / "unused", *extra)
+        if o not in extra and not o.startswith(("hydra.run.dir", "output_root"))
     ]
 
 
@@ -336,7 +353,7 @@ def run_two_nodes(
     (each launch's agent and ranks). Returns one CompletedProcess per
     node (its output also stays in workdir/launch/); a killed one has a negative returncode
     and says so at the end of its stderr."""
-    env, overrides = launch_env(), launch_overrides(root, workdir)
+    env, overrides = launch_env(), launch_overrides(root, workdir, extra)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}"]  # fmt: skip

@@ -95,11 +95,11 @@ def test_evaluate_under_torchrun_gives_the_numbers_of_one_process(tiny_folder, t
     """evaluate= on two ranks: each evaluates its share of the 9 validation images (5 and 4,
     the first rank's last batch short), and the numbers summed over both are the ones a
     single process gets: no image left out, none counted twice (no sampler padding)."""
-    import torchvision
+    from tests.helpers import build_small_resnet
 
     torch.manual_seed(3)
-    weights = tmp_path / "resnet18.pth"
-    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), weights)
+    weights = tmp_path / "weights.pth"  # of the model the tiny runs train
+    torch.save(build_small_resnet(num_classes=3).state_dict(), weights)
     one_dir = tmp_path / "out" / "one" / "r"
     one = run_train(tiny_overrides(tiny_folder, one_dir, f"evaluate={weights}"))
     assert one.returncode == 0, one.stderr[-3000:]

@@ -205,8 +205,9 @@ def test_doctor_refuses_bad_input_in_one_line(capsys):
 def doctor_overrides(root, *extra: str) -> list[str]:
     """conftest's tiny run (2 CPU cores, 32 px crops, batch 4), with one worker."""
     skip = ("hydra.", "output_root", "loader.num_workers")
-    tiny = [o for o in tiny_overrides(root, REPO / "unused" / "run") if not o.startswith(skip)]
-    return [*tiny, "loader.num_workers=1", *extra]
+    tiny = tiny_overrides(root, REPO / "unused" / "run", *extra)
+    return [*(o for o in tiny if o not in extra and not o.startswith(skip)),
+            "loader.num_workers=1", *extra]  # fmt: skip
 
 
 def diagnose(root, *extra: str, step_ms: float = 5.0):

@@ -8,9 +8,11 @@ import errno
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -96,9 +98,16 @@ def test_pack_command_repacks_an_outdated_pack_and_keeps_a_current_one(tmp_path,
 
 
 def flip_4kb(path: Path) -> None:
+    """Flips up to 4 KiB in the middle of the checkpoint's largest tensor: the file stays a
+    readable zip whose numbers changed (what a bad disk block does to a large checkpoint)."""
+    with zipfile.ZipFile(path) as archive:
+        entry = max(archive.infolist(), key=lambda e: e.file_size)
     data = bytearray(path.read_bytes())
-    mid = len(data) // 2
-    data[mid : mid + 4096] = bytes(b ^ 0xFF for b in data[mid : mid + 4096])
+    header = entry.header_offset  # the local header: 30 bytes, then the name and extra field
+    name_len, extra_len = struct.unpack_from("<HH", data, header + 26)
+    start = header + 30 + name_len + extra_len + entry.file_size // 4
+    end = start + min(4096, entry.file_size // 2)
+    data[start:end] = bytes(b ^ 0xFF for b in data[start:end])
     path.write_bytes(bytes(data))
 
 

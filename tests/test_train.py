@@ -51,9 +51,14 @@ def assert_clean_failure(out, *needles):
 def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
     run_dir = tmp_path / "run"
     out = run_train(
-        tiny_overrides(
-            tiny_folder, run_dir, "trainer.epochs=4", "logger=wandb", "loader.num_workers=2"
-        ),
+        tiny_overrides(  # the product's ResNet-18 here, not the tests' small one
+            tiny_folder,
+            run_dir,
+            "model=resnet18",
+            "trainer.epochs=4",
+            "logger=wandb",
+            "loader.num_workers=2",
+        ),  # fmt: skip
         env={
             "WANDB_DIR": str(tmp_path),
             "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),

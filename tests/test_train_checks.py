@@ -40,9 +40,11 @@ def test_loss_watch_names_the_first_non_finite_step():
 def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path):
     root = make_image_folder(tmp_path / "d")
     run_dir = tmp_path / "run"
-    out = run_train(tiny_overrides(root, run_dir, "optim.base_lr=1e6", "trainer.epochs=3",
+    out = run_train(tiny_overrides(root, run_dir, "optim.base_lr=1e12", "trainer.epochs=3",
                                    "trainer.batch_size=2"))  # fmt: skip
-    assert_clean_failure(out, "loss became non-finite at epoch 0 step", "optim.base_lr=1000000.0")
+    assert_clean_failure(
+        out, "loss became non-finite at epoch 0 step", "optim.base_lr=1000000000000.0"
+    )
     assert "fp16" not in out.stderr  # no scaler on the CPU: not a cause to suggest
     assert out.returncode == 2
     assert "best top-1" not in out.stdout  # no summary table of a run that learnt nothing
