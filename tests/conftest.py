@@ -109,6 +109,17 @@ def compose_config(overrides: list[str], run_dir: Path | None = None):
     return cfg
 
 
+def resolve_all(cfg) -> dict:
+    """Every value but Hydra's, resolved: catches typos in interpolations and missing keys."""
+    from omegaconf import OmegaConf
+
+    return {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in cfg
+        if k != "hydra"
+    }
+
+
 def build_test_loader(
     *overrides: str,
     folder: Path | None = None,

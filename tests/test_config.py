@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import re
-import shlex
-
 import pytest
-from conftest import CONF, REPO, compose_config, run_train
+from conftest import CONF, REPO, compose_config, resolve_all, run_train
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -17,15 +14,6 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def resolve_all(cfg) -> dict:
-    """Every value but Hydra's, resolved: catches typos in interpolations and missing keys."""
-    return {
-        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-        for k in cfg
-        if k != "hydra"
-    }
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
@@ -78,81 +66,6 @@ def test_unknown_group_option_names_the_choices():
     assert out.returncode != 0
     assert "loader/nope" in out.stderr and "baseline" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-# Where users read commands: the docs, the yaml comments, the modules' docstrings, the Dockerfile.
-DOC_FILES = sorted(
-    {
-        *REPO.glob("*.md"),
-        *(REPO / "docs").rglob("*.md"),
-        *CONF.rglob("*.yaml"),
-        *(REPO / "fastload").rglob("*.py"),
-        REPO / "Dockerfile",
-    }
-)
-TRAIN_PY = re.compile(r"(^|\s)(python3? |torchrun .*?)train\.py(\s|$)")
-
-
-def doc_commands(path) -> list[str]:
-    """The `python train.py ...` / `torchrun ... train.py ...` commands a file shows: in
-    markdown the lines of its code blocks and its inline code; elsewhere the lines (a
-    comment's `#` taken off) and their inline code. Backslash continuations are joined."""
-    found, fenced, lines = [], False, iter(path.read_text().splitlines())
-    markdown = path.suffix == ".md"
-    for line in lines:
-        if markdown and line.lstrip().startswith("```"):
-            fenced = not fenced
-            continue
-        if not markdown:
-            line = line.strip().lstrip("#").strip()
-        while (fenced or not markdown) and line.rstrip().endswith("\\"):
-            nxt = next(lines, "")
-            line = line.rstrip()[:-1] + " " + (nxt if markdown else nxt.strip().lstrip("#")).strip()
-        inline = re.findall(r"`([^`]*train\.py[^`]*)`", line)
-        found += inline if inline or (markdown and not fenced) else [line]
-    return [c for c in found if TRAIN_PY.search(c)]
-
-
-def doc_overrides(command: str) -> list[str]:
-    """A documented command's Hydra overrides: the words after train.py, without its comment,
-    placeholders (`...` for the line above, `<overrides>`), Hydra's flags and the SLURM
-    launcher's own settings (an optional plugin: `pip install -e ".[slurm]"`)."""
-    words = shlex.split(command.split("train.py", 1)[1], comments=True)
-    skip = ("...", "-m", "--multirun", "--cfg", "job")
-    skip_prefixes = ("hydra/launcher=", "hydra.launcher.", "<")
-    return [w for w in words if w not in skip and not w.startswith(skip_prefixes)]
-
-
-DOC_COMMANDS = [(str(p.relative_to(REPO)), c) for p in DOC_FILES for c in doc_commands(p)]
-# Each set of overrides once (many commands share one, e.g. a bare `python train.py`), named
-# by the first place that shows it.
-DOC_OVERRIDES = {}
-for _doc, _command in DOC_COMMANDS:
-    DOC_OVERRIDES.setdefault(tuple(doc_overrides(_command)), f"{_doc}: {_command}")
-
-
-def test_the_docs_show_train_py_commands():
-    """The extraction finds them (a change of the docs' shape would leave nothing to
-    check): the README's recipes, a torchrun launch, a docker run."""
-    readme = [c for doc, c in DOC_COMMANDS if doc == "README.md"]
-    assert len(readme) > 40 and len(DOC_COMMANDS) > len(readme) + 20
-    assert any(c.startswith("torchrun --nnodes=2") and "rdzv-endpoint" in c for c in readme)
-    assert any(c.startswith("docker run") for c in readme)
-    assert doc_overrides("python train.py ... a=1 'b=\"x y\"'  # c=2") == ["a=1", 'b="x y"']
-
-
-@pytest.mark.parametrize(
-    "overrides", list(DOC_OVERRIDES), ids=[where[:70] for where in DOC_OVERRIDES.values()]
-)
-def test_every_train_py_command_in_the_docs_composes(overrides, tmp_path):
-    """Every option a doc tells users to pass exists (a renamed key or group option fails
-    here, not on a user's machine), every value resolves, and the checks a run makes before
-    any work accept it."""
-    from fastload.engine import check_config
-
-    cfg = compose_config([*overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
-    resolve_all(cfg)
-    check_config(cfg)
 
 
 def test_readme_and_ci_use_the_same_test_command():

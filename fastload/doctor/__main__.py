@@ -16,11 +16,8 @@ import sys
 COMMANDS = ("env", "pipeline")
 
 
-def env_main(argv: list[str]) -> int:
+def parse_env(argv: list[str]):
     import argparse
-
-    from fastload.bench.common import compose
-    from fastload.preflight import FATAL, run_checks
 
     p = argparse.ArgumentParser(
         prog="python -m fastload.doctor env",
@@ -32,10 +29,18 @@ def env_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from fastload.dist import local_world_size_from_env
 
-    ranks = args.local_ranks or local_world_size_from_env()
-    if ranks < 1:
-        p.error(f"--local-ranks {ranks}: use a whole number >= 1")
-    results = run_checks(compose(args.override), local_ranks=ranks)
+    args.local_ranks = args.local_ranks or local_world_size_from_env()
+    if args.local_ranks < 1:
+        p.error(f"--local-ranks {args.local_ranks}: use a whole number >= 1")
+    return args
+
+
+def env_main(argv: list[str]) -> int:
+    from fastload.bench.common import compose
+    from fastload.preflight import FATAL, run_checks
+
+    args = parse_env(argv)
+    results = run_checks(compose(args.override), local_ranks=args.local_ranks)
     for r in results:
         print(r.line())
     fatal = sum(r.status == FATAL for r in results)

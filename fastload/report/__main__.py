@@ -10,7 +10,7 @@ from fastload.errors import user_error
 from fastload.report import build_report
 
 
-def main(argv=None) -> int:
+def parse(argv=None):
     p = argparse.ArgumentParser(
         prog="python -m fastload.report",
         description="Compare train.py run directories: a Markdown table, report.json and "
@@ -25,7 +25,11 @@ def main(argv=None) -> int:
         help="the variant to normalise to, e.g. loader=baseline (default: the first)",
     )
     p.add_argument("--title", default="", help="the charts' and table's title")  # fmt: skip
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     out = args.out or args.runs[0].parent / "report"
     try:
         report = build_report(args.runs, out, args.baseline, args.title)
