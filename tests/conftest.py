@@ -326,13 +326,15 @@ def launch_env(extra: dict | None = None) -> dict:
     return {**env, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **(extra or {})}
 
 
-def launch_overrides(root: Path, workdir: Path, extra=()) -> list[str]:
-    """The tiny overrides (for a launch given `extra`) without a run directory: the config
-    names it (output_root/name/<launch id>), so every rank must agree on it."""
+def launch_overrides(root: Path, workdir: Path, extra=(),
+                     skip=("hydra.run.dir", "output_root")) -> list[str]:  # fmt: skip
+    """The tiny overrides of a command that passes `extra` after them, without those that
+    start with `skip`: by default the run directory, which the config names (output_root/
+    name/<launch id>) so that every rank agrees on it."""
     return [
         o
         for o in tiny_overrides(root, workdir / "unused", *extra)
-        if o not in extra and not o.startswith(("hydra.run.dir", "output_root"))
+        if o not in extra and not o.startswith(skip)
     ]
 
 

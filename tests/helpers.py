@@ -182,9 +182,9 @@ class PackTogetherShards(ShardStorage):
 
 def build_small_resnet(arch: str = "resnet18", num_classes: int = 1000,
                        zero_init_residual: bool = True, weights: str | None = None):  # fmt: skip
-    """The ResNet-18 of the tiny CPU runs (conftest.tiny_overrides), shrunk: one BasicBlock
-    at each of widths 16 and 32, the same stem, BatchNorm, zero-init residuals and `fc`
-    classifier. A step takes ~10 ms on a CPU core instead of ~110 ms."""
+    """The ResNet-18 of the tiny CPU runs (conftest.small_model), shrunk: one BasicBlock at
+    each of widths 16 and 32, the same stem, BatchNorm, zero-init residuals and `fc`
+    classifier."""
     from torchvision.models.resnet import BasicBlock
 
     assert weights is None, "a run that loads weights keeps the model its config names"

@@ -11,7 +11,14 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, compose_config, make_image_folder, run_train, tiny_overrides
+from conftest import (
+    REPO,
+    compose_config,
+    launch_overrides,
+    make_image_folder,
+    run_train,
+    tiny_overrides,
+)
 
 from fastload import preflight as env
 from fastload.doctor.__main__ import main as doctor_main
@@ -205,9 +212,7 @@ def test_doctor_refuses_bad_input_in_one_line(capsys):
 def doctor_overrides(root, *extra: str) -> list[str]:
     """conftest's tiny run (2 CPU cores, 32 px crops, batch 4), with one worker."""
     skip = ("hydra.", "output_root", "loader.num_workers")
-    tiny = tiny_overrides(root, REPO / "unused" / "run", *extra)
-    return [*(o for o in tiny if o not in extra and not o.startswith(skip)),
-            "loader.num_workers=1", *extra]  # fmt: skip
+    return [*launch_overrides(root, REPO, extra, skip), "loader.num_workers=1", *extra]
 
 
 def diagnose(root, *extra: str, step_ms: float = 5.0):
