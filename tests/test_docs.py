@@ -55,9 +55,12 @@ def doc_lines(path) -> list[str]:
     return [x.strip() for x in found]
 
 
+DOC_LINES = {path: doc_lines(path) for path in DOC_FILES}  # each file read once
+
+
 def doc_commands(path) -> list[str]:
     """The `python train.py ...` / `torchrun ... train.py ...` commands a file shows."""
-    return [c for c in doc_lines(path) if TRAIN_PY.search(c)]
+    return [c for c in DOC_LINES[path] if TRAIN_PY.search(c)]
 
 
 def doc_overrides(command: str) -> list[str]:
@@ -95,6 +98,11 @@ def test_every_train_py_command_in_the_docs_composes(overrides, tmp_path):
     """Every option a doc tells users to pass exists (a renamed key or group option fails
     here, not on a user's machine), every value resolves, and the checks a run makes before
     any work accept it."""
+    accepted(overrides, tmp_path)
+
+
+def accepted(overrides, tmp_path) -> None:
+    """`overrides` compose, every value resolves, and a run's first checks pass them."""
     from fastload.engine import check_config
 
     cfg = compose_config([*overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
@@ -133,13 +141,12 @@ def tool_parser(words: list[str]):
         from fastload.doctor.__main__ import parse_env
 
         return parse_env, rest[1:]
-    package = {"bench": "fastload.bench", "doctor": "fastload.doctor"}[module]
-    return importlib.import_module(f"{package}.{rest[0]}").parse, rest[1:]
+    return importlib.import_module(f"fastload.{module}.{rest[0]}").parse, rest[1:]  # bench, doctor
 
 
 TOOL_COMMANDS = {}
-for _path in DOC_FILES:
-    for _line in doc_lines(_path):
+for _path, _lines in DOC_LINES.items():
+    for _line in _lines:
         if TOOL.match(_line) and (_words := tool_words(_line)) is not None:
             TOOL_COMMANDS.setdefault(tuple(_words), f"{_path.relative_to(REPO)}: {_line}")
 
@@ -167,16 +174,11 @@ def test_the_docs_show_tool_commands():
 def test_every_tool_command_in_the_docs_parses(words, tmp_path, monkeypatch):
     """The tool's own parser accepts the documented flags and values (argparse exits with
     status 2 on an unknown or renamed one), and the train.py overrides it passes compose."""
-    from fastload.engine import check_config
-
     monkeypatch.chdir(tmp_path)  # nothing a parser might write lands in the checkout
     parse, argv = tool_parser(list(words))
     try:
         args = parse(argv)
     except SystemExit as exc:
         pytest.fail(f"{' '.join(words)}: the parser refused it (exit {exc.code})")
-    overrides = getattr(args, "override", [])
-    if overrides:
-        cfg = compose_config([*overrides, f"hydra.run.dir={tmp_path}"], tmp_path)
-        resolve_all(cfg)
-        check_config(cfg)
+    if getattr(args, "override", []):
+        accepted(args.override, tmp_path)
