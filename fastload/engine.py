@@ -180,15 +180,17 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     sums = totals.tolist() if totals is not None else [0.0] * n
     nonfinite = watch.first_bad(wait=True)
     overflow = step.scaler_skips() if hasattr(step, "scaler_skips") else None
-    extra = [skipped, timing.samples, float(nonfinite is not None), overflow or 0.0]
+    extra = [skipped, timing.samples, float(nonfinite is not None)]
     reduced = dist.all_reduce(sums + extra + [counts[k] for k in keys], ctx)
     metrics = {
         **step.train_metrics(reduced[:n]),
         "skipped_corrupt": int(reduced[n]),
-        **{k: int(v) for k, v in zip(keys, reduced[n + 4 :], strict=True)},
+        **{k: int(v) for k, v in zip(keys, reduced[n + 3 :], strict=True)},
     }
     if overflow is not None:  # fp16: steps that trained nothing, counted, not hidden
-        metrics["scaler_skipped_steps"] = int(reduced[n + 3])
+        # every rank skips the same updates (the gradients were reduced before the scaler
+        # looked at them), so the ranks' counts are one count, not a sum
+        metrics["scaler_skipped_steps"] = int(dist.all_reduce([overflow], ctx, op="max")[0])
     return EpochResult(steps, timing, metrics, dist.gather_lists(skipped_files, ctx),
                        int(reduced[n + 1]), nonfinite, reduced[n + 2] > 0)  # fmt: skip
 
@@ -599,10 +601,12 @@ class Epochs:
         self.record.skipped(epoch, done.skipped_files)
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
-        if (every and (last or (epoch + 1) % every == 0)) or cfg.trainer.checkpoint_every_steps:
+        saved = bool(every and (last or (epoch + 1) % every == 0))
+        if saved or cfg.trainer.checkpoint_every_steps:
+            saved = True
             self.record.save(state)
-        if stopper.signum is not None and not last:
-            self.stop(stopper, f"after epoch {epoch}", saved=True)
+        if stopper.signum is not None and not last:  # a signal that came after the last check
+            self.stop(stopper, f"after epoch {epoch}", saved=saved)
 
     def better(self, best: float | None, row: dict, model, of: str, epoch: int) -> float | None:
         """The best value of the task's metric (of the model or of its EMA) after this
@@ -639,10 +643,20 @@ class Epochs:
             due = due or steps % every == 0
             if due and self.step.settled and steps < span.max_steps:
                 due = False
+                if not self.healthy():  # the stop check ends the run; last.pt stays as it was
+                    return
                 self.state.epoch, self.state.step = epoch, steps
                 self.record.save(self.state)
 
         return after_step
+
+    def healthy(self) -> bool:
+        """Whether every rank's losses so far and weights are finite: asked before a checkpoint
+        inside an epoch, since the stop check that notices a non-finite loss may come up to
+        STOP_CHECK_STEPS steps later, and a checkpoint of broken weights would replace the
+        last good one (and be the one resume=auto picks). One host sync per checkpoint."""
+        bad = self.watch.first_bad(wait=True) is not None or not weights_finite(self.state.model)
+        return dist.all_reduce([float(bad)], self.ctx, op="max")[0] == 0
 
     def stop(self, stopper, where: str, saved: bool = False) -> None:
         if not saved:

@@ -103,6 +103,22 @@ def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
     assert "best top-1" in out.stdout.lower() or "best_acc1" in out.stdout
 
 
+def test_sigterm_in_an_epochs_last_step_writes_the_checkpoint_it_reports(tiny_folder, tmp_path):
+    """A signal that lands in an epoch's last step (or during its evaluation) is seen after
+    the epoch; with trainer.checkpoint_every=2 no checkpoint was due there, so the stop
+    writes one instead of naming a file that does not exist."""
+    run_dir = tmp_path / "out" / "s" / "r"
+    out = run_train(
+        tiny_overrides(tiny_folder, run_dir, "trainer.epochs=3", "trainer.checkpoint_every=2",
+                       "storage._target_=tests.helpers.SigtermAfterReads"),
+        env={"SIGTERM_AFTER_READS": "16"},  # the last read of epoch 0 (4 steps of 4)
+    )  # fmt: skip
+    assert out.returncode == 143, out.stderr
+    assert "stopped by SIGTERM after epoch 0" in out.stdout + out.stderr
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
+
+
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
     # with the EMA of the weights (trainer.ema), which the checkpoint carries too
     common = ["trainer.epochs=3", "loader.num_workers=0", "trainer.ema.decay=0.8"]

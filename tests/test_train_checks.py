@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_config, make_image_folder, run_train, tiny_overrides
+from conftest import compose_config, make_image_folder, run_gloo_ranks, run_train, tiny_overrides
 from test_train import assert_clean_failure, read_jsonl
 
 from fastload.errors import ConfigError
@@ -53,6 +53,27 @@ def test_a_diverging_run_stops_at_the_first_non_finite_loss(tmp_path):
     assert not (run_dir / "checkpoints" / "last.pt").exists()  # no nan weights kept
 
 
+def test_a_checkpoint_inside_the_epoch_never_keeps_non_finite_weights(tmp_path):
+    """The stop check that notices a non-finite loss may come steps after it (under DDP
+    every few steps); a checkpoint due in between is not written, so last.pt stays the last
+    good one and resume=auto does not pick broken weights."""
+    root = make_image_folder(tmp_path / "d")
+    run_dir = tmp_path / "run"
+    out = run_train(tiny_overrides(root, run_dir, "optim.base_lr=1e12", "trainer.batch_size=2",
+                                   "trainer.checkpoint_every_steps=1"))  # fmt: skip
+    assert_clean_failure(out, "loss became non-finite at epoch 0 step")
+    step = int(out.stderr.split("loss became non-finite at epoch 0 step ")[1].split()[0])
+    last = run_dir / "checkpoints" / "last.pt"
+    if step > 1:  # the steps before it had finite losses: the newest of them was kept
+        state = torch.load(last, weights_only=True)
+        assert state["step_in_epoch"] <= step
+        assert all(
+            torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point()
+        )
+    else:
+        assert not last.exists()
+
+
 def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
     """GradScaler skips the optimizer step of a batch whose gradients overflow; the step
     counts it on the device (no host sync) and hands the count over once."""
@@ -83,6 +104,58 @@ def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
     assert step.scaler_skips() == 0  # read and reset
     state.scaler = torch.amp.GradScaler("cpu", enabled=False)
     assert step.scaler_skips() is None  # no scaler, nothing to count
+
+
+class _OverflowingStep:
+    """The parts of a task step train_one_epoch uses; its fp16 scaler skipped 3 updates."""
+
+    train_sums, settled = 2, True
+
+    def train_mode(self): ...
+    def begin(self, steps): ...
+    def after_step(self): ...
+    def finish(self): ...
+
+    def train(self, batch):
+        return torch.tensor([1.0, float(len(batch["target"]))], dtype=torch.float64)
+
+    def train_metrics(self, sums):
+        return {"train_loss": sums[0] / sums[1]}
+
+    def scaler_skips(self):
+        return 3.0
+
+
+def _count_overflows(rank, world, init, tmp_path, out):
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    from fastload.dist import DistContext
+    from fastload.engine import EpochSpan, GracefulStop, train_one_epoch
+    from fastload.telemetry.timer import StepTimer
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        ctx = DistContext(rank=rank, world_size=world)
+        batches = [{"image": torch.zeros(2, 1), "target": torch.zeros(2), "skipped": 0}] * 4
+        with GracefulStop() as stopper:
+            done = train_one_epoch(
+                _OverflowingStep(), batches, ctx, EpochSpan(0, 0, 4), stopper=stopper,
+                timer=StepTimer(), progress=False, watch=LossWatch(ctx.device),
+                budget=SkipBudget(0.0, 16),
+            )  # fmt: skip
+        out.put((done.metrics["scaler_skipped_steps"], done.trained))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_the_scaler_skipped_steps_of_ddp_ranks_are_one_count(tmp_path):
+    """Every rank's scaler skips the same updates (it looks at the reduced gradients), so
+    two ranks that each skipped 3 updates report 3, not 6; samples still add up."""
+    results = run_gloo_ranks(_count_overflows, tmp_path, world=2)
+    assert results == [(3, 16), (3, 16)]
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "0", "true"])
