@@ -470,7 +470,7 @@ class RunRecord:
             summary["best_ema_metric"] = state.best_ema_metric
             summary["best_ema_" + self.task.metric.removeprefix("val_")] = state.best_ema_metric
         if self.ctx.is_main:
-            summary["wandb_sync"] = self.sink.finish()
+            summary["wandb_sync"] = self.sink.finish(summary)
             summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
             self.files.write_summary(summary)
             print(format_summary_table(summary), flush=True)

@@ -75,6 +75,12 @@ def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, caps
     assert report_main([str(run), "--baseline", "loader=prefetch"]) == 2
     err = capsys.readouterr().err
     assert "matches no variant" in err and "loader=bg" in err or str(run.name) in err
+    # a repeat that stopped after one of its epochs is not a fast run
+    stopped = fake_run(tmp_path / "stopped", 0, ["loader=bg"], [1.0])
+    (stopped / "summary.json").unlink()
+    assert report_main([str(run), str(stopped)]) == 2
+    err = capsys.readouterr().err
+    assert f"{stopped} holds 1 epoch(s) but no summary.json" in err and "resume=auto" in err
 
 
 def sweep_points(name: str) -> list[list[str]]:

@@ -467,7 +467,8 @@ def test_wandb_sink_offline_writes_config_at_start_and_metrics(tmp_path, wandb_e
     else:
         pytest.fail("wandb did not flush the run record before finish")
 
-    msg = sink.finish()
+    # the run's summary: summary.json's numbers, not the last epoch's
+    msg = sink.finish({"images_per_s": 150.0, "best_acc1": 71.5, "gpu_util_mean": None})
     assert msg == f"wandb sync {run_folder}"
     assert not sink.active
     assert sink.finish() is None  # idempotent
@@ -483,6 +484,12 @@ def test_wandb_sink_offline_writes_config_at_start_and_metrics(tmp_path, wandb_e
         (1, 0.5, 200.0),
     ]
     assert all("gpu_util_mean" not in h for h in history)  # None values are dropped
+    summaries = [
+        _items(r.summary.update) for r in records if r.WhichOneof("record_type") == "summary"
+    ]
+    final = {k: v for update in summaries for k, v in update.items()}
+    assert final["images_per_s"] == 150.0 and final["best_acc1"] == 71.5, summaries
+    assert "gpu_util_mean" not in final
     # The config file was registered for upload by `wandb sync`.
     saved_files = [
         f.path for r in records if r.WhichOneof("record_type") == "files" for f in r.files.files
@@ -540,7 +547,7 @@ def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monke
             files_dir=str(tmp_path / "wandb" / "offline-run-x" / "files"),
         )
 
-        def log(self, data, step=None):
+        def log(self, data, step=None, commit=None):
             calls.append("log")
             raise OSError("disk full")
 

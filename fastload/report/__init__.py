@@ -70,7 +70,13 @@ def read_run(path: Path) -> Run:
     if not epochs:
         raise ReportError(f"{metrics} holds no epoch: the run stopped before its first epoch.")
     summary_file = path / "summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    if not summary_file.is_file():  # train.py writes it once the last epoch is done
+        raise ReportError(
+            f"{path} holds {len(epochs)} epoch(s) but no summary.json: the run did not finish "
+            f"(stopped, crashed or still running), so its training time would read as a "
+            f"faster run's. Finish it (the same command plus resume=auto) or leave it out."
+        )
+    summary = json.loads(summary_file.read_text())
     overrides_file = path / ".hydra" / "overrides.yaml"
     overrides = {}
     if overrides_file.is_file():

@@ -162,7 +162,7 @@ class MetricsSink(Protocol):
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None: ...
 
-    def finish(self) -> str | None: ...
+    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None: ...
 
 
 class NullSink:
@@ -178,5 +178,5 @@ class NullSink:
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         pass
 
-    def finish(self) -> str | None:
+    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None:
         return None

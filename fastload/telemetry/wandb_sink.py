@@ -190,16 +190,26 @@ class WandbSink:
             return
         data = {k: v for k, v in to_jsonable(dict(metrics)).items() if v is not None}
         try:
-            self._run.log(data, step=step)
+            # committed now: a row held open until the next step would land after, and
+            # overwrite, the summary that finish() sets
+            self._run.log(data, step=step, commit=True)
         except Exception as exc:
             self._warn(f"W&B log failed ({type(exc).__name__}: {exc}); W&B logging stopped")
             self._log_failed = True  # keep the run: finish() still closes it
 
-    def finish(self) -> str | None:
-        """Close the run; return ``"wandb sync <dir>"`` for an offline run, else None."""
+    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None:
+        """Close the run; return ``"wandb sync <dir>"`` for an offline run, else None.
+        `summary` (summary.json's numbers: steady-state means, the best metric) becomes the
+        run's summary; W&B would otherwise show the last epoch's values in its runs table."""
         run, self._run = self._run, None
         if run is None:
             return None
+        if summary:
+            data = {k: v for k, v in to_jsonable(dict(summary)).items() if v is not None}
+            try:
+                run.summary.update(data)
+            except Exception as exc:
+                self._warn(f"W&B summary failed ({type(exc).__name__}: {exc})")
         try:
             run.finish()
         except Exception as exc:
