@@ -142,6 +142,15 @@ def loader_options(cfg: DictConfig, local_world_size: int = 1) -> dict:
         opts.pop(key)
     opts.pop("auto", None)
     opts["num_workers"] = resolve_num_workers(opts["num_workers"], local_world_size)
+    if opts.get("cross_epoch") and cfg.storage.get("cold_cache", False):
+        # The eviction runs when an epoch starts; a stream across epochs has read that
+        # epoch's first batches before it, from the warm cache, and booked them to the
+        # epoch before: a cold-cache epoch would be part warm and its reads misattributed.
+        log.info(
+            "storage.cold_cache=true: loader.cross_epoch is off (each epoch's reads start "
+            "after its eviction, so all of them are cold)"
+        )
+        opts["cross_epoch"] = False
     return opts
 
 

@@ -632,6 +632,20 @@ def test_the_stream_runs_into_the_next_epoch_and_stops_after_the_last(folder):
     wait_clean(before, kids)  # and its workers (not persistent) with it
 
 
+def test_a_cold_cache_storage_gets_a_stream_per_epoch(folder, caplog):
+    """storage.cold_cache=true evicts when an epoch starts: a stream across epochs would
+    have read that epoch's first batches before, warm, so the run streams epoch by epoch."""
+    opts = ["loader.num_workers=2", "trainer.epochs=2"]
+    assert build_test_loader(*opts, folder=folder).last_epoch == 1  # streams across epochs
+    with caplog.at_level(logging.INFO, logger="fastload.pipeline"):
+        loader = build_test_loader(*opts, "storage.cold_cache=true", folder=folder)
+    assert loader.last_epoch is None
+    assert "storage.cold_cache=true: loader.cross_epoch is off" in caplog.text
+    loader.set_epoch(0)
+    assert len(list(loader)) == len(loader)
+    assert loader._stream is None  # the epoch's stream ended with it
+
+
 def test_an_unplanned_epoch_restarts_the_stream_with_the_right_batches(folder):
     opts = ["loader.num_workers=2", "trainer.epochs=4"]
     want = run_epochs(build_test_loader(*opts, "loader.cross_epoch=false", folder=folder), [3])
