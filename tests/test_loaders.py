@@ -824,6 +824,33 @@ def test_cut_tail_batches_are_joined_into_the_same_batches(folder, strategy):
         cut.close()
 
 
+class GlobalRngImages(torch.utils.data.Dataset):
+    """A user's dataset that augments with the global RNG (which the workers seed per batch
+    from its first key): fastload's collate, no per-sample RNG of its own."""
+
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, key):
+        return torch.randint(0, 255, (3, 2, 2), dtype=torch.uint8), key[1] % 3
+
+
+def test_a_dataset_on_the_global_rng_gets_whole_tail_batches(folder):
+    """Cutting a batch would seed each part from its own first key: different pixels for the
+    same sample than uncut, or with another worker count; so such a dataset is not cut."""
+    opts = ["loader.num_workers=2", "loader.cross_epoch=false"]
+    got = {}
+    for tail in ("true", "false"):
+        loader = build_test_loader(*opts, f"loader.balanced_tail={tail}", folder=folder,
+                                   dataset=GlobalRngImages(), collate_fn=None)  # fmt: skip
+        got[tail] = run_epochs(loader, [0])
+        assert loader.joined_batches == 0
+        loader.close()
+    assert len(got["true"]) == 5  # 23 images, batch 4, the last one short
+    for (_, t, x), (_, wt, wx) in zip(got["true"], got["false"], strict=True):
+        assert torch.equal(t, wt) and torch.equal(x, wx)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_cut_tail_batches_joined_under_pinned_memory_on_cuda(folder, strategy):

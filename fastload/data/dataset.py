@@ -22,6 +22,9 @@ class ImageDataset(torch.utils.data.Dataset):
     records' `image` and `label` fields (an ImageFolder source's)."""
 
     IMAGE, LABEL = "image", "label"
+    # Each sample draws from its own RNG, (seed, epoch, index), never the global ones: so a
+    # batch cut into parts across the workers (loader.balanced_tail) builds the same pixels.
+    rng_per_sample = True
 
     def __init__(
         self,

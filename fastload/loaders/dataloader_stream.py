@@ -135,9 +135,16 @@ class DataLoaderStream:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
             self.collate = SlotCollate(collate, self.slots)
         # Cut the stream's last round of batches across the workers (EpochBatches): only
-        # with fastload's collate (it marks the parts) and no deferred decode (whose encoded
-        # samples cannot be joined); the host stage joins the parts again.
-        cut = balanced_tail and collate_fn is None and device_prep.decoder is None
+        # with fastload's collate (it marks the parts), no deferred decode (whose encoded
+        # samples cannot be joined) and a dataset whose samples each have their own RNG (a
+        # part is seeded from its own first key, so a dataset drawing from the global RNGs
+        # would augment a cut batch differently); the host stage joins the parts again.
+        cut = (
+            balanced_tail
+            and collate_fn is None
+            and device_prep.decoder is None
+            and getattr(dataset, "rng_per_sample", False)
+        )
         tail_workers = self.num_workers if cut else 0
         self.batches = EpochBatches(sampler, batch_size, drop_last and train, tail_workers)
         self.dataloader = DataLoader(
