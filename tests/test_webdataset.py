@@ -268,6 +268,26 @@ def test_the_cache_limit_evicts_least_recently_used_shards(data, tmp_path):
         assert gets(log)["/train/shard-000005.tar"] == 1 and reader.cache.fetched == 0
 
 
+def test_a_shard_re_packed_to_the_same_url_is_fetched_again(data, tmp_path):
+    """A pack re-written in place on the server (an image changed): the manifest's new
+    checksums make the cache fetch the changed shards, not serve the old copies."""
+    root, pack = data
+    served, changed = tmp_path / "www", tmp_path / "tiny"
+    shutil.copytree(pack, served)
+    shutil.copytree(root, changed)
+    first, other = sorted((changed / "train" / CLASSES[0]).iterdir())[:2]
+    first.write_bytes(other.read_bytes())
+    with web_server(served, tmp_path / "srv") as (url, _, log):
+        store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c")
+        assert sample(store.open(root, "train"), 0) == disk_samples(root)[0]  # cached
+        args = ["webdataset", str(changed), str(tmp_path / "new"), "--shard-samples", "4"]
+        assert pack_main(args) == 0
+        shutil.copytree(tmp_path / "new", served, dirs_exist_ok=True)  # the upload
+        reader = store.open(changed, "train")
+        assert [sample(reader, i) for i in range(len(reader))] == disk_samples(changed)
+        assert gets(log)["/train/shard-000000.tar"] == 2
+
+
 def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path, caplog):
     root, pack = data
     with web_server(pack, tmp_path / "srv") as (url, proc, _):

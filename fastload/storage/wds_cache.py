@@ -4,13 +4,20 @@ One folder per node (tmpfs or a local disk), shared by every rank and DataLoader
 the node. A shard is fetched by whichever process needs it first; the others wait on its
 lock and then read the same file:
 
-    <dir>/<key>             a complete, verified shard (key: a hash of its URL + its name)
+    <dir>/<key>             a complete, verified shard (key: a hash of its URL and of the
+                            manifest's checksum when there is one, + its name)
     <dir>/<key>.lock        flock(2) held while one process fetches it
     <dir>/.<key>.tmp-<pid>  the download in progress, renamed to <key> once its size and
                             checksum match the manifest (never read under its final name
                             half-written)
     <dir>/<key>.bad         why a shard is corrupt (the other processes read the verdict
                             instead of fetching it again, for a few minutes)
+
+A shard re-packed and uploaded to the same URL has a new checksum in its manifest, so a new
+key: it is fetched again and the old copy ages out of the cache like any unused shard.
+Shards without a manifest (a pattern over another tool's shards) have no checksum: their
+key is the URL alone, and a changed shard behind an old URL is not noticed (clear the cache
+folder after replacing such shards).
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
 each process's first use) are removed until the new one fits. A process that still maps a
@@ -158,11 +165,15 @@ class ShardCache:
         self.fetched = 0  # shards this process downloaded (the others it found filled)
 
     @staticmethod
-    def key(url: str) -> str:
-        return f"{xxhash.xxh3_64_hexdigest(url.encode())[:12]}-{url.rsplit('/', 1)[-1]}"
+    def key(url: str, check: str | None = None) -> str:
+        """`<12 hex>-<name>`: the hash covers the manifest's checksum when known, so a
+        shard re-uploaded under the same URL is a new entry, not the old copy."""
+        name = url.rsplit("/", 1)[-1]
+        what = url if check is None else f"{url} xxh3_64={check}"
+        return f"{xxhash.xxh3_64_hexdigest(what.encode())[:12]}-{name}"
 
-    def path(self, url: str) -> Path:
-        return self.dir / self.key(url)
+    def path(self, url: str, check: str | None = None) -> Path:
+        return self.dir / self.key(url, check)
 
     def get(self, url: str, expect_bytes, expect_check, fetch_fn, check_fn=None) -> Path:
         """The local path of url's shard: filled by `fetch_fn(url, tmp)` under the shard's
@@ -171,7 +182,7 @@ class ShardCache:
         the shard's name), touched for LRU. A corrupt shard raises StorageError and leaves a
         `.bad` verdict that the node's other processes take for BAD_VERDICT_S instead of
         fetching it again; after that it is fetched anew (the server may have been fixed)."""
-        final = self.path(url)
+        final = self.path(url, expect_check)
         bad = final.with_name(final.name + ".bad")
         if not final.is_file():
             self.dir.mkdir(parents=True, exist_ok=True)

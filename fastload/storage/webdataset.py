@@ -31,7 +31,9 @@ Shards (`python -m fastload.pack webdataset SRC DST` writes DST/<split>/):
 
 Reading: the reader is map-style like every other storage (`get(i, name)`: one field of
 record i): sample i lies in shard k at member offset o. The shard is fetched whole into the node cache
-(fastload/storage/wds_cache.py: one fetch per node, atomic rename, LRU size limit, retries)
+(fastload/storage/wds_cache.py: one fetch per node, atomic rename, LRU size limit, retries;
+a cached shard is found by its URL and the manifest's checksum, so a shard re-packed to the
+same URL is fetched again, but one without a manifest by its URL alone)
 or, for a local folder, read where it is; its tar index comes from the tar headers, read
 once per process; the member's bytes are sliced from a memory map. The order that makes this
 stream shard by shard is the sampler's (fastload/data/sampling.py: ShardStreamSampler): the
@@ -544,7 +546,10 @@ class WdsReader(Reader):
 
     def store_files(self) -> list[str]:
         if self.cache is not None and is_remote(self.base):
-            return [str(self.cache.path(u)) for u in self.urls if self.cache.path(u).is_file()]
+            paths = [
+                self.cache.path(u, c) for u, c in zip(self.urls, self.shard_checks, strict=True)
+            ]
+            return [str(p) for p in paths if p.is_file()]
         return [u.removeprefix("file://") for u in self.urls]
 
 
