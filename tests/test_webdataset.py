@@ -268,6 +268,26 @@ def test_the_cache_limit_evicts_least_recently_used_shards(data, tmp_path):
         assert gets(log)["/train/shard-000005.tar"] == 1 and reader.cache.fetched == 0
 
 
+def test_eviction_removes_only_the_caches_own_shards(data, tmp_path):
+    """storage.cache_dir may be a folder shared with other files (/scratch): eviction
+    removes the shards it cached, never a file it did not write, however old."""
+    root, pack = data
+    one = (pack / "train" / "shard-000000.tar").stat().st_size
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    theirs = [scratch / "thesis.pdf", scratch / "backup.tar", scratch / "0123456789ab-notes.txt"]
+    for f in theirs:
+        f.write_bytes(b"x" * one)
+        os.utime(f, (0, 0))  # older than every shard: first in line if it were a shard
+    with web_server(pack, tmp_path / "srv") as (url, _, _log):
+        store = WebDatasetStorage(url=url, cache_dir=scratch, cache_gb=2.5 * one / 1e9)
+        reader = store.open(root, "train")
+        for i in range(0, 21, 4):
+            sample(reader, i)
+    assert all(f.read_bytes() == b"x" * one for f in theirs)
+    assert len(list(scratch.glob("*-shard-*.tar"))) == 3  # the limit holds for its shards
+
+
 def test_a_shard_re_packed_to_the_same_url_is_fetched_again(data, tmp_path):
     """A pack re-written in place on the server (an image changed): the manifest's new
     checksums make the cache fetch the changed shards, not serve the old copies."""

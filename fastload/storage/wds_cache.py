@@ -5,7 +5,7 @@ the node. A shard is fetched by whichever process needs it first; the others wai
 lock and then read the same file:
 
     <dir>/<key>             a complete, verified shard (key: a hash of its URL and of the
-                            manifest's checksum when there is one, + its name)
+                            manifest's checksum when there is one, + its name, ending in .tar)
     <dir>/<key>.lock        flock(2) held while one process fetches it
     <dir>/.<key>.tmp-<pid>  the download in progress, renamed to <key> once its size and
                             checksum match the manifest (never read under its final name
@@ -20,8 +20,10 @@ key is the URL alone, and a changed shard behind an old URL is not noticed (clea
 folder after replacing such shards).
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
-each process's first use) are removed until the new one fits. A process that still maps a
-removed shard keeps reading it (an unlinked file lives until unmapped); one that needs it
+each process's first use) are removed until the new one fits. Only files named as the cache
+names its shards (<12 hex digits>-<name>.tar) are counted and removed: a cache_dir shared
+with other files (storage.cache_dir=/scratch) loses nothing else. A process that still maps
+a removed shard keeps reading it (an unlinked file lives until unmapped); one that needs it
 later fetches it again. Readers map only a few shards at a time, so the RAM of removed
 shards on tmpfs comes back.
 """
@@ -32,6 +34,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -42,6 +45,7 @@ from fastload.errors import StorageError
 log = logging.getLogger("fastload")
 
 REMOTE = ("http://", "https://", "s3://")
+ENTRY = re.compile(r"[0-9a-f]{12}-[^/]*\.tar")  # a cached shard's name (ShardCache.key)
 
 
 class CorruptShard(StorageError):
@@ -166,11 +170,13 @@ class ShardCache:
 
     @staticmethod
     def key(url: str, check: str | None = None) -> str:
-        """`<12 hex>-<name>`: the hash covers the manifest's checksum when known, so a
-        shard re-uploaded under the same URL is a new entry, not the old copy."""
+        """`<12 hex>-<name>.tar`: the hash covers the manifest's checksum when known, so a
+        shard re-uploaded under the same URL is a new entry, not the old copy; the fixed
+        suffix is what eviction recognises as the cache's own (ENTRY)."""
         name = url.rsplit("/", 1)[-1]
         what = url if check is None else f"{url} xxh3_64={check}"
-        return f"{xxhash.xxh3_64_hexdigest(what.encode())[:12]}-{name}"
+        suffix = "" if name.endswith(".tar") else ".tar"
+        return f"{xxhash.xxh3_64_hexdigest(what.encode())[:12]}-{name}{suffix}"
 
     def path(self, url: str, check: str | None = None) -> Path:
         return self.dir / self.key(url, check)
@@ -231,10 +237,12 @@ class ShardCache:
         dt = time.perf_counter() - t0
         log.debug("cached %s (%.1f MB in %.2f s) as %s", url, size / 1e6, dt, final)
 
-    def entries(self) -> list[os.stat_result]:
+    def entries(self) -> list[tuple[Path, os.stat_result]]:
+        """The complete shards in the folder: only names `key` makes (locks, verdicts,
+        derived manifests, downloads in progress and anyone else's files are not shards)."""
         out = []
         for p in self.dir.iterdir() if self.dir.is_dir() else ():
-            if p.name.startswith(".") or p.suffix in (".lock", ".bad", ".json"):
+            if not ENTRY.fullmatch(p.name):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 out.append((p, p.stat()))
