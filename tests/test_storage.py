@@ -82,6 +82,28 @@ def test_tmpfs_stage_gives_the_disk_bytes_and_targets(tiny_folder, tmp_path):
         ]
 
 
+def test_tmpfs_stage_keeps_empty_and_linked_class_folders(tmp_path):
+    """Class indices come from the class folders: the staged copy has every one storage=disk
+    indexes (an empty one, one linking to another class, a val class linking to train's),
+    so the classes and targets are the same."""
+    root = make_image_folder(tmp_path / "data", ("a", "c"), per_split=(2, 1), size=(16, 12))
+    (root / "train" / "b").mkdir()  # no images yet
+    (root / "train" / "d").symlink_to(root / "train" / "a")  # indexed once, under a
+    for f in (root / "val" / "c").iterdir():
+        f.unlink()
+    (root / "val" / "c").rmdir()
+    (root / "val" / "c").symlink_to(root / "train" / "c")  # val reuses train's images
+    store = tmpfs.TmpfsStorage(target_dir=tmp_path / "shm", progress=False)
+    store.prepare(root, ["train", "val"])
+    for split, classes in (("train", ("a", "b", "c", "d")), ("val", ("a", "c"))):
+        disk, staged = DiskStorage().open(root, split), store.open(root, split)
+        assert disk.classes == classes and staged.classes == classes
+        assert np.array_equal(targets(staged), targets(disk))
+        assert [sample(staged, i) for i in range(len(disk))] == [
+            sample(disk, i) for i in range(len(disk))
+        ]
+
+
 def test_raw_shards_hold_the_decoded_pixels_and_skip_the_decoder(tiny_folder, packs):
     disk = DiskStorage().open(tiny_folder, "train")
     raw = open_store("sr", tiny_folder, "train", packs)

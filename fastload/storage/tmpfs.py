@@ -1,7 +1,7 @@
 """storage=tmpfs: stage the dataset into a RAM-backed folder once per node, train from there.
 
     prepare (local rank 0, the other ranks wait at a barrier):
-      1. list the source splits (relative paths + sizes): the manifest;
+      1. list the source splits (folders, empty ones too, and files with sizes): the manifest;
       2. reuse <target_dir>/<name> if its manifest matches the source and its files match
          the manifest (sizes), else
       3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
@@ -54,10 +54,11 @@ def staged_root(root, target_dir) -> Path:
 
 def build_manifest(layout, splits) -> dict:
     """Every file the splits need (the layout's folders and files, relative to its root),
-    with size and modification time: a changed source never matches an old staging."""
+    with size and modification time: a changed source never matches an old staging; and
+    every folder, empty ones too: class indices come from the class folders, so the copy
+    must have each one the source has (storage=disk and tmpfs give the same targets)."""
     root = Path(layout.root).absolute()
-    files = []
-    seen, skipped = {os.path.realpath(root)}, []
+    files, dirs, skipped = [], [], []
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
@@ -69,13 +70,20 @@ def build_manifest(layout, splits) -> dict:
                 f"cannot stage {base}: no such folder or file. Point dataset.root at the "
                 f"dataset (for dataset=imagenet: a folder holding '<split>/<class>/<image>')."
             )
-        for dirpath, _, names in walk_once(base, seen, skipped):  # a link loop: once
+        # Each path walked on its own, as each split is indexed on its own: a val class
+        # folder that links to a train one is staged under val too. A link loop: once.
+        for dirpath, _, names in walk_once(base, set(), skipped):
+            dirs.append(os.path.relpath(dirpath, root))
             for n in sorted(names):
                 p = os.path.join(dirpath, n)
                 st = os.stat(p)
                 files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
     warn_skipped(root, skipped)
-    return {"source": str(root), "splits": list(dict.fromkeys(splits)), "files": files}
+    # A folder not followed (a class folder linking to one already walked) is still a class
+    # of its split, with no images of its own: staged empty, as storage=disk indexes it.
+    dirs += [os.path.relpath(s, root) for s in skipped]
+    splits = list(dict.fromkeys(splits))
+    return {"source": str(root), "splits": splits, "dirs": dirs, "files": files}
 
 
 def _matches(folder: Path, manifest: dict) -> bool:
@@ -86,7 +94,9 @@ def _matches(folder: Path, manifest: dict) -> bool:
     if have != manifest:
         return False
     try:
-        return all(os.stat(folder / rel).st_size == size for rel, size, _ in manifest["files"])
+        return all((folder / rel).is_dir() for rel in manifest["dirs"]) and all(
+            os.stat(folder / rel).st_size == size for rel, size, _ in manifest["files"]
+        )
     except OSError:
         return False
 
@@ -117,11 +127,13 @@ def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
     )
 
 
-def copy_files(src_root: Path, dst_root: Path, files, threads: int, progress: bool) -> None:
+def copy_files(
+    src_root: Path, dst_root: Path, files, threads: int, progress: bool, dirs=()
+) -> None:
     from tqdm import tqdm
 
     total = sum(f[1] for f in files)
-    for d in sorted({os.path.dirname(f[0]) for f in files}):
+    for d in sorted({*dirs, *(os.path.dirname(f[0]) for f in files)}):
         (dst_root / d).mkdir(parents=True, exist_ok=True)
 
     def one(item):
@@ -175,7 +187,7 @@ def stage(
     t0 = time.perf_counter()
     try:
         with building(final) as tmp:
-            copy_files(root, tmp, manifest["files"], threads, progress)
+            copy_files(root, tmp, manifest["files"], threads, progress, manifest["dirs"])
             bad = [f[0] for f in manifest["files"] if os.stat(tmp / f[0]).st_size != f[1]]
             if bad:
                 raise StorageError(
