@@ -21,6 +21,7 @@ from conftest import (
     tiny_overrides,
 )
 
+from fastload.atomic import temp_path
 from fastload.data import rawimage
 from fastload.data.batch import collate
 from fastload.data.dataset import ImageDataset
@@ -494,6 +495,30 @@ def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch
     assert str(root) in msg and "short on: free space" in msg and "MiB" in msg
     assert "mount -o remount,size=" in msg and "storage.target_dir" in msg
     assert not list((tmp_path / "shm").iterdir())  # nothing half-copied
+
+
+def test_a_killed_stagings_leftover_is_removed_before_the_room_check(tmp_path, monkeypatch):
+    """A partial copy left in tmpfs by a staging killed on this host takes room until it is
+    removed: it goes before the room is measured, so it alone does not refuse the next one."""
+    root = make_image_folder(tmp_path / "data", per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = temp_path(tmpfs.staged_root(root, target).absolute(), pid=dead.pid)
+    leftover.mkdir(parents=True)
+    (leftover / "partial").write_bytes(b"x" * 3_000_000)
+    capacity = 4_000_000  # the dataset + reserve fit, but not beside the leftover
+    monkeypatch.setattr(
+        tmpfs,
+        "room",
+        lambda d: {
+            "free space": capacity - storage_base.du_bytes(d)[0],
+            "available RAM": None,
+            "container memory limit headroom": None,
+        },
+    )
+    final = tmpfs.stage(root, ["train", "val"], target, reserve_gb=0.001, progress=False)
+    assert not leftover.exists() and (final / tmpfs.MANIFEST).is_file()
 
 
 def test_memory_limit_headroom_counts(monkeypatch, tmp_path):

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastload.atomic import building, is_disk_full, no_space_message
+from fastload.atomic import building, is_disk_full, no_space_message, remove_stale
 from fastload.data.folder import walk_once, warn_skipped
 from fastload.data.layouts import as_layout
 from fastload.errors import StorageError
@@ -176,6 +176,9 @@ def stage(
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
     need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
+    # A staging killed on this host (SIGKILL, OOM) left its partial copy in RAM: remove it
+    # before measuring the room, or it alone could make the new copy "not fit".
+    remove_stale(final.absolute())
     old = final if final.exists() else None  # an outdated or damaged copy: replaced below
     freed = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old else 0
     check_room(target_dir, max(0, need - freed), int(reserve_gb * 2**30), root)
