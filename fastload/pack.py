@@ -79,7 +79,9 @@ def pack_one(args, src_dir, out, source=None) -> None:
     store = make_storage(args)
     replacing = folder_id(out) if out.exists() else None  # the pack judged below
     if replacing is not None:
-        reason = stale_reason(src_dir, out, store.pack_options()) if source is None else None
+        # COCO / DIV2K: the source built from the command line, checked like a folder
+        what = src_dir if source is None else (lambda: source)
+        reason = stale_reason(what, out, store.pack_options())
         if reason is None:
             print(f"{out} exists and matches its source: skipped (delete it to re-pack)")
             return

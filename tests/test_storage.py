@@ -748,6 +748,37 @@ def test_coco_boxes_scale_with_reencoded_pixels(tmp_path, fmt):
         assert np.allclose(raw.get(2, "boxes"), [[2.5, 5, 7.625, 10], [15, 0, 12.5, 17.5]])
 
 
+def test_coco_and_div2k_packs_are_re_packed_when_the_source_or_options_change(tmp_path, capsys):
+    """`--source coco|div2k` over an existing pack: kept while it matches, re-packed when an
+    annotation or image changed or other pack options are asked for."""
+    ann, images = make_coco(tmp_path / "coco")
+    out = tmp_path / "pack"
+    args = ["shards", str(out), "--source", "coco", "--annotations", str(ann)]
+    args += ["--images", str(images)]
+    assert pack_main(args) == 0 and pack_main(args) == 0
+    assert "matches its source: skipped" in capsys.readouterr().out
+    doc = json.loads(ann.read_text())
+    doc["annotations"][1]["bbox"] = [5.0, 6.0, 7.0, 8.0]  # image 3's box, moved
+    ann.write_text(json.dumps(doc))
+    assert pack_main(args) == 0
+    text = capsys.readouterr().out
+    assert "is out of date" in text and "changed since it was packed" in text, text
+    assert open_pack("shards", out, "train2017").get(0, "boxes").tolist() == [[5, 6, 7, 8]]
+    assert pack_main([*args, "--max-side", "60"]) == 0
+    assert "is out of date (it was packed with" in capsys.readouterr().out
+    hr, _ = make_div2k(tmp_path / "div2k")
+    args = ["lmdb", str(tmp_path / "sr"), "--source", "div2k", "--hr", str(hr)]
+    assert pack_main(args) == 0 and pack_main(args) == 0
+    assert "matches its source: skipped" in capsys.readouterr().out
+    (hr / "0002.png").write_bytes((hr / "0001.png").read_bytes())  # an HR image replaced
+    assert pack_main(args) == 0
+    assert "changed since it was packed" in capsys.readouterr().out
+    assert (
+        open_pack("lmdb", tmp_path / "sr", "DIV2K_train_HR").get(1, "image")
+        == (hr / "0001.png").read_bytes()
+    )
+
+
 def test_coco_bad_input_names_the_file(tmp_path):
     from fastload.data.sources import CocoSource
     from fastload.errors import DatasetError
