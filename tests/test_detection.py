@@ -202,6 +202,25 @@ def test_packs_and_tmpfs_give_the_json_targets(coco_root, tmp_path):
                 assert sample(got, i) == sample(want, i)
 
 
+def test_a_coco_subset_packs_beside_the_whole_set_not_over_it(coco_root, tmp_path):
+    """dataset.layout.subset=N and the whole set of one root: each its own default pack
+    folder, so neither finds the other's pack out of date and packs over it."""
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    whole, subset = CocoLayout(str(root)), CocoLayout(str(root), subset=3)
+    store = ShardStorage()
+    assert store.pack_root(whole) == tmp_path / "coco.packs" / "shards-jpeg-orig"
+    assert store.pack_root(subset) == tmp_path / "coco.packs" / "shards-jpeg-orig-subset3"
+    for layout in (whole, subset):
+        store.prepare(layout, ["train"])
+    marks = {p: p.stat().st_mtime_ns for p in (tmp_path / "coco.packs").rglob("*") if p.is_file()}
+    for layout in (whole, subset):
+        store.prepare(layout, ["train"])  # both packs are current: nothing re-packed
+        assert len(store.open(layout, "train")) == len(DiskStorage().open(layout, "train"))
+    assert {p: p.stat().st_mtime_ns for p in marks} == marks
+    assert len(store.open(subset, "train")) == 3 < len(store.open(whole, "train"))
+
+
 # -- COCO mAP ----------------------------------------------------------------------------
 
 

@@ -18,6 +18,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+import xxhash
+
 from fastload.data.records import Schema
 from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
 
@@ -69,6 +71,22 @@ class Layout(abc.ABC):
     def at(self, root) -> Layout:
         """The same layout under another root (a staged copy)."""
         return dataclasses.replace(self, root=str(root))
+
+    def pack_suffix(self) -> str:
+        """What tells this layout's packs from those of another layout of the same root (a
+        COCO subset, a DIV2K scale), added to a pack's default folder name: "" with every
+        option at its default, else e.g. "-subset5000", "-scale4". Without it two configs
+        would share one pack folder, each finding the other's pack out of date."""
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "root" or value == f.default:
+                continue
+            if isinstance(value, int) and not isinstance(value, bool):
+                parts.append(f"{f.name}{value}")
+            else:  # a path template or null: short, and still one folder per value
+                parts.append(f"{f.name}-{xxhash.xxh3_64_hexdigest(repr(value).encode())[:6]}")
+        return "".join("-" + p for p in parts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -383,7 +383,8 @@ class PackedStorage(Storage):
         """The same options as `python -m fastload.pack` flags."""
 
     def pack_root(self, root) -> Path:
-        return Path(self.path or self.default_path(as_layout(root).root))
+        layout = as_layout(root)
+        return Path(self.path or self.default_path(layout.root) + layout.pack_suffix())
 
     def pack_command(self, root, split: str | None = None) -> str:
         layout = as_layout(root)
