@@ -1083,3 +1083,22 @@ def test_a_pack_re_packed_by_another_node_first_is_used_not_replaced(tiny_folder
     assert folder_id(split) == ours.theirs  # theirs stayed in place
     assert json.loads((split / SIDECAR).read_text())["source_digest"] != "stale"
     assert sorted(p.name for p in (tmp_path / "sj").iterdir()) == ["train"]  # no temporary
+
+
+def test_a_pack_that_left_files_out_says_so_to_a_run_without_skip_corrupt(tmp_path, caplog):
+    """dataset.skip_corrupt=true packed without an undecodable file; a later run with
+    skip_corrupt=false (which would stop at that file) reuses the pack and is told."""
+    root = make_image_folder(tmp_path / "d")
+    bad = root / "train" / "cat" / "cat_001.jpg"
+    bad.write_bytes(b"\xff\xd8 truncated")
+    store = ShardStorage(path=str(tmp_path / "p"), kind="raw", size=32)
+    store.prepare(root, ["train"], skip_corrupt=True)
+    assert len(store.open(root, "train")) == len(DiskStorage().open(root, "train")) - 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fastload"):
+        store.prepare(root, ["train"], skip_corrupt=True)
+    assert "left out" not in caplog.text  # that run asked for it
+    with caplog.at_level("WARNING", logger="fastload"):
+        store.prepare(root, ["train"])
+    assert "packed with dataset.skip_corrupt=true and left out 1 file(s)" in caplog.text
+    assert str(bad) in caplog.text

@@ -19,6 +19,7 @@ a store option recorded with the others, so a pack made without it is not reused
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import io
 import json
@@ -348,6 +349,21 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
     return None
 
 
+def warn_left_out(pack_dir: Path) -> None:
+    """A pack made with dataset.skip_corrupt=true left out what it could not decode; a run
+    without skip_corrupt, which would stop at such a file, is told that it trains without
+    them rather than finding out from a sample count."""
+    with contextlib.suppress(OSError, ValueError):
+        left = json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8")).get("skipped")
+        if left:
+            log.warning(
+                "%s was packed with dataset.skip_corrupt=true and left out %d file(s) that "
+                "could not be decoded (%s): this run trains without them. Mend or remove "
+                "them in the dataset and the next run re-packs it with every file.",
+                pack_dir, len(left), ", ".join(left[:3]) + (" ..." if len(left) > 3 else ""),
+            )  # fmt: skip
+
+
 class PackedStorage(Storage):
     """A store whose splits are packs made from the dataset folder (LMDB, shards): packed on
     first use by `prepare` (storage.auto_pack) or by `python -m fastload.pack`, refused with
@@ -406,6 +422,8 @@ class PackedStorage(Storage):
             if exists:
                 reason = stale_reason(lambda s=split: layout.source(s), dst, self.pack_options())
                 if reason is None:
+                    if not skip_corrupt:
+                        warn_left_out(dst)
                     continue
                 if not self.auto_pack:
                     raise StorageError(
