@@ -583,6 +583,8 @@ class Epochs:
             self.stop(stopper, f"at epoch {epoch} step {steps}")
         state.epoch, state.step, state.stretches = epoch + 1, 0, []
         row = {"epoch": epoch, **metrics, "lr": lr}
+        if span.first_step:  # resumed inside this epoch: its numbers cover the steps from here
+            row["resumed_at_step"] = span.first_step
         if self.evaluates(epoch):
             t0 = time.perf_counter()
             val, val_skipped, val_seen, val_files = evaluate(self.step, data.val, ctx, state.ema)

@@ -160,6 +160,8 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
         assert torch.equal(a["ema"]["model"][k], b["ema"]["model"][k]), k
     rows = read_jsonl(resumed_dir / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [0, 1, 2]
+    # the epoch resumed inside of says so: its numbers cover its last 2 steps only
+    assert [r.get("resumed_at_step") for r in rows] == [None, 2, None]
     # the EMA evaluated beside the model: its own numbers, the same as the uninterrupted run's
     ref_rows = read_jsonl(tmp_path / "ref" / "r" / "metrics.jsonl")
     assert rows[-1]["ema_val_loss"] == ref_rows[-1]["ema_val_loss"] != rows[-1]["val_loss"]
