@@ -146,7 +146,8 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
         if steps >= span.max_steps:
             break
         if steps in hooks:
-            hooks[steps]()
+            with timer.data_work():
+                hooks[steps]()
         skipped += batch["skipped"]
         skipped_files += batch.get("skipped_files", ())
         for k, v in batch.get("counts", {}).items():  # the backend's counters, e.g. fallbacks

@@ -115,6 +115,48 @@ def test_a_killed_checkpoint_writers_file_is_removed_by_the_next_run(tmp_path, c
     assert str(stale) in caplog.text
 
 
+class CountingStep:
+    """The parts of a task step train_one_epoch uses, doing no work."""
+
+    train_sums, settled = 2, True
+
+    def train_mode(self): ...
+    def begin(self, steps): ...
+    def after_step(self): ...
+    def finish(self): ...
+
+    def train(self, batch):
+        return torch.tensor([1.0, float(len(batch["target"]))], dtype=torch.float64)
+
+    def train_metrics(self, sums):
+        return {"train_loss": sums[0] / sums[1]}
+
+
+def test_the_evaluation_loaders_warm_start_counts_as_data_wait():
+    """The hook that starts the evaluation loader's workers before training's last steps
+    blocks the loop on the data path: data wait, as a worker start inside iter() is."""
+    from fastload.engine import EpochSpan, train_one_epoch
+    from fastload.telemetry.timer import StepTimer
+    from fastload.train_checks import LossWatch, SkipBudget
+
+    started = []
+
+    def warm_start():
+        time.sleep(0.3)
+        started.append(True)
+
+    ctx = DistContext()
+    batches = [{"image": torch.zeros(2, 1), "target": torch.zeros(2), "skipped": 0}] * 4
+    with GracefulStop() as stopper:
+        done = train_one_epoch(
+            CountingStep(), batches, ctx, EpochSpan(0, 0, 4), stopper=stopper, timer=StepTimer(),
+            progress=False, watch=LossWatch(ctx.device), budget=SkipBudget(0.0, 8),
+            hooks={2: warm_start},
+        )  # fmt: skip
+    assert started and done.steps == 4
+    assert done.timing.data_wait_s >= 0.25 and done.timing.compute_s < 0.1
+
+
 def test_graceful_stop_turns_sigterm_into_a_flag():
     with GracefulStop() as stop:
         os.kill(os.getpid(), signal.SIGTERM)

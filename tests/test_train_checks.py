@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import compose_config, make_image_folder, run_gloo_ranks, run_train, tiny_overrides
+from test_engine import CountingStep
 from test_train import assert_clean_failure, read_jsonl
 
 from fastload.errors import ConfigError
@@ -106,21 +107,8 @@ def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):
     assert step.scaler_skips() is None  # no scaler, nothing to count
 
 
-class _OverflowingStep:
-    """The parts of a task step train_one_epoch uses; its fp16 scaler skipped 3 updates."""
-
-    train_sums, settled = 2, True
-
-    def train_mode(self): ...
-    def begin(self, steps): ...
-    def after_step(self): ...
-    def finish(self): ...
-
-    def train(self, batch):
-        return torch.tensor([1.0, float(len(batch["target"]))], dtype=torch.float64)
-
-    def train_metrics(self, sums):
-        return {"train_loss": sums[0] / sums[1]}
+class _OverflowingStep(CountingStep):
+    """A step whose fp16 scaler skipped 3 updates."""
 
     def scaler_skips(self):
         return 3.0

@@ -6,6 +6,7 @@ blocked inside the loader's ``__next__`` is data wait, everything else is comput
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -91,6 +92,17 @@ class StepTimer:
             self._steps += 1
             yield item
             t = perf_counter()
+
+    @contextlib.contextmanager
+    def data_work(self) -> Iterator[None]:
+        """Time the loop spends on the data path outside ``next()`` (starting the evaluation
+        loader's workers before training's last steps): counted as data wait, like the
+        worker start inside ``iter()``, not as compute."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._data_wait_s += time.perf_counter() - t
 
     def add_samples(self, n: int) -> None:
         self._samples += int(n)
