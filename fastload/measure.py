@@ -120,9 +120,9 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
                 break
             w0 = time.perf_counter()
             batch = next(it, None)
+            out.wait_s += time.perf_counter() - w0  # the end too: a DataLoader joins its workers
             if batch is None:
                 break
-            out.wait_s += time.perf_counter() - w0
             step.train(batch)
             step.after_step()  # the update (once per trainer.grad_accum_steps batches)
             out.batches += 1

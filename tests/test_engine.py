@@ -157,6 +157,22 @@ def test_the_evaluation_loaders_warm_start_counts_as_data_wait():
     assert done.timing.data_wait_s >= 0.25 and done.timing.compute_s < 0.1
 
 
+def test_the_doctors_feed_counts_a_slow_end_of_data_as_wait():
+    """A DataLoader joins its workers when its data ends: the doctor's feed times that as
+    data wait, inside its wall time, as the training loop's timer does."""
+    from fastload.measure import feed
+
+    def loader():
+        yield from [{"image": torch.zeros(2, 1), "target": torch.zeros(2)}] * 3
+        time.sleep(0.3)  # the workers' shutdown
+
+    step = CountingStep()
+    step.sync = lambda: None
+    out = feed(loader(), step)
+    assert out.batches == 3 and out.images == 6
+    assert 0.25 <= out.wait_s <= out.wall_s
+
+
 def test_graceful_stop_turns_sigterm_into_a_flag():
     with GracefulStop() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
