@@ -605,8 +605,8 @@ class Epochs:
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
         saved = bool(every and (last or (epoch + 1) % every == 0))
-        if saved or cfg.trainer.checkpoint_every_steps:
-            saved = True
+        saved = saved or bool(cfg.trainer.checkpoint_every_steps)
+        if saved:
             self.record.save(state)
         if stopper.signum is not None and not last:  # a signal that came after the last check
             self.stop(stopper, f"after epoch {epoch}", saved=saved)
