@@ -77,6 +77,19 @@ def _close_all_at_exit() -> None:
         loader.close()
 
 
+def can_cut_batches(dataset, collate_fn, device_prep) -> bool:
+    """Whether the stream's last round of batches may be cut across the workers
+    (EpochBatches; the host stage joins the parts again): only with fastload's collate (it
+    marks the parts), no deferred decode (whose encoded samples cannot be joined) and a
+    dataset whose samples each have their own RNG (a part is seeded from its own first key,
+    so a dataset drawing from the global RNGs would augment a cut batch differently)."""
+    return (
+        collate_fn is None
+        and device_prep.decoder is None
+        and getattr(dataset, "rng_per_sample", False)
+    )
+
+
 class DataLoaderStream:
     """A stream of epochs over a torch DataLoader; iterates device-ready batches:
     {"image": float NCHW on device, "target", ...}."""
@@ -134,17 +147,7 @@ class DataLoaderStream:
         if workers and reuse_batch_memory and collate_fn is None and sample_bytes:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
             self.collate = SlotCollate(collate, self.slots)
-        # Cut the stream's last round of batches across the workers (EpochBatches): only
-        # with fastload's collate (it marks the parts), no deferred decode (whose encoded
-        # samples cannot be joined) and a dataset whose samples each have their own RNG (a
-        # part is seeded from its own first key, so a dataset drawing from the global RNGs
-        # would augment a cut batch differently); the host stage joins the parts again.
-        cut = (
-            balanced_tail
-            and collate_fn is None
-            and device_prep.decoder is None
-            and getattr(dataset, "rng_per_sample", False)
-        )
+        cut = balanced_tail and can_cut_batches(dataset, collate_fn, device_prep)
         tail_workers = self.num_workers if cut else 0
         self.batches = EpochBatches(sampler, batch_size, drop_last and train, tail_workers)
         self.dataloader = DataLoader(
