@@ -221,6 +221,24 @@ def test_a_coco_subset_packs_beside_the_whole_set_not_over_it(coco_root, tmp_pat
     assert len(store.open(subset, "train")) == 3 < len(store.open(whole, "train"))
 
 
+def test_evaluation_predicts_in_fp32_under_bf16_training(tmp_path):
+    """trainer.precision=bf16 trains under autocast; evaluation does not: bf16 box decoding
+    puts coordinates on 4-8 px steps at COCO sizes and costs mAP points."""
+    from fastload.tasks.detection import DetectionStep
+    from models.detection import build_detector
+
+    torch.manual_seed(0)
+    model = build_detector("fcos_tiny", 3).eval()
+    step = DetectionStep.__new__(DetectionStep)  # predict needs none of the step's config
+    step.amp, step.device = torch.bfloat16, torch.device("cpu")
+    images = [torch.rand(3, 64, 96).to(torch.bfloat16)]  # loader.input_dtype=bf16 too
+    with step.autocast():  # what training runs under
+        under_autocast = model([images[0].float()])[0]
+    got = step.predict(model, images)[0]
+    assert under_autocast["boxes"].dtype == torch.bfloat16  # what evaluation used to give
+    assert got["boxes"].dtype == got["scores"].dtype == torch.float32
+
+
 # -- COCO mAP ----------------------------------------------------------------------------
 
 
