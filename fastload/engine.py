@@ -209,6 +209,14 @@ def stop_agreed(stopper, ctx, watch, over_budget: bool) -> bool:
     return max(agreed) > 0
 
 
+def signal_agreed(stopper, ctx) -> bool:
+    """Whether any rank got SIGTERM/SIGINT (a collective under DDP); then every rank's
+    stopper holds it."""
+    agreed = int(dist.all_reduce([float(stopper.signum or 0)], ctx, op="max")[0])
+    stopper.signum = stopper.signum or agreed or None
+    return stopper.signum is not None
+
+
 def evaluate(step, loader, ctx, ema=None) -> tuple[dict, int, int, list[str]]:
     """The val_* metrics (with trainer.ema, the EMA's too, as ema_val_*: the same batches,
     read once), and the samples skipped as undecodable and those evaluated (all ranks), with
@@ -608,7 +616,9 @@ class Epochs:
         saved = saved or bool(cfg.trainer.checkpoint_every_steps)
         if saved:
             self.record.save(state)
-        if stopper.signum is not None and not last:  # a signal that came after the last check
+        # A signal that came after the epoch's last stop check: agreed here, or one rank
+        # would stop (and gather for its checkpoint) while the others train on.
+        if not last and signal_agreed(stopper, ctx):
             self.stop(stopper, f"after epoch {epoch}", saved=saved)
 
     def better(self, best: float | None, row: dict, model, of: str, epoch: int) -> float | None:

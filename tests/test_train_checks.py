@@ -4,6 +4,7 @@ non-finite loss, too many undecodable samples skipped, options that cannot train
 from __future__ import annotations
 
 import math
+import signal
 import warnings
 from types import SimpleNamespace
 
@@ -137,6 +138,33 @@ def _count_overflows(rank, world, init, tmp_path, out):
         out.put((done.metrics["scaler_skipped_steps"], done.trained))
     finally:
         torch_dist.destroy_process_group()
+
+
+def _agree_on_a_signal(rank, world, init, tmp_path, out):
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    from fastload.dist import DistContext
+    from fastload.engine import GracefulStop, signal_agreed
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        ctx = DistContext(rank=rank, world_size=world)
+        with GracefulStop() as stopper:
+            quiet = signal_agreed(stopper, ctx)  # no rank has a signal
+            stopper.signum = signal.SIGTERM if rank == 0 else None  # rank 0 alone got one
+            out.put((rank, quiet, signal_agreed(stopper, ctx), stopper.signum))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_a_signal_one_rank_got_after_the_last_check_stops_every_rank(tmp_path):
+    """The check after an epoch is agreed: a rank that alone saw SIGTERM while writing the
+    epoch's checkpoint does not stop (and wait in a collective) while the others train on."""
+    results = sorted(run_gloo_ranks(_agree_on_a_signal, tmp_path, world=2))
+    assert results == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGTERM)]
 
 
 def test_the_scaler_skipped_steps_of_ddp_ranks_are_one_count(tmp_path):
