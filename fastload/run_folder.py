@@ -90,7 +90,15 @@ def claim(path: Path, named_by_us: bool, me: dict | None = None) -> Path:
     for k in range(1000):
         folder = path if k == 0 else path.with_name(f"{path.name}-{k}")
         other = _try_claim(folder, me, take_over=False)
-        if other is None or other.get("launch") == me["launch"]:
+        if other is None:
+            return folder
+        if other.get("launch") == me["launch"]:
+            # Ours by name, but holding results while this launch has trained nothing yet
+            # (the ranks of one launch all claim before any trains): an earlier launch that
+            # reused the id (a fixed --rdzv-id, FASTLOAD_RUN_ID), whose results stay. A
+            # torchrun or SLURM restart of this launch continues in its folder.
+            if named_by_us and not restarted() and results_in(folder):
+                continue
             return folder
         if named_by_us:
             continue
@@ -103,6 +111,25 @@ def claim(path: Path, named_by_us: bool, me: dict | None = None) -> Path:
         _try_claim(folder, me, take_over=True)
         return folder
     raise ConfigError(f"{path}: 1000 run directories of this name and second exist already.")
+
+
+def restarted() -> bool:
+    """Whether this process is a restart of its launch (torchrun --max-restarts, a SLURM
+    requeue), which goes on in the launch's folder."""
+    env = os.environ
+    return any(
+        int(env.get(k) or 0) > 0 for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
+
+
+def results_in(folder: Path) -> set[str]:
+    """What a run folder holds beyond what a launch writes before training (the claim,
+    .hydra/, the logs): metrics, checkpoints, a summary."""
+    try:
+        names = {p.name for p in Path(folder).iterdir()}
+    except OSError:
+        return set()
+    return {n for n in names - LAUNCH_ONLY_FILES if not RANK_LOG.fullmatch(n)}
 
 
 def check_not_held(checkpoint: Path) -> None:
@@ -123,12 +150,7 @@ def remove_if_unused(folder: Path) -> bool:
     """Delete a run folder that holds nothing but what a launch writes before training
     (the claim, Hydra's .hydra/ and log); True when removed. Anything else: kept."""
     folder = Path(folder)
-    try:
-        names = {p.name for p in folder.iterdir()}
-    except OSError:
-        return False
-    names = {n for n in names if not RANK_LOG.fullmatch(n)}  # another rank's warnings
-    if not names <= LAUNCH_ONLY_FILES or owner(folder) != launch_identity():
+    if not folder.is_dir() or results_in(folder) or owner(folder) != launch_identity():
         return False
     import shutil
 

@@ -66,6 +66,28 @@ def test_a_launch_keeps_its_folder_and_a_named_folder_is_not_shared_with_a_live_
     assert run_folder.owner(tmp_path / "named") == me
 
 
+def test_a_reused_launch_id_does_not_write_over_the_earlier_runs_results(tmp_path, monkeypatch):
+    """A multi-node launch is named by its --rdzv-id (or FASTLOAD_RUN_ID): a second launch
+    that reuses the id gets `<name>-1` once the first one's folder holds results, and all
+    its ranks agree on it; a torchrun restart of the launch goes on in its own folder."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    path = tmp_path / "x" / "torchrun-job7"
+    assert run_folder.claim(path, named_by_us=True) == path
+    (path / "train.rank1.log").write_text("")  # a rank's log is not a result...
+    assert run_folder.claim(path, named_by_us=True) == path  # ...: another rank, same launch
+    (path / "metrics.jsonl").write_text('{"epoch": 0}\n')  # the first launch trained
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert run_folder.claim(path, named_by_us=True) == path  # its restart continues there
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")  # a new launch, the id reused
+    second = path.with_name("torchrun-job7-1")
+    assert run_folder.claim(path, named_by_us=True) == second  # its first rank
+    assert run_folder.claim(path, named_by_us=True) == second  # and every other
+    assert (path / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
+    assert run_folder.claim(path, named_by_us=False) == path  # hydra.run.dir=: as asked
+
+
 def test_concurrent_runs_of_one_name_write_separate_folders(tiny_folder, tmp_path):
     """`python train.py name=x` twice at once: each run its own folder, its own rows."""
     args = tiny_overrides(tiny_folder, tmp_path / "unused", "name=x", "trainer.epochs=2")
