@@ -263,6 +263,35 @@ def test_jpeg_header_and_dct_scale(kinds, photo):
     assert all(open_rgb(d).mode == "RGB" for d in kinds.values())
 
 
+def orientation_kinds(photo) -> dict[str, bytes]:
+    """Orientation as cameras and editors also write it: in an XMP packet only, and as a
+    LONG in a big-endian EXIF (both read by Pillow, so rotated by the reference decode)."""
+    import struct
+
+    xmp = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/'
+           b'02/22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/"'
+           b' tiff:Orientation="6"/></rdf:RDF></x:xmpmeta>')  # fmt: skip
+    tiff = (b"MM" + struct.pack(">HI", 42, 8) + struct.pack(">H", 1)
+            + struct.pack(">HHII", 0x0112, 4, 1, 6) + struct.pack(">I", 0))  # fmt: skip
+    return {
+        "xmp_only": encode(photo, "JPEG", quality=90, xmp=xmp),
+        "exif_long_big_endian": encode(photo, "JPEG", quality=90, exif=b"Exif\x00\x00" + tiff),
+    }
+
+
+def test_orientation_from_xmp_or_a_big_endian_long_is_read_as_pil_reads_it(photo, monkeypatch):
+    backend = make_backend("turbo", monkeypatch)
+    for kind, data in orientation_kinds(photo).items():
+        assert Image.open(io.BytesIO(data)).getexif().get(0x0112) == 6, kind
+        assert jpeg_info(data).orientation == 6, kind
+        t = RandomResizedCropFlip(56, scale=(0.08, 1.0))
+        ref_t = Recording(RandomResizedCropFlip(56, scale=(0.08, 1.0)))
+        want = PILBackend().load(data, ref_t, sample_rng(0, 0, 1))
+        got = backend.load(data, Recording(t), sample_rng(0, 0, 1))
+        assert psnr(got, want) >= MIN_PSNR_DB, kind  # rotated, as PIL rotates it
+    assert backend.pop_counts()["decode_fallback_exif_rotated"] == 2
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
 def test_16_bit_grayscale_keeps_its_levels(fmt):
     """Pillow's convert("RGB") clips 16-bit values above 255 to white: a 16-bit PNG would

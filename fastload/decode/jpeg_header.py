@@ -8,6 +8,7 @@ segments costs microseconds (no entropy-coded data is touched).
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
     a truncated or garbled header)."""
     if data[:2] != b"\xff\xd8":
         return None
-    orientation = 1
+    exif = xmp = None  # the orientation each states; PIL takes XMP's only without EXIF's
     i, n = 2, len(data)
     while i + 4 <= n:
         if data[i] != 0xFF:
@@ -47,13 +48,18 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
         (length,) = struct.unpack_from(">H", data, i + 2)
         seg = i + 4
         if marker == 0xE1 and data[seg : seg + 6] == b"Exif\x00\x00":
-            orientation = _exif_orientation(data[seg + 6 : i + 2 + length])
+            exif = _exif_orientation(data[seg + 6 : i + 2 + length])
+        elif marker == 0xE1 and data[seg : seg + len(_XMP)] == _XMP:
+            found = _XMP_ORIENTATION.search(data, seg + len(_XMP), i + 2 + length)
+            xmp = int(found[2]) if found else xmp
         elif marker in _SOF:
             if seg + 6 > n:
                 return None
             _, height, width, comps = struct.unpack_from(">BHHB", data, seg)
             if width == 0 or height == 0:
                 return None
+            orientation = exif if exif is not None else xmp if xmp is not None else 1
+            orientation = orientation if 1 <= orientation <= 8 else 1
             return JpegInfo(width, height, comps, marker in _PROGRESSIVE, orientation)
         elif marker == 0xDA:  # start of scan before any frame header
             return None
@@ -61,18 +67,29 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
     return None
 
 
-def _exif_orientation(tiff: bytes) -> int:
+# Pillow reads an XMP packet's tiff:Orientation when the EXIF has none (Image.getexif), and
+# PIL's reference decode rotates by it: so must the header's answer.
+_XMP = b"http://ns.adobe.com/xap/1.0/\x00"
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
+
+
+def _exif_orientation(tiff: bytes) -> int | None:
+    """The orientation tag of an EXIF block, None without one. Its value is read by its
+    type: a SHORT in the first two bytes of the value field, a LONG in all four (the first
+    two of a big-endian LONG are its high half)."""
     try:
         endian = {b"II": "<", b"MM": ">"}[tiff[:2]]
         (ifd,) = struct.unpack_from(endian + "I", tiff, 4)
         (count,) = struct.unpack_from(endian + "H", tiff, ifd)
         for k in range(count):
-            tag, _, _, value = struct.unpack_from(endian + "HHIH", tiff, ifd + 2 + 12 * k)
+            entry = ifd + 2 + 12 * k
+            tag, kind = struct.unpack_from(endian + "HH", tiff, entry)
             if tag == 0x0112:
-                return value if 1 <= value <= 8 else 1
+                (value,) = struct.unpack_from(endian + ("I" if kind == 4 else "H"), tiff, entry + 8)
+                return value
     except (KeyError, struct.error):
         pass
-    return 1
+    return None
 
 
 def fallback_reason(info: JpegInfo | None) -> str | None:
