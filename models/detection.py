@@ -19,7 +19,8 @@ decide the input size.
 
 weights: a local state-dict file of this very model (e.g. saved from torchvision's
 COCO-trained weights with torch.save(model.state_dict(), ...)); loaded strictly, with
-weights_only=True. weights_backbone: a local ImageNet classification state dict of the trunk
+weights_only=True, then trained as torchvision trains pretrained detectors (frozen trunk
+batch norms, trainable_backbone_layers of a ResNet trunk, default 3). weights_backbone: a local ImageNet classification state dict of the trunk
 (e.g. resnet50-0676ba61.pth): loaded into the backbone, whose batch norms are then frozen and
 whose first layers stop training (trainable_backbone_layers, default 3), as torchvision does
 with its downloaded backbone weights.
@@ -102,6 +103,9 @@ def build_detector(
         load_backbone(model, weights_backbone, trainable_backbone_layers)
     if weights:
         load_weights(model, weights, "model.weights", fits=WHOLE_MODEL_FITS)
+        # torchvision's regime for any pretrained detector, not only a pretrained trunk:
+        # batch norms trained on batches of 2-8 images would overwrite the weights' statistics
+        pretrained_regime(model, trainable_backbone_layers)
     return model
 
 
@@ -112,9 +116,20 @@ def load_backbone(model, path: str, trainable_layers: int | None) -> None:
     if body is None or not hasattr(body, "layer1"):
         raise ConfigError("model.weights_backbone: supported for ResNet-trunk models only.")
     load_weights(body, path, "model.weights_backbone", ignore=("fc.",))
-    frozen = 3 if trainable_layers is None else int(trainable_layers)
-    for name in RESNET_LAYERS[frozen:]:
-        getattr(body, name).requires_grad_(False)
+    pretrained_regime(model, trainable_layers)
+
+
+def pretrained_regime(model, trainable_layers: int | None) -> None:
+    """torchvision's for pretrained weights: the trunk's batch norms frozen with their
+    statistics, and of a ResNet trunk only the last `trainable_layers` stages (default 3)
+    trained."""
+    body = getattr(getattr(model, "backbone", None), "body", None)
+    if body is None:
+        return
+    if hasattr(body, "layer1"):
+        frozen = 3 if trainable_layers is None else int(trainable_layers)
+        for name in RESNET_LAYERS[frozen:]:
+            getattr(body, name).requires_grad_(False)
     freeze_batch_norms(body)
 
 

@@ -352,8 +352,20 @@ def test_local_weights_load_or_fail_naming_the_file(tmp_path):
     model = build_detector("fcos_tiny", 3)
     torch.save(model.state_dict(), tmp_path / "w.pth")
     again = build_detector("fcos_tiny", 3, weights=str(tmp_path / "w.pth"))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 again.state_dict().values(), strict=True))  # fmt: skip
+    got = again.state_dict()  # frozen batch norms keep no num_batches_tracked
+    assert got and all(torch.equal(v, model.state_dict()[k]) for k, v in got.items())
+    # trained as torchvision trains a pretrained detector: the trunk's batch norms frozen
+    # with the weights' statistics, conv1 and layer1 fixed (trainable_backbone_layers=3)
+    body = again.backbone.body
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in body.modules())
+    assert not body.conv1.weight.requires_grad and not body.layer1[0].conv1.weight.requires_grad
+    assert body.layer2[0].conv1.weight.requires_grad and next(again.head.parameters()).requires_grad
+    # a training pass leaves the statistics as the weights have them
+    images, targets = [torch.rand(3, 64, 96)], [{"boxes": torch.tensor([[4.0, 4, 40, 40]]),
+                                                 "labels": torch.tensor([1])}]  # fmt: skip
+    with torch.no_grad():
+        again.train()(images, targets)
+        assert torch.equal(again.eval()(images)[0]["scores"], model.eval()(images)[0]["scores"])
     with pytest.raises(ConfigError, match=f"{tmp_path / 'w.pth'} does not fit"):
         build_detector("fcos_tiny", 5, weights=str(tmp_path / "w.pth"))
     with pytest.raises(ConfigError, match="no such file"):
