@@ -27,7 +27,7 @@ def _from_slurm() -> None:
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(slurm_tasks_on_this_node()))
     if "MASTER_ADDR" not in os.environ:
         nodes = subprocess.run(
             ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
@@ -37,6 +37,24 @@ def _from_slurm() -> None:
         ).stdout.split()
         os.environ["MASTER_ADDR"] = nodes[0]
     os.environ.setdefault("MASTER_PORT", str(29500 + int(os.environ["SLURM_JOB_ID"]) % 1000))
+
+
+def slurm_tasks_on_this_node() -> int:
+    """The tasks SLURM runs on this node: SLURM_NTASKS_PER_NODE exists only with
+    --ntasks-per-node; otherwise the step's (or job's) per-node list, e.g. "4(x2),3" (4 on
+    nodes 0 and 1, 3 on node 2), at this node's index SLURM_NODEID."""
+    env = os.environ
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return 1
+    counts = []
+    for part in spec.split(","):
+        tasks, _, times = part.partition("(x")
+        counts += [int(tasks)] * int(times.rstrip(")") or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return counts[node] if node < len(counts) else counts[-1]
 
 
 def local_world_size_from_env() -> int:

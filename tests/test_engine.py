@@ -207,3 +207,26 @@ def test_more_local_ranks_than_gpus_is_one_clear_error(monkeypatch):
     msg = err.value.user_message
     assert "2 ranks on this node but 1 GPU(s) visible (CUDA_VISIBLE_DEVICES=0)" in msg
     assert "--nproc_per_node=1" in msg and "trainer.device=cpu" in msg
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"SLURM_NTASKS_PER_NODE": "8", "SLURM_TASKS_PER_NODE": "4(x2)"}, 8),
+        ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, 4),
+        ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, 3),
+        ({"SLURM_TASKS_PER_NODE": "2,6", "SLURM_NODEID": "1"}, 6),
+        ({}, 1),
+    ],
+)
+def test_slurm_ranks_per_node_without_ntasks_per_node(monkeypatch, env, want):
+    """`srun -N2 -n8` sets no SLURM_NTASKS_PER_NODE: the per-node task list says 4 ranks
+    share each node (their workers, pinned memory and GPUs), not 1."""
+    from fastload.dist import slurm_tasks_on_this_node
+
+    for key in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                "SLURM_NODEID"):  # fmt: skip
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_tasks_on_this_node() == want
