@@ -338,13 +338,16 @@ def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp):
     if "auto" not in cfg.loader:
         return plan
     auto = settings(cfg)
-    choice = None
-    if ctx.is_main:
+
+    def probe() -> dict | None:
         import torch
 
         cuda = [ctx.device] if ctx.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # a probe leaves the run's RNGs as they were
-            choice = choose(plan, cfg, ctx, model, auto, channels_last, amp)
+            return choose(plan, cfg, ctx, model, auto, channels_last, amp)
+
+    # rank 0 probes; an error there stops every rank instead of leaving them in the broadcast
+    choice = dist.agreed(ctx, "probing loader=auto", probe if ctx.is_main else None)
     choice = dist.broadcast_object(choice, ctx)
     return apply(plan, cfg, choice)
 

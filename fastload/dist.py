@@ -172,6 +172,31 @@ def lost_rank_error(exc: BaseException, ctx: DistContext) -> RankLost | None:
     )
 
 
+class RankFailed(FastloadError):
+    """Another rank stopped with an error in a phase every rank finishes together."""
+
+
+def agreed(ctx: DistContext, what: str, work=None):
+    """`work()` on this rank (None: nothing), then every rank learns whether any rank
+    failed: one that raised raises its own error, the others a RankFailed naming it, so no
+    rank waits out the process group's timeout (30 minutes) at the next collective for a
+    rank that is gone. Also a barrier. Returns what `work` returned."""
+    error, result = None, None
+    try:
+        result = work() if work is not None else None
+    except Exception as exc:  # raised below, once the other ranks know
+        error = exc
+    failed = int(all_reduce([float(ctx.rank + 1 if error else 0)], ctx, op="max")[0])
+    if error is not None:
+        raise error
+    if failed:
+        raise RankFailed(
+            f"rank {failed - 1} stopped with an error while {what}; rank {ctx.rank} stops too. "
+            f"The error is in that rank's output (rank 0: train.log; rank N: train.rank<N>.log)."
+        )
+    return result
+
+
 def barrier(ctx: DistContext) -> None:
     if ctx.distributed:
         dist.barrier()

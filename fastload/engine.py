@@ -749,9 +749,12 @@ def fit(cfg: DictConfig) -> dict:
     check_config(cfg)
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if ctx.is_main:
+
+    def check_run_dir() -> None:
         check_writable(run_dir)
         ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
+
+    dist.agreed(ctx, "checking the run directory", check_run_dir if ctx.is_main else None)
     if cfg.get("evaluate"):
         return evaluate_only(cfg, ctx, run_dir)
     found = find_resume(cfg)
@@ -791,7 +794,9 @@ def set_up(cfg, ctx, splits: tuple[str, ...]):
     the autocast dtype or None)."""
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
-    preflight(cfg, ctx)  # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes
+    # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes; each rank judges its
+    # node, and all stop when any does
+    dist.agreed(ctx, "running the pre-flight check", lambda: preflight(cfg, ctx))
     # The data path resolved once (storage, layout, backend, task, normalisation, loader
     # options); everything below takes the plan, not the config.
     plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)

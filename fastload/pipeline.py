@@ -92,12 +92,14 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     benchmark that reads the training split alone stages and packs nothing else); the other
     ranks wait. Returns the storage object (`storage`, or the config's)."""
     storage = storage if storage is not None else build_storage(cfg)
-    if ctx.is_local_main:
+
+    def prepare() -> None:
         if cfg.dataset.prepare is not None:
             instantiate(cfg.dataset.prepare)
         names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
         storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
-    dist.barrier(ctx)
+
+    dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None)
     return storage
 
 

@@ -28,6 +28,10 @@ from fastload.host import hostname, pid_alive
 MARKER = ".fastload-run.json"
 LAUNCH_ONLY_FILES = {MARKER, ".hydra", "train.log"}  # what a run folder holds before training
 RANK_LOG = re.compile(r"train\.rank\d+\.log")  # a rank > 0's log (fastload/config.py)
+# What a run writes once training (or evaluate=) started: a launch reusing the folder's id
+# must not take a folder holding any of them for its own (fastload/engine.py RunRecord).
+RESULTS = {"metrics.jsonl", "summary.json", "checkpoints", "evaluation.json",
+           "skipped_files.txt", "wandb"}  # fmt: skip
 
 
 def launch_identity() -> dict:
@@ -123,13 +127,12 @@ def restarted() -> bool:
 
 
 def results_in(folder: Path) -> set[str]:
-    """What a run folder holds beyond what a launch writes before training (the claim,
-    .hydra/, the logs): metrics, checkpoints, a summary."""
+    """The results a run folder holds (what training and evaluate= write), not what ranks
+    write while they start (the claim and its temporary files, .hydra/, the logs)."""
     try:
-        names = {p.name for p in Path(folder).iterdir()}
+        return {p.name for p in Path(folder).iterdir()} & RESULTS
     except OSError:
         return set()
-    return {n for n in names - LAUNCH_ONLY_FILES if not RANK_LOG.fullmatch(n)}
 
 
 def check_not_held(checkpoint: Path) -> None:
@@ -150,7 +153,12 @@ def remove_if_unused(folder: Path) -> bool:
     """Delete a run folder that holds nothing but what a launch writes before training
     (the claim, Hydra's .hydra/ and log); True when removed. Anything else: kept."""
     folder = Path(folder)
-    if not folder.is_dir() or results_in(folder) or owner(folder) != launch_identity():
+    try:
+        names = {p.name for p in folder.iterdir()}
+    except OSError:
+        return False
+    names = {n for n in names if not RANK_LOG.fullmatch(n)}  # another rank's warnings
+    if not names <= LAUNCH_ONLY_FILES or owner(folder) != launch_identity():
         return False
     import shutil
 

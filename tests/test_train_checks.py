@@ -14,7 +14,7 @@ from conftest import compose_config, make_image_folder, run_gloo_ranks, run_trai
 from test_engine import CountingStep
 from test_train import assert_clean_failure, read_jsonl
 
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, FastloadError
 from fastload.optim import check_options
 from fastload.train_checks import LossWatch, SkipBudget, TooManySkipped
 
@@ -165,6 +165,41 @@ def test_a_signal_one_rank_got_after_the_last_check_stops_every_rank(tmp_path):
     epoch's checkpoint does not stop (and wait in a collective) while the others train on."""
     results = sorted(run_gloo_ranks(_agree_on_a_signal, tmp_path, world=2))
     assert results == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGTERM)]
+
+
+def _fail_on_one_rank(rank, world, init, tmp_path, out):
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    from fastload.dist import DistContext, agreed
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        ctx = DistContext(rank=rank, world_size=world)
+        assert agreed(ctx, "warming up", lambda: rank * 10) == rank * 10  # all well: results
+
+        def stage():
+            raise ConfigError("storage.target_dir=/full: no room")
+
+        try:  # rank 1 alone does the work (a node's local rank 0 staging), and fails
+            agreed(ctx, "preparing the data", stage if rank == 1 else None)
+            out.put((rank, "went on"))
+        except FastloadError as exc:
+            out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_an_error_on_one_rank_stops_every_rank_at_once(tmp_path):
+    """A rank that fails in a phase all ranks finish together (staging, the pre-flight
+    check, loader=auto's probe) tells the others, which stop naming it instead of waiting
+    for the process group's 30-minute timeout."""
+    got = dict(run_gloo_ranks(_fail_on_one_rank, tmp_path, world=2))
+    assert got[1] == "ConfigError: storage.target_dir=/full: no room"
+    assert got[0].startswith("RankFailed: rank 1 stopped with an error while preparing the data")
+    assert "train.rank<N>.log" in got[0]
 
 
 def test_the_scaler_skipped_steps_of_ddp_ranks_are_one_count(tmp_path):
