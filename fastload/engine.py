@@ -297,6 +297,26 @@ def find_resume(cfg) -> tuple[Path, dict] | None:
     return path, payload
 
 
+def same_checkpoint(found: tuple[Path, dict] | None, cfg, ctx) -> None:
+    """Every rank found the same checkpoint (or none): a rank that resumed another state, or
+    started fresh beside ranks that resume, would train with its own schedule and optimizer
+    and drift from the others unseen. Only rank 0 writes checkpoints, so an output_root that
+    is not shared (a node-local folder) is what makes them differ."""
+    mine = str(found[0]) if found is not None else None
+    chosen = dist.broadcast_object(mine, ctx)
+
+    def check() -> None:
+        if mine != chosen:
+            raise CheckpointError(
+                f"resume={cfg.resume}: rank 0 continues {chosen or 'nothing (a fresh start)'}, "
+                f"but rank {ctx.rank} found {mine or 'no checkpoint'} under "
+                f"output_root={cfg.output_root}: every rank must read the same checkpoints. "
+                f"Put output_root on a file system all nodes share."
+            )
+
+    dist.agreed(ctx, "checking that every rank resumes the same checkpoint", check)
+
+
 def nothing_left(found: tuple[Path, dict] | None, cfg) -> bool:
     """Whether the checkpoint to resume is of a run that trained all trainer.epochs."""
     if found is None:
@@ -757,7 +777,8 @@ def fit(cfg: DictConfig) -> dict:
     dist.agreed(ctx, "checking the run directory", check_run_dir if ctx.is_main else None)
     if cfg.get("evaluate"):
         return evaluate_only(cfg, ctx, run_dir)
-    found = find_resume(cfg)
+    found = dist.agreed(ctx, "finding the checkpoint to resume", lambda: find_resume(cfg))
+    same_checkpoint(found, cfg, ctx)
     if nothing_left(found, cfg):
         return finished_already(found[0], run_dir, cfg, ctx)
     plan, model, channels_last, amp = set_up(cfg, ctx, splits=("train", "val"))

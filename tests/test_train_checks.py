@@ -202,6 +202,39 @@ def test_an_error_on_one_rank_stops_every_rank_at_once(tmp_path):
     assert "train.rank<N>.log" in got[0]
 
 
+def _resume_different_checkpoints(rank, world, init, tmp_path, out):
+    import datetime
+    from pathlib import Path
+
+    import torch.distributed as torch_dist
+    from omegaconf import OmegaConf
+
+    from fastload.dist import DistContext
+    from fastload.engine import same_checkpoint
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        ctx = DistContext(rank=rank, world_size=world)
+        cfg = OmegaConf.create({"resume": "auto", "output_root": "outputs"})
+        same = (Path("outputs/r/1/checkpoints/last.pt"), {})
+        same_checkpoint(same, cfg, ctx)  # the same file everywhere: nothing said
+        try:  # rank 1's node-local output_root holds no checkpoint
+            same_checkpoint(same if rank == 0 else None, cfg, ctx)
+            out.put((rank, "went on"))
+        except FastloadError as exc:
+            out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def test_ranks_that_found_different_checkpoints_stop_instead_of_drifting(tmp_path):
+    got = dict(run_gloo_ranks(_resume_different_checkpoints, tmp_path, world=2))
+    assert got[1].startswith("CheckpointError: resume=auto: rank 0 continues outputs/r/1/")
+    assert "rank 1 found no checkpoint" in got[1] and "file system all nodes share" in got[1]
+    assert got[0].startswith("RankFailed: rank 1 stopped with an error while checking")
+
+
 def test_the_scaler_skipped_steps_of_ddp_ranks_are_one_count(tmp_path):
     """Every rank's scaler skips the same updates (it looks at the reduced gradients), so
     two ranks that each skipped 3 updates report 3, not 6; samples still add up."""
