@@ -250,6 +250,23 @@ def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
         assert name in stages
 
 
+def test_the_doctor_measures_one_ranks_share_of_the_node(tiny_folder, monkeypatch):
+    """On an 8-GPU node each rank has an eighth of the cores: num_workers=auto and the
+    cores the advice counts are one rank's, as training resolves them."""
+    from fastload.doctor import pipeline
+    from fastload.host import usable_cores
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    base = ["--images", "4", *launch_overrides(tiny_folder, REPO, (), ("hydra.", "output_root",
+                                                                     "loader.num_workers"))]  # fmt: skip
+    whole = pipeline.setup(pipeline.parse(base))
+    assert (whole.workers, whole.cores) == (usable_cores(), usable_cores())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun, or --local-ranks 2
+    for argv in (base, ["--local-ranks", "2", *base]):
+        half = pipeline.setup(pipeline.parse(argv))
+        assert (half.workers, half.cores) == (max(1, usable_cores() // 2),) * 2
+
+
 def test_the_doctor_times_gpu_decode_and_offers_it_when_decode_bounds(tiny_folder):
     """backend=nvjpeg's device half timed on this dataset (here on the CPU, where nvImageCodec
     decodes the same way; the doctor does it on a GPU run), and offered when decode bounds the

@@ -4,6 +4,7 @@ and the change that would help most.
     python -m fastload.doctor pipeline                          # the default config
     python -m fastload.doctor pipeline backend=pil loader.num_workers=6 model=resnet50
     python -m fastload.doctor pipeline --step-ms 40 storage=slow_disk
+    python -m fastload.doctor pipeline --local-ranks 8 model=resnet50  # an 8-GPU node: one rank
 
 Each stage is timed alone, in this process, on a sample of the real dataset through the real
 objects (fastload/pipeline.py builds them, as for training):
@@ -60,7 +61,7 @@ class Setup:
     task: object
     channels_last: bool
     workers: int  # the loader's resolved num_workers
-    cores: int  # usable cores
+    cores: int  # usable cores of one rank (the node's divided by --local-ranks)
 
     def plan(self, cfg):
         """`cfg` (this setup's, with a few trainer settings changed) as a data plan over the
@@ -92,8 +93,16 @@ def parse(argv):
                    help="a fixed step of MS ms instead of the model's (e.g. a known GPU step)")  # fmt: skip
     p.add_argument("--model-steps", type=int, default=5, help="timed model steps")
     p.add_argument("--out", default="outputs/doctor", help="folder for pipeline.json / .png")
+    p.add_argument("--local-ranks", type=int, default=None,
+                   help="the run's ranks per node (default $LOCAL_WORLD_SIZE, else 1): the "
+                        "doctor measures and advises one rank's share of the cores")  # fmt: skip
     p.add_argument("override", nargs="*", help="train.py overrides: backend=pil loader=bg ...")
     args = p.parse_args(argv)
+    from fastload.dist import local_world_size_from_env
+
+    args.local_ranks = args.local_ranks or local_world_size_from_env()
+    if args.local_ranks < 1:
+        p.error(f"--local-ranks {args.local_ranks}: use a whole number >= 1")
     for opt in ("images", "batches", "model_steps"):
         if getattr(args, opt) < 1:
             p.error(f"--{opt.replace('_', '-')} {getattr(args, opt)}: use a whole number >= 1")
@@ -120,9 +129,12 @@ def setup(args) -> Setup:
     storage = prepare_data(cfg, ctx)
     backend = build_backend(cfg)
     reader = storage.open(build_layout(cfg), cfg.dataset[SPLIT_KEYS["train"]])
-    workers = loader_options(cfg)["num_workers"]
+    # One rank's share of the node, as training resolves it: num_workers=auto and the cores
+    # a rank's workers have are the node's divided by its ranks.
+    ranks = getattr(args, "local_ranks", 1)
+    workers = loader_options(cfg, ranks)["num_workers"]
     return Setup(cfg, ctx, storage, backend, reader, build_task(cfg), channels_last, workers,
-                 usable_cores())  # fmt: skip
+                 max(1, usable_cores() // ranks))  # fmt: skip
 
 
 def timed(fn, *a) -> tuple[float, object]:
