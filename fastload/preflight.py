@@ -392,14 +392,15 @@ def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     msg = f"{len(facts.gpus)} x {gpus}"
     if device == "cpu":  # the GPUs are not used: neither the rank count nor NVML matters
         return Check(name, OK, f"{msg}, unused: trainer.device=cpu")
+    if a.ranks > len(facts.gpus):  # whether NVML is there or not
+        return Check(name, FATAL, f"{msg}, {facts.nvml or 'no NVML'}; {a.ranks} local ranks "
+                     f"need one GPU each",
+                     f"torchrun --nproc_per_node={len(facts.gpus)}, or trainer.device=cpu.")  # fmt: skip
     if facts.nvml is None:
         return Check(name, WARN, f"{msg}; NVML unavailable ({facts.nvml_error or 'no driver'}): "
                      "GPU utilisation will not be recorded",
                      "pip install nvidia-ml-py; in Docker run with --gpus all (the NVIDIA "
                      "container toolkit mounts libnvidia-ml.so).")  # fmt: skip
-    if a.ranks > len(facts.gpus):
-        return Check(name, FATAL, f"{msg}, {facts.nvml}; {a.ranks} local ranks need one GPU each",
-                     f"torchrun --nproc_per_node={len(facts.gpus)}, or trainer.device=cpu.")  # fmt: skip
     return Check(name, OK, f"{msg}, {facts.nvml}, NVML visible")
 
 

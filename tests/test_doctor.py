@@ -170,6 +170,9 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     assert nvml.status == "warn" and "nvidia-ml-py" in nvml.fix
     ranks = checks(["trainer.device=auto"], ranks=2, gpus=["NVIDIA H100"], nvml="driver 550")
     assert ranks["GPU"].status == "fatal" and "--nproc_per_node=1" in ranks["GPU"].fix
+    # too many ranks is said without NVML too (not only its warning)
+    ranks = checks(["trainer.device=auto"], ranks=2, gpus=["NVIDIA H100"], nvml=None)["GPU"]
+    assert ranks.status == "fatal" and "no NVML; 2 local ranks need one GPU each" in ranks.message
     # trainer.device=cpu on a GPU box (gloo DDP, the CPU tests): the GPUs do not count
     cpu = checks(["trainer.device=cpu"], ranks=2, gpus=["NVIDIA H100"], nvml=None)["GPU"]
     assert cpu.status == "ok" and "unused" in cpu.message
