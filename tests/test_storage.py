@@ -1102,3 +1102,21 @@ def test_a_pack_that_left_files_out_says_so_to_a_run_without_skip_corrupt(tmp_pa
         store.prepare(root, ["train"])
     assert "packed with dataset.skip_corrupt=true and left out 1 file(s)" in caplog.text
     assert str(bad) in caplog.text
+
+
+@pytest.mark.parametrize("store", [ShardStorage, LmdbStorage])
+def test_a_pack_replaced_under_a_running_job_is_named_not_mixed(store, tmp_path):
+    """Another run re-packs a changed source into the folder this run reads: a process that
+    opens the pack's files afterwards (a new DataLoader worker) stops, naming the pack,
+    instead of reading the new pack's records with this run's index and labels."""
+    root = make_image_folder(tmp_path / "d")
+    store().prepare(root, ["train"])
+    reader = store().open(root, "train")
+    worker = pickle.dumps(reader)  # what a DataLoader worker receives
+    assert pickle.loads(worker).get(0, "image")  # the same pack: reads
+    extra = root / "train" / "cat" / "cat_000.jpg"
+    extra.with_name("aaa_new.jpg").write_bytes(extra.read_bytes())  # the source changes...
+    store().prepare(root, ["train"])  # ...and another run re-packs it in place
+    with pytest.raises(StorageError, match="was replaced .* while this run reads it"):
+        pickle.loads(worker).get(0, "image")
+    assert len(store().open(root, "train")) == len(reader) + 1  # a restart reads the new one

@@ -217,6 +217,36 @@ class PackedReader(Reader):
 
     meta: dict
     _columns: dict[str, np.ndarray]
+    dir: Path
+    _pack_id: tuple[int, int] | None = None
+
+    def _bind_pack(self) -> None:
+        """Remember which folder this reader indexed: a pack is replaced by renaming a new
+        folder into its place (another run re-packing a changed source), and a process that
+        opens its files later (a DataLoader worker) must not read that one's records with
+        this one's index and labels."""
+        from fastload.atomic import folder_id
+
+        try:
+            self._pack_id = folder_id(self.dir)
+        except OSError:  # not there: opening it says so, naming the pack
+            self._pack_id = None
+
+    def _check_same_pack(self) -> None:
+        """Called where a process (re)opens the pack's files; raises when it was replaced."""
+        from fastload.atomic import folder_id
+
+        try:
+            same = self._pack_id is None or folder_id(self.dir) == self._pack_id
+        except OSError:
+            same = False
+        if not same:
+            raise StorageError(
+                f"the pack {self.dir} was replaced (or removed) while this run reads it: "
+                f"another run re-packed it after its source changed, so its records are no "
+                f"longer the ones this run indexed. Restart this run (it then trains on the "
+                f"new pack), or give concurrent runs their own storage.path."
+            )
 
     def __len__(self) -> int:
         return int(self.meta["count"])

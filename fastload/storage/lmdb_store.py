@@ -68,17 +68,24 @@ def _lmdb():
 # One read-only environment per pack folder and process: LMDB forbids opening the same files
 # twice in a process. An entry inherited through fork belongs to the parent: the child
 # closes its copy (its own fds and mapping, the parent's stay open) and opens its own.
-_ENVS: dict[str, tuple[int, object]] = {}
+# A pack replaced in place (re-packed into a new folder renamed over it) is another entry:
+# the old environment stays open for the readers that still read it.
+_ENVS: dict[str, tuple[int, tuple[int, int], object]] = {}
 
 
 def reader_env(path: str):
-    pid = os.getpid()
+    from fastload.atomic import folder_id
+
+    try:
+        pid, folder = os.getpid(), folder_id(path)
+    except OSError:  # not there: lmdb.open below names it
+        pid, folder = os.getpid(), None
     hit = _ENVS.get(path)
-    if hit is not None and hit[0] == pid:
-        return hit[1]
-    if hit is not None:
+    if hit is not None and hit[:2] == (pid, folder):
+        return hit[2]
+    if hit is not None and hit[0] != pid:
         try:
-            hit[1].close()
+            hit[2].close()
         except Exception:  # noqa: BLE001  (best effort on an inherited handle)
             pass
     lmdb = _lmdb()
@@ -98,7 +105,7 @@ def reader_env(path: str):
             f"damaged or not an LMDB. {REPACK.format(path=path)}"
         ) from None
     check_not_truncated(env, path)
-    _ENVS[path] = (pid, env)
+    _ENVS[path] = (pid, folder, env)
     return env
 
 
@@ -255,6 +262,7 @@ class LmdbReader(PackedReader):
         self.cold_cache = bool(cold_cache)
         self._txn = None
         self._txn_pid = None
+        self._bind_pack()
         raw_meta = self._get(META_KEY)
         if raw_meta is None:
             raise StorageError(
@@ -288,6 +296,7 @@ class LmdbReader(PackedReader):
     def _begin(self):
         """This process's read transaction (opened on first use, reopened after a fork)."""
         if self._txn is None or self._txn_pid != os.getpid():
+            self._check_same_pack()
             self._txn = reader_env(str(self.dir)).begin(buffers=False)
             self._txn_pid = os.getpid()
         return self._txn

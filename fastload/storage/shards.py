@@ -158,6 +158,7 @@ class ShardReader(PackedReader):
         self.dir = Path(split_dir)
         self.verify = bool(verify)
         self.cold_cache = bool(cold_cache)
+        self._bind_pack()
         meta, problems = read_split_meta(self.dir)
         if meta is None:
             raise StorageError(
@@ -209,6 +210,7 @@ class ShardReader(PackedReader):
 
     def _row(self, i: int):
         if self._index is None:
+            self._check_same_pack()
             self._index = load_table(self.dir / "index.npy")
         return self._index[i]
 
@@ -236,6 +238,7 @@ class ShardReader(PackedReader):
             self._maps = {}
         mm = self._maps.get(k)
         if mm is None:
+            self._check_same_pack()
             with open(self.dir / self.meta["shards"][k]["file"], "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[k] = mm
