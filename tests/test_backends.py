@@ -292,7 +292,7 @@ def test_orientation_from_xmp_or_a_big_endian_long_is_read_as_pil_reads_it(photo
     assert backend.pop_counts()["decode_fallback_exif_rotated"] == 2
 
 
-@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF", "PPM"])  # PPM: a PGM, which opens as mode I
 def test_16_bit_grayscale_keeps_its_levels(fmt):
     """Pillow's convert("RGB") clips 16-bit values above 255 to white: a 16-bit PNG would
     train as a white image. The reference decode keeps the top 8 bits."""
@@ -305,6 +305,13 @@ def test_16_bit_grayscale_keeps_its_levels(fmt):
     assert rgb.shape == (16, 16, 3)
     assert np.array_equal(rgb[..., 0], (levels >> 8).astype(np.uint8))
     assert np.array_equal(rgb[..., 0], rgb[..., 2])
+
+
+def test_a_12_bit_pgm_is_scaled_by_its_maxval():
+    levels = np.arange(0, 4096, 16, dtype=">u2").reshape(16, 16)
+    data = b"P5\n# a 12-bit scan\n16 16\n4095\n" + levels.tobytes()
+    rgb = np.asarray(open_rgb(data)).astype(int)
+    assert np.abs(rgb[..., 1] - levels.astype(int) * 255 / 4095).max() <= 1  # not clipped white
 
 
 @pytest.mark.parametrize("backend_name", ["turbo", "accimage"])

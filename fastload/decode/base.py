@@ -116,10 +116,12 @@ def open_rgb(data: bytes) -> Image.Image:
     grayscale (8 or 16 bits) / CMYK / palette / alpha converted to RGB."""
     img = Image.open(io.BytesIO(data))
     img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
-    if img.mode.startswith("I;16"):
-        # 16-bit grayscale (PNG, TIFF): Pillow's convert("RGB") clips every value above 255
-        # to white; keep the top 8 bits instead, as an 8-bit export of the file would.
-        img = Image.fromarray((np.asarray(img, dtype=np.uint16) >> 8).astype(np.uint8), "L")
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PPM"):
+        # 16-bit grayscale (PNG, TIFF; a PGM with maxval > 255, which Pillow opens as mode I
+        # scaled to 0..65535): convert("RGB") clips every value above 255 to white; keep the
+        # top 8 bits instead, as an 8-bit export of the file would.
+        levels = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+        img = Image.fromarray((levels >> 8).astype(np.uint8), "L")
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
