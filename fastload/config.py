@@ -21,7 +21,9 @@ def run_id() -> str:
     differs per rank and gives one run directory each).
 
     - FASTLOAD_RUN_ID, when set, wins (schedulers can pass their job id).
-    - Multi-node torchrun: the rendezvous id (`--rdzv-id`), the same on every node.
+    - Multi-node torchrun: the rendezvous id (`--rdzv-id`), the same on every node; with
+      static rendezvous (no id) the launch's time as its first process wrote it into the
+      launch's TCP store (fastload/run_folder.py).
     - Single-node torchrun: the start time of the torchrun agent, our common parent.
     - Otherwise: now.
     """
@@ -31,6 +33,10 @@ def run_id() -> str:
         rdzv = os.environ["TORCHELASTIC_RUN_ID"]
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1 and rdzv not in ("", "none"):
             return f"torchrun-{rdzv}"
+        from fastload.run_folder import static_launch_stamp
+
+        if static_launch_stamp() is not None:
+            return f"torchrun-{static_launch_stamp()}"
         import psutil
 
         started = psutil.Process(os.getppid()).create_time()

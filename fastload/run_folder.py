@@ -17,6 +17,7 @@ checkpoint its live owner is still writing is refused, naming the owner.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -34,6 +35,28 @@ RESULTS = {"metrics.jsonl", "summary.json", "checkpoints", "evaluation.json",
            "skipped_files.txt", "wandb"}  # fmt: skip
 
 
+@functools.cache
+def static_launch_stamp() -> str | None:
+    """The id of a multi-node torchrun launch with static rendezvous (--master-addr/-port,
+    no --rdzv-id: TORCHELASTIC_RUN_ID=none), where each node's agent starts at its own time:
+    the first process to ask writes the time into the launch's TCP store (torchrun's agent
+    store, which every worker of every node reaches and which lasts across restarts), and
+    every process reads that one. None for any other launch."""
+    env = os.environ
+    if (env.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none")
+            or int(env.get("GROUP_WORLD_SIZE", "1")) <= 1
+            or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"):  # fmt: skip
+        return None
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return store.compare_set("fastload/launch-stamp", "", now).decode()
+
+
 def launch_identity() -> dict:
     """Who this process writes for: the same for every rank of one launch (and a torchrun
     restart of it), different for another launch. `pid`/`host`: whose life the claim lasts."""
@@ -44,6 +67,8 @@ def launch_identity() -> dict:
         rdzv = env["TORCHELASTIC_RUN_ID"]
         if int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and rdzv not in ("", "none"):
             return {"launch": f"torchrun:{rdzv}", "host": host, "pid": None}  # several nodes
+        if static_launch_stamp() is not None:  # several nodes, static rendezvous
+            return {"launch": f"torchrun:{static_launch_stamp()}", "host": host, "pid": None}
         return {"launch": f"torchrun:{host}:{os.getppid()}", "host": host, "pid": os.getppid()}
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return {"launch": f"slurm:{env['SLURM_JOB_ID']}", "host": host, "pid": None}

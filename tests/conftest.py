@@ -352,14 +352,14 @@ def run_two_nodes(
     workdir: Path,
     *extra: str,
     per_node=lambda k: (),
-    rdzv_id: str = "two-nodes",
+    rdzv_id: str | None = "two-nodes",
     nproc: int = 2,
     timeout: float = 240,
     grace: float = 30,
 ) -> list[subprocess.CompletedProcess]:
     """Two torchrun launches on this machine acting as the two nodes of one job, as on a
     cluster: `--nnodes=2 --node-rank=K --nproc-per-node=N`, c10d rendezvous on a free local
-    port, started together; gloo on CPU. Both get the tiny overrides and `extra` (an
+    port (rdzv_id=None: static rendezvous on a master port), started together; gloo on CPU. Both get the tiny overrides and `extra` (an
     output_root there is shared, like a shared file system); node K's command line ends with
     `per_node(K)`: its node-local folders. Waits up to `timeout` s (once a node has failed,
     the other, left waiting in a collective, gets `grace` s more), then kills what is left
@@ -368,8 +368,16 @@ def run_two_nodes(
     and says so at the end of its stderr."""
     env, overrides = launch_env(), launch_overrides(root, workdir, extra)
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-              f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={rdzv_id}"]  # fmt: skip
+              f"--nproc-per-node={nproc}"]  # fmt: skip
+    if rdzv_id is None:  # static rendezvous: --master-addr/--master-port, no id
+        launch += [
+            "--rdzv-backend=static",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+        ]
+    else:
+        launch += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+                   f"--rdzv-id={rdzv_id}"]  # fmt: skip
     cmds = [
         [*launch, f"--node-rank={k}", str(REPO / "train.py"), *overrides, *extra, *per_node(k)]
         for k in range(2)

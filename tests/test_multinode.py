@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,20 @@ def test_two_nodes_stage_to_tmpfs_once_each_into_their_own_folder(tiny_folder, t
             assert sorted(p.relative_to(copy) for p in copy.rglob("*.jpg")) == sorted(
                 p.relative_to(tiny_folder) for p in tiny_folder.rglob("*.jpg")
             )
+
+
+def test_two_nodes_with_static_rendezvous_write_one_run_directory(tiny_folder, tmp_path):
+    """torchrun --master-addr/--master-port without --rdzv-id (static rendezvous): no run id
+    is given and each node's agent starts at its own time, yet both nodes agree on one run
+    directory, named by the launch's first process through the launch's TCP store."""
+    out_root = tmp_path / "shared" / "outputs"
+    nodes = run_two_nodes(tiny_folder, tmp_path, f"output_root={out_root}", "name=static",
+                          "trainer.batch_size=2", rdzv_id=None, nproc=1)  # fmt: skip
+    assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
+    (run_dir,) = (out_root / "static").iterdir()  # not one per node
+    stamp = run_dir.name.removeprefix("torchrun-")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", stamp), run_dir.name
+    check_trained_as_one_job(run_dir, nodes, per_node=1)
 
 
 @pytest.fixture(scope="module")
