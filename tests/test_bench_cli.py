@@ -139,7 +139,7 @@ def test_every_bench_writes_under_outputs_bench(suite):
     assert module.parse([]).json == f"outputs/bench/{suite}.json"
 
 
-def test_storage_targets_take_each_rounds_ratio_then_the_median():
+def test_storage_targets_take_each_rounds_ratio_then_the_median(capsys):
     """--rounds: a target's ratio is taken within each round (FFCV beside fastload), the
     verdict on the median; the table's rows are each figure's median over the rounds."""
     from fastload.bench import storage
@@ -169,6 +169,15 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median():
     assert targets["shards-raw"]["ratios"] == [2.1, 2.2, 1.9]
     assert targets["shards-raw"]["median_ratio"] == 2.1 and targets["shards-raw"]["met"]
     assert targets["disk"]["ratios"] == [1.5, 1.4, 2.0] and not targets["disk"]["met"]
+    # no FFCV row in a round: that round judges nothing; in none: not judged at all
+    no_peer = [[r for r in rows if not r["storage"].startswith("ffcv")] for rows in rounds]
+    partial = {t["store"]: t for t in storage.target_ratios([no_peer[0], *rounds[1:]], args)}
+    assert partial["shards-raw"]["ratios"] == [2.2, 1.9]
+    unjudged = storage.target_ratios(no_peer, args)
+    assert {(t["store"], t["measured"]) for t in unjudged} == {("shards-raw", False),
+                                                             ("disk", False)}  # fmt: skip
+    storage.print_targets(unjudged)
+    assert "shards-raw vs FFCV raw: not judged (no FFCV row" in capsys.readouterr().out
     rows = {(r["storage"], r["cache"]): r for r in storage.combine_rounds(rounds)}
     assert rows[("shards-raw", "warm")]["epoch_img_s"] == 19
     assert rows[("shards-raw", "warm")]["rounds_epoch_img_s"] == [21, 11, 19]
@@ -302,3 +311,18 @@ def test_storage_rounds_run_both_peers_in_turn(monkeypatch):
     targets = storage.target_ratios(rounds, args)
     dali = [t for t in targets if t["reference"] == "DALI CPU JPEG"]
     assert len(dali) == 1 and dali[0]["ratios"] == [3.0, 3.0] and dali[0]["met"]
+
+
+def test_host_stage_benches_refuse_a_backend_that_decodes_on_the_device(tiny_folder):
+    """bench storage / backends time the loader's host stage; a backend that decodes in
+    device prep (backend=nvjpeg) ships undecoded bytes there: its rows would time no decode."""
+    from fastload.bench.common import compose, product_loader
+    from fastload.decode.pil import PILBackend
+    from fastload.errors import ConfigError
+
+    cfg = compose([f"dataset.root={tiny_folder}", "dataset.prepare=null"])
+    gpu_decoding = PILBackend()
+    gpu_decoding.device_decoder = lambda images, encoded, device: images
+    with pytest.raises(ConfigError, match="decodes in device prep.*no decode at all"):
+        product_loader(cfg, backend=gpu_decoding)
+    assert product_loader(cfg, backend=PILBackend()).dataset.reader  # a host decoder: timed

@@ -167,9 +167,17 @@ def product_loader(cfg, **parts):
     """The training split's loader exactly as training builds it (fastload/pipeline.py), on
     the CPU, from `parts` built already (storage=, backend=); benchmarks time its host stage
     (fastload/measure.py: `host_epoch`): read, decode, augment, collate."""
+    from fastload.errors import ConfigError
     from fastload.pipeline import build_loader, build_plan
 
-    return build_loader(build_plan(cfg, **parts), "train", device="cpu")
+    plan = build_plan(cfg, **parts)
+    if plan.backend.device_decoder is not None:  # its host stage ships undecoded bytes
+        raise ConfigError(
+            f"backend={plan.backend.name} decodes in device prep, after the host stage these "
+            f"rows time: they would count no decode at all. Time it with `python -m "
+            f"fastload.bench train` (or bench backends' batched GPU decode row)."
+        )
+    return build_loader(plan, "train", device="cpu")
 
 
 def same_round_target(ours: list[float], refs: list[float], factor: float) -> dict:
