@@ -7,9 +7,9 @@ NEEDS ITS OWN ENVIRONMENT with DALI (not a fastload dependency; nothing of DALI 
   /work/dali-venv/bin/python scripts/bench_dali.py --root ~/.cache/fastload/synthetic-...
 DALI's CPU operators run without a GPU or driver (`device_id=None`).
 
-What it times, per mode (batch 64, `num_threads` = --workers, the cores this process may use
-by default; random shuffle; the first epoch untimed: thread start-up, buffer growth; then
-whole epochs of the reader, images/s of the best):
+What it times, per mode (batch --batch-size (64), `num_threads` = --workers, the cores this
+process may use by default; random shuffle; the first epoch untimed: thread start-up, buffer
+growth; then whole epochs of the reader, images/s of the best):
 
 * jpg (the fastload DataLoader row's work, DALI's way): `fn.readers.file` over ROOT/train ->
   `fn.decoders.image_random_crop(device="cpu")` (libjpeg-turbo; decodes only the crop

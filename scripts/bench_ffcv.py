@@ -11,7 +11,7 @@ NEEDS ITS OWN ENVIRONMENT with ffcv (not a fastload dependency; nothing of ffcv 
 
 Writes ROOT/train into a .beton (JPEG mode, quality 90, max side 512: the files are ~450 px,
 so nothing is resized), then times RandomResizedCropRGBImageDecoder(size) + flip + ToTensor
-through ffcv's Loader with --workers threads, batch 64. The first epoch (numba JIT) is not
+through ffcv's Loader with --workers threads, batch --batch-size (64). The first epoch (numba JIT) is not
 timed. Prints one JSON line last.
 """
 
@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--beton", help="reuse/write this .beton (default: a temp file)")
     p.add_argument(
         "--write-mode",
@@ -65,7 +66,7 @@ def main() -> None:
         writer.from_indexed_dataset(ds)
     loader = Loader(
         beton,
-        batch_size=64,
+        batch_size=args.batch_size,
         num_workers=args.workers,
         order=OrderOption.RANDOM,
         drop_last=True,

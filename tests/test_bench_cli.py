@@ -188,6 +188,9 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median(capsys):
     assert isinstance(even[2]["images"], int)
     with pytest.raises(SystemExit):
         storage.parse(["--rounds", "0"])
+    with pytest.raises(SystemExit):  # the peers read train: val against them compares nothing
+        storage.parse(["--split", "val", "--ffcv-python", "python"])
+    assert "FFCV and DALI read the train split" in capsys.readouterr().err
 
 
 def test_rounds_take_turns_at_going_first(monkeypatch):
@@ -216,15 +219,21 @@ def test_rounds_take_turns_at_going_first(monkeypatch):
     )
 
     calls.clear()
+    peer_args = []
     monkeypatch.setattr(backends, "fastload_loader_rate", lambda *a: calls.append("ours") or 2.0)
     monkeypatch.setattr(
-        backends, "run_ffcv", lambda *a, **k: calls.append("ffcv") or {"images_per_s": 1.0}
+        backends,
+        "run_ffcv",
+        lambda *a, **k: calls.append("ffcv") or peer_args.append(a) or {"images_per_s": 1.0},
     )
-    args = backends.parse(["--rounds", "3", "--ffcv-python", "python"])
+    args = backends.parse(["--rounds", "3", "--ffcv-python", "python", "--repeats", "4",
+                           "--batch-size", "32"])  # fmt: skip
     got = backends.target_rounds(
-        args, Path("."), "pil", object(), (224, 2, 64, 1), lambda *a, **k: None
+        args, Path("."), "pil", object(), (224, 2, 32, 4), lambda *a, **k: None
     )
     assert calls == ["ours", "ffcv", "ffcv", "ours", "ours", "ffcv"]
+    # the peer times what the rows beside it do: the batch, and the best of --repeats epochs
+    assert all(a[-4:] == ("--epochs", "5", "--batch-size", "32") for a in peer_args), peer_args
     assert [g["ours"] for g in got] == [2.0] * 3
 
 

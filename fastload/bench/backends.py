@@ -413,7 +413,12 @@ def target_rounds(args, root: Path, best_name, best_backend, timing, row) -> lis
                 got["ours"] = fastload_loader_rate(root, best_backend, *timing)
             else:
                 python = getattr(args, PEERS[side][1])
-                got[side] = runners[side](python, root, args.size, w, timeout=900)
+                # the same batch and, like the rows beside them, the best of --repeats
+                # timed epochs after an untimed one
+                got[side] = runners[side](
+                    python, root, args.size, w, "--epochs", str(1 + args.repeats),
+                    "--batch-size", str(args.batch_size), timeout=900,
+                )  # fmt: skip
         if args.rounds > 1:
             shown = {k: v if k == "ours" else v.get("images_per_s") for k, v in got.items()}
             print(f"  round {r + 1}: {shown}", file=sys.stderr)

@@ -227,6 +227,7 @@ def ffcv_rates(args, root: Path) -> list[dict]:
             args.crop,
             args.workers,
             *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+            *("--batch-size", str(args.batch_size)),
             *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
         )
         rows.append(peer_row(name, result, result.get("beton_bytes")))
@@ -248,6 +249,7 @@ def dali_rates(args, root: Path) -> list[dict]:
             args.crop,
             args.workers,
             *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+            *("--batch-size", str(args.batch_size)),
             *("--max-resolution", str(args.raw_size), *extra),
         )
         rows.append(peer_row(name, result))
@@ -304,6 +306,8 @@ def parse(argv):
     args.stores = ",".join(pick_names(p, "--stores", args.stores, STORES))
     pick_names(p, "--backend", args.backend, list(backend_names()))
     check_root(p, args.root, args.split)
+    if (args.ffcv_python or args.dali_python) and args.split != "train":
+        p.error(f"--split {args.split}: FFCV and DALI read the train split; compare on train")
     return args
 
 
