@@ -6,9 +6,11 @@ divided by 255 here.
 
 Metrics, in dB, per image then averaged over the images:
 * train_psnr: RGB over the whole training patch (a cheap running signal);
-* val_psnr (the run's metric, higher is better): what SR papers report: the output clipped
-  to [0, 1] and rounded to 8-bit levels, the luma (Y of ITU-R BT.601, as MATLAB's rgb2ycbcr)
-  compared, `scale` pixels cropped off every border;
+* val_psnr (the run's metric, higher is better): measured as SR papers measure it (the output
+  clipped to [0, 1] and rounded to 8-bit levels, the luma (Y of ITU-R BT.601, as MATLAB's
+  rgb2ycbcr) compared, `scale` pixels cropped off every border), but on each validation
+  image's centre patch (dataset.val_patch_size LR pixels), not the whole image: compare it
+  with val_psnr_bicubic, not with published whole-image DIV2K figures;
 * val_psnr_bicubic: the same measure of plain bicubic upsampling of the same LR patches, the
   baseline a trained model must beat;
 * val_loss: the MSE training minimises (RGB, [0, 1]).
