@@ -298,6 +298,27 @@ def run_gloo_ranks(target, tmp_path: Path, world: int = 2, messages: int = 1) ->
     return results
 
 
+def _in_gloo_group(fn, rank: int, world: int, init: str, tmp_path: Path, out) -> None:
+    import datetime
+
+    import torch.distributed as torch_dist
+
+    from fastload.dist import DistContext
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    try:
+        out.put((rank, fn(DistContext(rank=rank, world_size=world))))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def on_gloo_ranks(fn, tmp_path: Path, world: int = 2) -> dict:
+    """`fn(ctx)` (a module-level function) on `world` ranks of one gloo group: {rank: what
+    it returned there}."""
+    return dict(run_gloo_ranks(functools.partial(_in_gloo_group, fn), tmp_path, world))
+
+
 def run_torchrun(root: Path, workdir: Path, *extra: str, nproc: int = 2, timeout=300, env=None,
                  launcher: tuple[str, ...] = ()):  # fmt: skip
     """`torchrun --standalone --nproc_per_node=N [launcher args] train.py` on tiny data (gloo

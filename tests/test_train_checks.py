@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_config, make_image_folder, run_gloo_ranks, run_train, tiny_overrides
+from conftest import compose_config, make_image_folder, on_gloo_ranks, run_train, tiny_overrides
 from test_engine import CountingStep
 from test_train import assert_clean_failure, read_jsonl
 
@@ -115,121 +115,80 @@ class _OverflowingStep(CountingStep):
         return 3.0
 
 
-def _count_overflows(rank, world, init, tmp_path, out):
-    import datetime
-
-    import torch.distributed as torch_dist
-
-    from fastload.dist import DistContext
+def _count_overflows(ctx):
     from fastload.engine import EpochSpan, GracefulStop, train_one_epoch
     from fastload.telemetry.timer import StepTimer
 
-    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
-        ctx = DistContext(rank=rank, world_size=world)
-        batches = [{"image": torch.zeros(2, 1), "target": torch.zeros(2), "skipped": 0}] * 4
-        with GracefulStop() as stopper:
-            done = train_one_epoch(
-                _OverflowingStep(), batches, ctx, EpochSpan(0, 0, 4), stopper=stopper,
-                timer=StepTimer(), progress=False, watch=LossWatch(ctx.device),
-                budget=SkipBudget(0.0, 16),
-            )  # fmt: skip
-        out.put((done.metrics["scaler_skipped_steps"], done.trained))
-    finally:
-        torch_dist.destroy_process_group()
+    batches = [{"image": torch.zeros(2, 1), "target": torch.zeros(2), "skipped": 0}] * 4
+    with GracefulStop() as stopper:
+        done = train_one_epoch(
+            _OverflowingStep(), batches, ctx, EpochSpan(0, 0, 4), stopper=stopper,
+            timer=StepTimer(), progress=False, watch=LossWatch(ctx.device),
+            budget=SkipBudget(0.0, 16),
+        )  # fmt: skip
+    return done.metrics["scaler_skipped_steps"], done.trained
 
 
-def _agree_on_a_signal(rank, world, init, tmp_path, out):
-    import datetime
-
-    import torch.distributed as torch_dist
-
-    from fastload.dist import DistContext
+def _agree_on_a_signal(ctx):
     from fastload.engine import GracefulStop, signal_agreed
 
-    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
-        ctx = DistContext(rank=rank, world_size=world)
-        with GracefulStop() as stopper:
-            quiet = signal_agreed(stopper, ctx)  # no rank has a signal
-            stopper.signum = signal.SIGTERM if rank == 0 else None  # rank 0 alone got one
-            out.put((rank, quiet, signal_agreed(stopper, ctx), stopper.signum))
-    finally:
-        torch_dist.destroy_process_group()
+    with GracefulStop() as stopper:
+        quiet = signal_agreed(stopper, ctx)  # no rank has a signal
+        stopper.signum = signal.SIGTERM if ctx.rank == 0 else None  # rank 0 alone got one
+        return quiet, signal_agreed(stopper, ctx), stopper.signum
 
 
 def test_a_signal_one_rank_got_after_the_last_check_stops_every_rank(tmp_path):
     """The check after an epoch is agreed: a rank that alone saw SIGTERM while writing the
     epoch's checkpoint does not stop (and wait in a collective) while the others train on."""
-    results = sorted(run_gloo_ranks(_agree_on_a_signal, tmp_path, world=2))
-    assert results == [(0, False, True, signal.SIGTERM), (1, False, True, signal.SIGTERM)]
+    got = on_gloo_ranks(_agree_on_a_signal, tmp_path)
+    assert got == {0: (False, True, signal.SIGTERM), 1: (False, True, signal.SIGTERM)}
 
 
-def _fail_on_one_rank(rank, world, init, tmp_path, out):
-    import datetime
+def _stage_fails(ctx):
+    from fastload.dist import agreed
 
-    import torch.distributed as torch_dist
+    assert agreed(ctx, "warming up", lambda: ctx.rank * 10) == ctx.rank * 10  # all well
 
-    from fastload.dist import DistContext, agreed
+    def stage():
+        raise ConfigError("storage.target_dir=/full: no room")
 
-    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
-        ctx = DistContext(rank=rank, world_size=world)
-        assert agreed(ctx, "warming up", lambda: rank * 10) == rank * 10  # all well: results
-
-        def stage():
-            raise ConfigError("storage.target_dir=/full: no room")
-
-        try:  # rank 1 alone does the work (a node's local rank 0 staging), and fails
-            agreed(ctx, "preparing the data", stage if rank == 1 else None)
-            out.put((rank, "went on"))
-        except FastloadError as exc:
-            out.put((rank, f"{type(exc).__name__}: {exc}"))
-    finally:
-        torch_dist.destroy_process_group()
+    try:  # rank 1 alone does the work (a node's local rank 0 staging), and fails
+        agreed(ctx, "preparing the data", stage if ctx.rank == 1 else None)
+        return "went on"
+    except FastloadError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def test_an_error_on_one_rank_stops_every_rank_at_once(tmp_path):
     """A rank that fails in a phase all ranks finish together (staging, the pre-flight
     check, loader=auto's probe) tells the others, which stop naming it instead of waiting
     for the process group's 30-minute timeout."""
-    got = dict(run_gloo_ranks(_fail_on_one_rank, tmp_path, world=2))
+    got = on_gloo_ranks(_stage_fails, tmp_path)
     assert got[1] == "ConfigError: storage.target_dir=/full: no room"
     assert got[0].startswith("RankFailed: rank 1 stopped with an error while preparing the data")
     assert "train.rank<N>.log" in got[0]
 
 
-def _resume_different_checkpoints(rank, world, init, tmp_path, out):
-    import datetime
+def _resume_different_checkpoints(ctx):
     from pathlib import Path
 
-    import torch.distributed as torch_dist
     from omegaconf import OmegaConf
 
-    from fastload.dist import DistContext
     from fastload.engine import same_checkpoint
 
-    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
-    try:
-        ctx = DistContext(rank=rank, world_size=world)
-        cfg = OmegaConf.create({"resume": "auto", "output_root": "outputs"})
-        same = (Path("outputs/r/1/checkpoints/last.pt"), {})
-        same_checkpoint(same, cfg, ctx)  # the same file everywhere: nothing said
-        try:  # rank 1's node-local output_root holds no checkpoint
-            same_checkpoint(same if rank == 0 else None, cfg, ctx)
-            out.put((rank, "went on"))
-        except FastloadError as exc:
-            out.put((rank, f"{type(exc).__name__}: {exc}"))
-    finally:
-        torch_dist.destroy_process_group()
+    cfg = OmegaConf.create({"resume": "auto", "output_root": "outputs"})
+    same = (Path("outputs/r/1/checkpoints/last.pt"), {})
+    same_checkpoint(same, cfg, ctx)  # the same file everywhere: nothing said
+    try:  # rank 1's node-local output_root holds no checkpoint
+        same_checkpoint(same if ctx.rank == 0 else None, cfg, ctx)
+        return "went on"
+    except FastloadError as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 def test_ranks_that_found_different_checkpoints_stop_instead_of_drifting(tmp_path):
-    got = dict(run_gloo_ranks(_resume_different_checkpoints, tmp_path, world=2))
+    got = on_gloo_ranks(_resume_different_checkpoints, tmp_path)
     assert got[1].startswith("CheckpointError: resume=auto: rank 0 continues outputs/r/1/")
     assert "rank 1 found no checkpoint" in got[1] and "file system all nodes share" in got[1]
     assert got[0].startswith("RankFailed: rank 1 stopped with an error while checking")
@@ -238,8 +197,7 @@ def test_ranks_that_found_different_checkpoints_stop_instead_of_drifting(tmp_pat
 def test_the_scaler_skipped_steps_of_ddp_ranks_are_one_count(tmp_path):
     """Every rank's scaler skips the same updates (it looks at the reduced gradients), so
     two ranks that each skipped 3 updates report 3, not 6; samples still add up."""
-    results = run_gloo_ranks(_count_overflows, tmp_path, world=2)
-    assert results == [(3, 16), (3, 16)]
+    assert on_gloo_ranks(_count_overflows, tmp_path) == {0: (3, 16), 1: (3, 16)}
 
 
 @pytest.mark.parametrize("value", ["nan", "-1", "0", "true"])
