@@ -51,9 +51,11 @@ def static_launch_stamp() -> str | None:
 
     from torch.distributed import TCPStore
 
+    from fastload.config import STAMP
+
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=120))  # fmt: skip
-    now = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    now = datetime.datetime.now().strftime(STAMP)
     return store.compare_set("fastload/launch-stamp", "", now).decode()
 
 
