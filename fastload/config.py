@@ -12,8 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from fastload.host import global_rank, local_rank
-
-STAMP = "%Y-%m-%d_%H-%M-%S"
+from fastload.run_folder import STAMP
 
 
 def run_id() -> str:

@@ -29,6 +29,7 @@ from fastload.host import hostname, pid_alive
 MARKER = ".fastload-run.json"
 LAUNCH_ONLY_FILES = {MARKER, ".hydra", "train.log"}  # what a run folder holds before training
 RANK_LOG = re.compile(r"train\.rank\d+\.log")  # a rank > 0's log (fastload/config.py)
+STAMP = "%Y-%m-%d_%H-%M-%S"  # a run id's time, to the second (fastload/config.py run_id)
 # What a run writes once training (or evaluate=) started: a launch reusing the folder's id
 # must not take a folder holding any of them for its own (fastload/engine.py RunRecord).
 RESULTS = {"metrics.jsonl", "summary.json", "checkpoints", "evaluation.json",
@@ -50,8 +51,6 @@ def static_launch_stamp() -> str | None:
     import datetime
 
     from torch.distributed import TCPStore
-
-    from fastload.config import STAMP
 
     store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=120))  # fmt: skip
