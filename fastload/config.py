@@ -34,8 +34,9 @@ def run_id() -> str:
             return f"torchrun-{rdzv}"
         from fastload.run_folder import static_launch_stamp
 
-        if static_launch_stamp() is not None:
-            return f"torchrun-{static_launch_stamp()}"
+        stamp = static_launch_stamp()
+        if stamp is not None:
+            return f"torchrun-{stamp}"
         import psutil
 
         started = psutil.Process(os.getppid()).create_time()

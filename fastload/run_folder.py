@@ -68,8 +68,9 @@ def launch_identity() -> dict:
         rdzv = env["TORCHELASTIC_RUN_ID"]
         if int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and rdzv not in ("", "none"):
             return {"launch": f"torchrun:{rdzv}", "host": host, "pid": None}  # several nodes
-        if static_launch_stamp() is not None:  # several nodes, static rendezvous
-            return {"launch": f"torchrun:{static_launch_stamp()}", "host": host, "pid": None}
+        stamp = static_launch_stamp()
+        if stamp is not None:  # several nodes, static rendezvous
+            return {"launch": f"torchrun:{stamp}", "host": host, "pid": None}
         return {"launch": f"torchrun:{host}:{os.getppid()}", "host": host, "pid": os.getppid()}
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return {"launch": f"slurm:{env['SLURM_JOB_ID']}", "host": host, "pid": None}

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastload.atomic import folder_id
 from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.host import Need, fs_type
@@ -225,8 +226,6 @@ class PackedReader(Reader):
         folder into its place (another run re-packing a changed source), and a process that
         opens its files later (a DataLoader worker) must not read that one's records with
         this one's index and labels."""
-        from fastload.atomic import folder_id
-
         try:
             self._pack_id = folder_id(self.dir)
         except OSError:  # not there: opening it says so, naming the pack
@@ -234,8 +233,6 @@ class PackedReader(Reader):
 
     def _check_same_pack(self) -> None:
         """Called where a process (re)opens the pack's files; raises when it was replaced."""
-        from fastload.atomic import folder_id
-
         try:
             same = self._pack_id is None or folder_id(self.dir) == self._pack_id
         except OSError:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastload.atomic import folder_id
 from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
@@ -74,8 +75,6 @@ _ENVS: dict[str, tuple[int, tuple[int, int], object]] = {}
 
 
 def reader_env(path: str):
-    from fastload.atomic import folder_id
-
     try:
         pid, folder = os.getpid(), folder_id(path)
     except OSError:  # not there: lmdb.open below names it

@@ -100,6 +100,12 @@ def _call_with_deadline(fn: Any, kwargs: dict[str, Any], deadline_s: float, what
     raise WandbTimeout(f"{what} did not return within {deadline_s:.1f} s")
 
 
+def without_none(values: Mapping[str, Any]) -> dict:
+    """JSON-able values, the None ones (e.g. GPU fields without a GPU) left out: W&B has
+    no null, and a missing key keeps a chart's gaps honest."""
+    return {k: v for k, v in to_jsonable(dict(values)).items() if v is not None}
+
+
 class WandbSink:
     """Logs the resolved config and per-epoch metrics to W&B; rank 0 only.
 
@@ -188,7 +194,7 @@ class WandbSink:
         """Log one epoch's metrics; None values (e.g. GPU fields without a GPU) are dropped."""
         if self._run is None or self._log_failed:
             return
-        data = {k: v for k, v in to_jsonable(dict(metrics)).items() if v is not None}
+        data = without_none(metrics)
         try:
             # committed now: a row held open until the next step would land after, and
             # overwrite, the summary that finish() sets
@@ -205,7 +211,7 @@ class WandbSink:
         if run is None:
             return None
         if summary:
-            data = {k: v for k, v in to_jsonable(dict(summary)).items() if v is not None}
+            data = without_none(summary)
             try:
                 run.summary.update(data)
             except Exception as exc:
