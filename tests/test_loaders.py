@@ -701,6 +701,10 @@ def test_bench_train_cli_smoke(tiny_folder, tmp_path, capsys):
         assert r["vs_ceiling"] == pytest.approx(r["ceiling_wall_s"] / r["wall_s"])
     run = rows[-1]
     assert run["epochs"] == 3 and run["wall_s"] > 3 * 3 * 0.005
+    # the training part alone, epochs >= 2: where evaluation, not training, is behind
+    trained = sum(r["train_s"] for r in rows[1:3])
+    ceiling = sum(r["ceiling_train_s"] for r in rows[1:3])
+    assert run["train_vs_ceiling_epochs_2_on"] == pytest.approx(ceiling / trained)
     assert run["steps_time_s"] == pytest.approx(3 * 3 * 0.005 + 3 * 3 * 0.005 / 3)  # 9 val imgs
 
 
