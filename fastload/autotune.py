@@ -15,6 +15,14 @@ behind), then prefetch factors at the best count, then pinning (CUDA), then the 
 backends. Rates within 3 % of the best count as equal and the cheaper setting wins (fewer
 workers, less prefetch, no pinning, the configured backend).
 
+GPU decode (`loader.auto.gpu_decode`): on a CUDA run where the best trial so far still waits
+for data (>= GPU_DECODE_WAIT of its time: the workers cannot keep up), one more trial runs
+backend=nvjpeg with loader=prefetch's prep thread. Its decode and crop take GPU time from the
+model, which the stand-in step (a sleep, the GPU idle) would hide: that time is measured on
+the dataset's own JPEGs (fastload/decode/nvjpeg.py: device_ms_per_image, synchronised) and
+added to the trial's step, so the GPU path wins only where it pays for itself. Chosen, it
+brings loader=prefetch with it (the decode then runs beside the step, not between steps).
+
 The choice is cached as JSON under $FASTLOAD_CACHE/autotune/ (default ~/.cache/fastload), keyed
 by a hash of the host name, the affinity mask, the GPU, the local ranks, the dataset (root,
 image count, the split folder's mtime) and the config minus the tuned keys: a changed batch
@@ -46,6 +54,11 @@ log = logging.getLogger("fastload")
 TUNED = ("num_workers", "prefetch_factor", "pin_memory")
 CPU_BACKENDS = ("turbo", "pil")
 TIE = 0.03  # rates within 3 % are equal: the cheaper setting wins
+GPU_BACKEND = "nvjpeg"
+# The best CPU trial waiting for data this share of its time or more: the workers cannot keep
+# up, so loader.auto.gpu_decode=auto tries the GPU decode (a GPU step hides a few % of wait).
+GPU_DECODE_WAIT = 0.10
+PREP_THREAD_LOADER = "fastload.loaders.cuda_prefetch.CudaPrefetchLoader"
 
 
 def cache_dir() -> Path:
@@ -82,6 +95,12 @@ def settings(cfg: DictConfig) -> dict:
         raise ConfigError(
             f"loader.auto.backends={backends!r}: use available, [] (keep backend=) or a list "
             f"of conf/backend names, e.g. [turbo,pil]."
+        )
+    gpu = auto.setdefault("gpu_decode", "auto")
+    if gpu not in ("auto", True, False):
+        raise ConfigError(
+            f"loader.auto.gpu_decode={gpu!r}: use auto (try backend=nvjpeg on CUDA when the "
+            f"workers cannot keep up), true (always on CUDA) or false."
         )
     return {**auto, "prefetch_factors": factors}
 
@@ -155,14 +174,17 @@ class Trial:
     img_s: float = 0.0
     data_wait: float = 0.0  # share of the trial's time spent waiting for batches
     batches: int = 0
+    gpu_ms: float = 0.0  # GPU decode time per batch added to the step (a device decoder)
 
     def setting(self) -> dict:
         return {k: getattr(self, k) for k in (*TUNED, "backend")}
 
     def text(self) -> str:
+        charged = f" ({self.gpu_ms:.1f} ms of GPU decode per batch charged to the step)"
         return (
             f"num_workers={self.num_workers} prefetch_factor={self.prefetch_factor} "
             f"pin_memory={str(self.pin_memory).lower()} backend={self.backend}"
+            + (charged if self.gpu_ms else "")
         )
 
     def cost(self, configured: str) -> tuple:
@@ -183,6 +205,7 @@ class Probe:
     step_s: float | None = None
     trials: list = field(default_factory=list)
     backends: dict = field(default_factory=dict)  # name -> built backend
+    gpu_ms: dict = field(default_factory=dict)  # backend name -> its device time per batch
 
     def remaining(self) -> float:
         return self.deadline - time.perf_counter()
@@ -192,7 +215,21 @@ class Probe:
         plan = self.plan.with_loader(
             num_workers=t.num_workers, prefetch_factor=t.prefetch_factor, pin_memory=t.pin_memory
         )
+        plan = with_prep_thread(plan, backend)
         return plan.replace(backend=backend, epochs=1, max_steps_per_epoch=self.auto["batches"] + 1)
+
+    def device_time(self, name: str, backend) -> float | None:
+        """ms of GPU time per batch a device-decoding backend takes from the model (measured
+        once), 0 for a host backend, None when it cannot be timed here."""
+        if getattr(backend, "device_decoder", None) is None:
+            return 0.0
+        if name not in self.gpu_ms:
+            from fastload.decode.nvjpeg import device_ms_per_image
+
+            ms = device_ms_per_image(self.plan.reader("train"), self.plan.task, backend,
+                                     self.ctx.device)  # fmt: skip
+            self.gpu_ms[name] = None if ms is None else ms * self.plan.batch_size
+        return self.gpu_ms[name]
 
     @property
     def current_backend(self) -> str:
@@ -213,7 +250,12 @@ class Probe:
         from fastload.pipeline import build_loader
 
         try:
-            plan = self.trial_plan(t, self.backend_for(t.backend))
+            backend = self.backend_for(t.backend)
+            gpu_ms = self.device_time(t.backend, backend)
+            if gpu_ms is None:
+                raise ConfigError("its GPU decode could not be timed on this dataset")
+            t.gpu_ms = gpu_ms
+            plan = self.trial_plan(t, backend)
             loader = build_loader(
                 plan, "train", device=self.ctx.device, channels_last=self.channels_last,
                 rank=self.ctx.rank, world_size=self.ctx.world_size,
@@ -248,7 +290,9 @@ def timed(probe: Probe, loader, t: Trial) -> None:
         return
     if probe.step_s is None:
         probe.step_s = measure_step(probe, batch)
-    got = feed(it, SleepStep(1000 * probe.step_s), max_batches=probe.auto["batches"],
+    # A device decoder's GPU time comes out of the model's: the stand-in step (the GPU idle)
+    # would hide it, so it is added to the step.
+    got = feed(it, SleepStep(1000 * probe.step_s + t.gpu_ms), max_batches=probe.auto["batches"],
                budget_s=probe.remaining())  # fmt: skip
     t.batches, t.img_s, t.data_wait = got.batches, got.images_per_s, got.data_wait_share
 
@@ -325,7 +369,39 @@ def search(p: Probe) -> Trial | None:
         if getattr(chosen, key) == value or p.remaining() <= 0:
             continue
         p.run(Trial(**{**chosen.setting(), key: value}))
+    if wants_gpu_decode(p) and p.remaining() > 0:
+        chosen = best(p.trials)
+        log.info(
+            "loader=auto: the best trial still waits for data %.0f %% of its time: trying "
+            "backend=%s (GPU decode, its GPU time charged to the step)",
+            100 * chosen.data_wait, GPU_BACKEND,
+        )  # fmt: skip
+        p.run(Trial(**{**chosen.setting(), "backend": GPU_BACKEND}))
     return best(p.trials)
+
+
+def wants_gpu_decode(p: Probe) -> bool:
+    """loader.auto.gpu_decode on this run: auto tries the GPU decode on CUDA when the best
+    trial so far waits for data >= GPU_DECODE_WAIT of its time; true always on CUDA."""
+    mode = p.auto.get("gpu_decode", "auto")
+    if mode is False or p.ctx.device.type != "cuda" or p.plan.normalize_on != "device":
+        return False
+    if any(t.backend == GPU_BACKEND for t in p.trials):
+        return False  # configured, or already tried
+    return mode is True or best(p.trials).data_wait >= GPU_DECODE_WAIT
+
+
+def with_prep_thread(plan, backend):
+    """A device-decoding backend runs with loader=prefetch's prep thread (its decode call
+    waits for the GPU's queued work: between steps it would stall every step's launches);
+    the plan as it is otherwise."""
+    from hydra.utils import get_class
+
+    if getattr(backend, "device_decoder", None) is None:
+        return plan
+    if get_class(plan.loader["_target_"]).normalizes_on_device:
+        return plan
+    return plan.with_loader(_target_=PREP_THREAD_LOADER)
 
 
 # -- the entry point: fit calls it before building the data path --------------------------------
@@ -393,7 +469,8 @@ def write_cache(path: Path, fields: dict, chosen: Trial, probe: Probe) -> None:
         "choice": chosen.setting(),
         "step_ms": 1000 * (probe.step_s or 0.0),
         "trials": [
-            {**t.setting(), "img_s": t.img_s, "data_wait": t.data_wait} for t in probe.trials
+            {**t.setting(), "img_s": t.img_s, "data_wait": t.data_wait, "gpu_ms": t.gpu_ms}
+            for t in probe.trials
         ],
         "key": fields,
     }
@@ -419,6 +496,10 @@ def apply(plan, cfg: DictConfig, choice: dict | None):
         from fastload.pipeline import normalize_on
 
         backend = instantiate(backend_config(choice["backend"]))
-        normalize_on(cfg, backend)  # a combination that cannot work is refused here too
-        plan = plan.replace(backend=backend)
+        plan = with_prep_thread(plan, backend).replace(backend=backend)
+        # a combination that cannot work is refused here too
+        normalize_on(cfg, backend, loader_target=plan.loader["_target_"])
+        if plan.loader["_target_"] == PREP_THREAD_LOADER:
+            log.info("loader=auto: backend=%s runs with loader=prefetch (its decode in a prep "
+                     "thread, beside the step)", choice["backend"])  # fmt: skip
     return plan

@@ -103,16 +103,18 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     return storage
 
 
-def normalize_on(cfg: DictConfig, backend=None) -> str:
-    """Where the single normalisation happens, with the combinations that cannot work refused."""
+def normalize_on(cfg: DictConfig, backend=None, loader_target: str | None = None) -> str:
+    """Where the single normalisation happens, with the combinations that cannot work refused
+    (`loader_target`: the loader class when it is not cfg.loader's, as loader=auto's choice)."""
     where = cfg.loader.normalize_on
+    loader_class = get_class(loader_target or cfg.loader._target_)
     if where not in NORMALIZE_ON:
         raise ConfigError(f"loader.normalize_on={where!r}: use 'device' or 'cpu'.")
     if cfg.loader.input_dtype not in DTYPES:
         raise ConfigError(
             f"loader.input_dtype={cfg.loader.input_dtype!r}: use one of {list(DTYPES)}."
         )
-    if where == "cpu" and get_class(cfg.loader._target_).normalizes_on_device:
+    if where == "cpu" and loader_class.normalizes_on_device:
         raise ConfigError(
             "loader.normalize_on='cpu' with a CUDA-prefetching loader: it normalises on the "
             "GPU, and normalising twice corrupts the input (timm#73). Use "
@@ -125,7 +127,7 @@ def normalize_on(cfg: DictConfig, backend=None) -> str:
             f"loader.normalize_on=device (not cpu)."
         )
     if backend is not None and backend.device_decoder is not None:
-        if not get_class(cfg.loader._target_).normalizes_on_device:
+        if not loader_class.normalizes_on_device:
             log.info(
                 "backend=%s decodes in the training thread with this loader, between steps, "
                 "and its decode call returns after the GPU's queued work; loader=prefetch (or "

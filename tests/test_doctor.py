@@ -371,6 +371,7 @@ def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, ca
         ("loader.auto.workers=[-1]", "loader.auto.workers=[-1]: use auto or a list"),
         ("loader.auto.backends=turbo", "loader.auto.backends='turbo': use available, []"),
         ("loader.auto.step_ms=-5", "loader.auto.step_ms=-5: use null (measure) or ms >= 0"),
+        ("loader.auto.gpu_decode=yes", "loader.auto.gpu_decode='yes': use auto"),
     ],
 )
 def test_loader_auto_refuses_bad_settings_naming_the_option(tune_folder, caplog, override, message):
@@ -402,6 +403,119 @@ def test_loader_auto_times_the_models_step_on_a_copy(tune_folder, caplog):
     if not trials:  # the budget ran out first: the base settings, said so
         assert "no trial finished within 1 s" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def fake_search_probe(rates: dict, *, mode="auto", device="cuda", normalize="device"):
+    """A stand-in for autotune.Probe as search() uses it: each trial gets its
+    (img/s, data-wait share) from `rates` by backend (worker counts ignored)."""
+    from types import SimpleNamespace
+
+    from fastload.autotune import Trial
+
+    auto = {"workers": [4], "prefetch_factors": [2], "pin_memory": [True], "backends": [],
+            "gpu_decode": mode}  # fmt: skip
+    p = SimpleNamespace(
+        cfg=SimpleNamespace(loader=SimpleNamespace(pin_memory="auto")),
+        auto=auto,
+        ctx=SimpleNamespace(device=torch.device(device), local_world_size=1),
+        plan=SimpleNamespace(normalize_on=normalize),
+        trials=[],
+        current_backend="turbo",
+        remaining=lambda: 10.0,
+    )
+
+    def run(t: Trial):
+        t.img_s, t.data_wait = rates[t.backend]
+        p.trials.append(t)
+        return t
+
+    p.run = run
+    return p
+
+
+def test_loader_auto_tries_gpu_decode_when_the_workers_cannot_keep_up():
+    from fastload.autotune import search
+
+    # the workers keep the step waiting 40 % of the time: the GPU decode is tried and wins
+    p = fake_search_probe({"turbo": (600.0, 0.40), "nvjpeg": (900.0, 0.01)})
+    chosen = search(p)
+    assert [t.backend for t in p.trials] == ["turbo", "nvjpeg"]
+    assert chosen.backend == "nvjpeg" and chosen.num_workers == 4
+    # it is tried, and loses, when its charged GPU time makes it slower
+    p = fake_search_probe({"turbo": (600.0, 0.40), "nvjpeg": (500.0, 0.0)})
+    assert search(p).backend == "turbo" and len(p.trials) == 2
+    # the workers keep up (5 % wait): not tried; nor without CUDA, with gpu_decode=false, or
+    # with normalisation in the workers (the device decoder needs it on the device)
+    for kwargs, wait in (({}, 0.05), ({"device": "cpu"}, 0.4), ({"mode": False}, 0.4),
+                         ({"normalize": "cpu"}, 0.4)):  # fmt: skip
+        p = fake_search_probe({"turbo": (600.0, wait), "nvjpeg": (900.0, 0.0)}, **kwargs)
+        assert search(p).backend == "turbo" and len(p.trials) == 1, kwargs
+    # gpu_decode=true tries it even when the workers keep up
+    p = fake_search_probe({"turbo": (600.0, 0.0), "nvjpeg": (900.0, 0.0)}, mode=True)
+    assert search(p).backend == "nvjpeg"
+
+
+def test_loader_auto_charges_a_device_decoders_gpu_time_to_the_step(monkeypatch, tiny_folder):
+    """The trial of a backend that decodes on the GPU: its measured device time per batch is
+    added to the stand-in step (a sleep leaves the GPU idle, which would hide it)."""
+    from types import SimpleNamespace
+
+    from fastload import autotune, measure
+    from fastload.autotune import Probe, Trial
+    from fastload.decode.nvjpeg import NvjpegBackend
+    from fastload.pipeline import build_plan
+
+    slept = []
+
+    class Step(measure.SleepStep):
+        def __init__(self, ms, device="cpu"):
+            slept.append(ms)
+            super().__init__(0.0, device)
+
+    monkeypatch.setattr(measure, "SleepStep", Step)
+    probe = SimpleNamespace(step_s=0.020, auto={"batches": 2}, remaining=lambda: 5.0)
+    batches = [{"image": torch.zeros(4, 3, 8, 8), "target": torch.zeros(4)} for _ in range(4)]
+    loader = type("L", (), {"set_epoch": lambda self, e: None,
+                            "__iter__": lambda self: iter(batches)})()  # fmt: skip
+    autotune.timed(probe, loader, Trial(1, 2, False, "nvjpeg", gpu_ms=35.0))
+    autotune.timed(probe, loader, Trial(1, 2, False, "turbo"))
+    assert slept == [pytest.approx(55.0), pytest.approx(20.0)]
+    # the time charged is measured on the dataset's own JPEGs (here with nvImageCodec's CPU
+    # decoder, the same calls as on a GPU), per batch; a host backend is charged nothing
+    cfg = compose_config(doctor_overrides(tiny_folder))
+    plan = build_plan(cfg)
+    p = Probe(cfg, plan, SimpleNamespace(device=torch.device("cpu")), None, False, None,
+              {"batches": 2}, deadline=0.0)  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ms = p.device_time("nvjpeg", NvjpegBackend())
+    assert ms is not None and 0 < ms < 4000
+    assert p.device_time("turbo", plan.backend) == 0.0
+    # chosen, it brings the prep thread with it (loader=prefetch), whatever loader=auto's is
+    tuned = autotune.apply(plan, cfg, {"num_workers": 1, "prefetch_factor": 2,
+                                       "pin_memory": False, "backend": "nvjpeg"})  # fmt: skip
+    assert tuned.backend.name == "nvjpeg"
+    assert tuned.loader["_target_"] == autotune.PREP_THREAD_LOADER
+    assert autotune.apply(plan, cfg, None).loader["_target_"] == plan.loader["_target_"]
+
+
+@pytest.mark.cuda
+def test_loader_auto_on_a_gpu_runs_a_gpu_decode_trial_with_its_time_charged(tune_folder, caplog):
+    from fastload.autotune import tune
+    from fastload.dist import DistContext
+    from fastload.pipeline import build_plan
+
+    over = [o for o in doctor_overrides(tune_folder) if not o.startswith("loader.num_workers")]
+    cfg = compose_config([*over, "loader=auto", "loader.auto.backends=[]",
+                          "loader.auto.workers=[1]", "loader.auto.step_ms=5",
+                          "loader.auto.gpu_decode=true", "loader.auto.budget_s=120"])  # fmt: skip
+    ctx = DistContext(device=torch.device("cuda", 0))
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        tuned = tune(build_plan(cfg), cfg, ctx, None, channels_last=False, amp=None)
+    trials = [r.getMessage() for r in caplog.records if "loader=auto trial" in r.getMessage()]
+    (gpu,) = [m for m in trials if "backend=nvjpeg" in m]
+    assert "ms of GPU decode per batch charged to the step" in gpu, trials
+    if tuned.backend.name == "nvjpeg":  # chosen: with the prep thread
+        assert tuned.loader["_target_"].endswith("CudaPrefetchLoader")
 
 
 def test_train_py_with_loader_auto_probes_then_uses_the_cache(tiny_folder, tmp_path):

@@ -102,6 +102,43 @@ def encoded_batch(datas: list[bytes], transform, rngs) -> dict | None:
     return EncodedJpeg.collate(samples, list(range(len(samples)))) if samples else None
 
 
+def device_ms_per_image(reader, task, backend, device, n: int = 64, reps: int = 3):
+    """This backend's device half on `device`, ms per image: up to `n` of the reader's JPEGs
+    (the ones it takes: no fallbacks) drawn, planned and collated as its workers do, then
+    decoded, cropped and resized as one batch (the best of `reps` after a warm-up, the device
+    synchronised around each), or None where there is nothing to time (no crop transform, no
+    such JPEG, nvImageCodec missing). `doctor pipeline` and loader=auto charge it to the
+    model's step: it is GPU time taken from the model."""
+    import time
+
+    from fastload.data.dataset import sample_rng
+
+    transform = getattr(task.dataset("train", reader, backend, None), "transform", None)
+    if transform is None or not hasattr(transform, "sample"):
+        return None
+    idx = np.linspace(0, len(reader) - 1, min(n, len(reader))).astype(int).tolist()
+    batch = encoded_batch([reader.get(i, "image") for i in idx], transform,
+                          [sample_rng(0, 0, i) for i in idx])  # fmt: skip
+    if batch is None:
+        return None
+    hw_load = getattr(getattr(backend, "device_decoder", None), "hw_load", 0.9)
+    decoder = NvjpegDecoder(hw_load)
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    try:
+        decoder(None, batch, device)  # warm-up: nvImageCodec's decoders, the resize's kernels
+    except ConfigError:
+        return None
+    best = float("inf")
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        decoder(None, batch, device)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best / (len(batch["offsets"]) - 1)
+
+
 def load_nvimgcodec():
     """nvidia.nvimgcodec, set up as fastload's region decoders use it, or a ConfigError."""
     from fastload.decode import roi_nvimgcodec

@@ -362,35 +362,11 @@ def alternatives(s: Setup, n: int = 16) -> dict:
 
 
 def device_decode_ms(s: Setup, device, n: int = 64, reps: int = 3) -> float | None:
-    """backend=nvjpeg's device half on `device`, ms per image: up to `n` of this dataset's
-    JPEGs (the ones it takes: no fallbacks) drawn, planned and collated as its workers do, then
-    decoded, cropped and resized as one batch (the best of `reps` after a warm-up), or None
-    where there is nothing to time (no crop transform, no such JPEG, nvImageCodec missing)."""
-    from fastload.data.dataset import sample_rng
-    from fastload.decode.nvjpeg import NvjpegDecoder, encoded_batch
-    from fastload.errors import ConfigError
+    """backend=nvjpeg's device half on `device`, ms per image, on this dataset's JPEGs
+    (fastload/decode/nvjpeg.py: device_ms_per_image)."""
+    from fastload.decode.nvjpeg import device_ms_per_image
 
-    transform = getattr(s.task.dataset("train", s.reader, s.backend, None), "transform", None)
-    if transform is None or not hasattr(transform, "sample"):
-        return None
-    idx = np.linspace(0, len(s.reader) - 1, min(n, len(s.reader))).astype(int).tolist()
-    datas = [s.reader.get(i, "image") for i in idx]
-    batch = encoded_batch(datas, transform, [sample_rng(0, 0, i) for i in idx])
-    if batch is None:
-        return None
-    decoder = NvjpegDecoder()
-    try:
-        decoder(None, batch, device)  # warm-up: nvImageCodec's decoders, the resize's kernels
-    except ConfigError:
-        return None
-    best = float("inf")
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        decoder(None, batch, device)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best / (len(batch["offsets"]) - 1)
+    return device_ms_per_image(s.reader, s.task, s.backend, device, n=n, reps=reps)
 
 
 def verdict(s: Setup, rows: list, costs: dict, alt: dict, loader: dict) -> tuple[dict, list]:
