@@ -361,6 +361,11 @@ def test_libjpeg_refuses_an_old_or_pre_release_library(monkeypatch):
         )
         with pytest.raises(ImportError, match=f"libjpeg-turbo is {version}, not a release >= 3"):
             roi_libjpeg.pillow_libjpeg()
+    # a patch release with a fourth number (Pillow 12.3 ships 3.1.4.1) is a release
+    monkeypatch.setattr(
+        features, "version", lambda f: "3.1.4.1" if f == "libjpeg_turbo" else real(f)
+    )
+    assert roi_libjpeg.pillow_libjpeg()[1] == "3.1.4.1"
     monkeypatch.setattr(features, "version", real)
     path, version = roi_libjpeg.pillow_libjpeg()
     assert ".so.62" in path and version >= "3"

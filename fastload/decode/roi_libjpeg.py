@@ -58,7 +58,8 @@ def pillow_libjpeg() -> tuple[str, str]:
     version = features.version("libjpeg_turbo")
     if not version:
         raise ImportError(f"Pillow {features.version('pil')} is not built with libjpeg-turbo")
-    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)", version)
+    # libjpeg-turbo's patch releases may carry a fourth number (Pillow 12.3: 3.1.4.1)
+    m = re.fullmatch(r"(\d+)\.(\d+)\.(\d+)(?:\.\d+)?", version)
     if m is None or tuple(map(int, m.groups())) < MIN_VERSION or int(m.group(3)) >= 90:
         raise ImportError(
             f"Pillow's libjpeg-turbo is {version}, not a release >= "
