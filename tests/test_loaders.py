@@ -828,6 +828,24 @@ def test_cut_tail_batches_are_joined_into_the_same_batches(folder, strategy):
         cut.close()
 
 
+def test_balanced_tail_auto_cuts_for_cpu_training_only(folder):
+    """auto: the tail is cut where training runs on the CPU, kept whole on a GPU (where the
+    cut measured slower); true / false as given; anything else is named."""
+    from fastload.loaders.checks import resolve_balanced_tail
+
+    assert resolve_balanced_tail("auto", on_cuda=False) is True
+    assert resolve_balanced_tail("auto", on_cuda=True) is False
+    assert resolve_balanced_tail(True, on_cuda=True) is True
+    assert resolve_balanced_tail(False, on_cuda=False) is False
+    with pytest.raises(ConfigError, match="loader.balanced_tail='yes': use auto"):
+        resolve_balanced_tail("yes", on_cuda=False)
+    # the default config on this CPU run cuts (3 images of evaluation, batch 5, 2 workers)
+    loader = build_test_loader("loader.num_workers=2", split="val", folder=folder, batch_size=5)
+    run_epochs(loader, [0])
+    assert loader.joined_batches == 1
+    loader.close()
+
+
 class GlobalRngImages(torch.utils.data.Dataset):
     """A user's dataset that augments with the global RNG (which the workers seed per batch
     from its first key): fastload's collate, no per-sample RNG of its own."""
@@ -863,7 +881,7 @@ def test_cut_tail_batches_joined_under_pinned_memory_on_cuda(folder, strategy):
     opts = [f"loader={strategy}", "loader.num_workers=2", "loader.cross_epoch=false"]
     kw = {"folder": folder, "batch_size": 5, "device": "cuda"}
     plain = build_test_loader(*opts, "loader.balanced_tail=false", **kw)
-    cut = build_test_loader(*opts, **kw)
+    cut = build_test_loader(*opts, "loader.balanced_tail=true", **kw)  # auto: off on CUDA
     assert cut.pin_memory
     cut.set_epoch(0)
     host = list(cut.host_batches())

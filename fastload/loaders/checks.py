@@ -28,6 +28,21 @@ def check_options(timeout, prefetch_factor) -> None:
         )
 
 
+def resolve_balanced_tail(value, on_cuda: bool) -> bool:
+    """loader.balanced_tail: true, false, or auto = on for CPU training, off on a CUDA run.
+    On an H200 (ResNet-50, 14 workers, batches of 256) cut batches cost every evaluation
+    pass of 8 batches 0.4-0.7 s against 0.10 s whole, and training's last epoch 37 % data
+    wait against 1 %; on CPU training the cut keeps the last round's cores busy."""
+    if value == "auto":
+        return not on_cuda
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(
+        f"loader.balanced_tail={value!r}: use auto (on for CPU training, off on a GPU), "
+        "true (cut a stream's last round of batches across the workers) or false."
+    )
+
+
 PIN_RAM_SHARE = 0.25
 
 

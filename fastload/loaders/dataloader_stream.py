@@ -119,7 +119,7 @@ class DataLoaderStream:
         timeout: float = 0,
         reuse_batch_memory: bool = True,
         cross_epoch: bool = True,
-        balanced_tail: bool = True,
+        balanced_tail: bool | str = "auto",
         epochs: int | None = None,
         max_batches: int | None = None,
         collate_fn=None,
@@ -147,7 +147,8 @@ class DataLoaderStream:
         if workers and reuse_batch_memory and collate_fn is None and sample_bytes:
             self.slots = LoaderSlots(self.num_workers, *self._ring_size(batch_size, sample_bytes))
             self.collate = SlotCollate(collate, self.slots)
-        cut = balanced_tail and can_cut_batches(dataset, collate_fn, device_prep)
+        cut = checks.resolve_balanced_tail(balanced_tail, on_cuda)
+        cut = cut and can_cut_batches(dataset, collate_fn, device_prep)
         tail_workers = self.num_workers if cut else 0
         self.batches = EpochBatches(sampler, batch_size, drop_last and train, tail_workers)
         self.dataloader = DataLoader(
