@@ -16,6 +16,7 @@ check takes well under 0.5 s: no decoder is imported, nothing is read from the d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -94,8 +95,10 @@ def cpu_flags() -> frozenset[str] | None:
     return None
 
 
+@functools.cache
 def nvml_driver() -> tuple[str | None, str]:
-    """("driver <version>", "") when NVML answers, else (None, why)."""
+    """("driver <version>", "") when NVML answers, else (None, why); asked once per process
+    (an NVML start and shutdown each time otherwise)."""
     try:
         import pynvml
 

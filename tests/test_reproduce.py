@@ -4,6 +4,7 @@ at SIZE=tiny (one of them in the default suite, every one with -m slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CONF, REPO, compose_config
 from omegaconf import OmegaConf
 
@@ -128,6 +130,10 @@ def run_script(name: str, tmp_path: Path) -> Path:
     jobs = sorted(p for p in sweep.iterdir() if p.name.isdigit())
     # every variant of the sweep; batch-size at tiny size: 2 of its 5 batch sizes x 3 stores
     expected = 6 if name == "batch-size" else len(sweep_points(name))
+    if name == "backends":  # the script adds the backends this machine has
+        expected += int(torch.cuda.is_available()) + int(
+            importlib.util.find_spec("accimage") is not None
+        )
     assert len(report["rows"]) == expected and len(jobs) >= expected
     assert sum(r["baseline"] for r in report["rows"]) == 1
     for row in report["rows"]:

@@ -68,7 +68,9 @@ def test_step_timer_splits_data_wait_from_compute():
 
 def test_step_timer_counts_loader_startup_and_survives_early_break():
     # iter() on a DataLoader starts workers: the GPU waits for that, so it is data wait.
-    timer = StepTimer(cuda_sync=True)  # no GPU here: stop() must still work
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # CUDA's own start-up (a run's model did it) is not the loader's
+    timer = StepTimer(cuda_sync=True)  # without a GPU stop() must still work
     timer.start()
     for i in timer.iter(SlowLoader(100, delay_s=0.0, iter_delay_s=0.15)):
         timer.add_samples(4)
