@@ -230,3 +230,23 @@ def test_slurm_ranks_per_node_without_ntasks_per_node(monkeypatch, env, want):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert slurm_tasks_on_this_node() == want
+
+
+def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch():
+    """The lead (steps before training's end at which the evaluation loader starts) comes
+    from the shortest mean step so far: an epoch holding torch.compile's minute must not
+    make the next epoch's lead two steps."""
+    from types import SimpleNamespace
+
+    from fastload.engine import EpochSpan, EvalWarmStart
+
+    warm, span = EvalWarmStart(), EpochSpan(epoch=1, first_step=0, max_steps=40)
+    assert warm.at_step(span) == 38  # nothing measured: two steps
+    val = SimpleNamespace(first_batch_s=0.5)
+    warm.measured(SimpleNamespace(wall_s=46.0, steps=40), val)  # compilation: 1.15 s a step
+    assert warm.at_step(span) == 38
+    warm.measured(SimpleNamespace(wall_s=1.6, steps=40), val)  # 40 ms a step
+    assert warm.at_step(span) == 40 - (13 + 1)
+    warm.measured(SimpleNamespace(wall_s=8.0, steps=40), val)  # a slower epoch: kept
+    assert warm.at_step(span) == 40 - (13 + 1)
+    assert warm.at_step(EpochSpan(epoch=2, first_step=30, max_steps=40)) == 30
