@@ -97,7 +97,7 @@ def settings(cfg: DictConfig) -> dict:
             f"of conf/backend names, e.g. [turbo,pil]."
         )
     gpu = auto.setdefault("gpu_decode", "auto")
-    if gpu not in ("auto", True, False):
+    if not (gpu == "auto" or isinstance(gpu, bool)):
         raise ConfigError(
             f"loader.auto.gpu_decode={gpu!r}: use auto (try backend=nvjpeg on CUDA when the "
             f"workers cannot keep up), true (always on CUDA) or false."

@@ -372,6 +372,7 @@ def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, ca
         ("loader.auto.backends=turbo", "loader.auto.backends='turbo': use available, []"),
         ("loader.auto.step_ms=-5", "loader.auto.step_ms=-5: use null (measure) or ms >= 0"),
         ("loader.auto.gpu_decode=yes", "loader.auto.gpu_decode='yes': use auto"),
+        ("loader.auto.gpu_decode=1", "loader.auto.gpu_decode=1: use auto"),
     ],
 )
 def test_loader_auto_refuses_bad_settings_naming_the_option(tune_folder, caplog, override, message):
