@@ -605,7 +605,7 @@ class Epochs:
             after_step=self.checkpoint_inside(epoch, span),
         )  # fmt: skip
         steps, timing, metrics = done.steps, done.timing, done.metrics
-        lr = state.optimizer.param_groups[0]["lr"]
+        lr = state.last_update_lr()  # this epoch's last update's, not the next one's
         if done.diverged or not weights_finite(state.model):  # before evaluating or saving
             raise TrainingDiverged(
                 diverged_message(epoch, done.nonfinite, lr, state.scaler.is_enabled(), cfg)

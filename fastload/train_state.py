@@ -170,6 +170,15 @@ class TrainState:
             ) from None
         self.best_ema_metric = state.get("best_ema_metric")
 
+    def last_update_lr(self) -> float:
+        """The LR (first parameter group) the last optimizer update used. The schedule steps
+        after each update, so the optimizer's own value is already the next update's (during
+        warm-up, the next epoch's first)."""
+        s = self.scheduler
+        if s.last_epoch < 1:
+            return self.optimizer.param_groups[0]["lr"]
+        return s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch - 1)
+
     def change_global_batch(self, saved: int, saved_accum: int, path, say: bool = True) -> None:
         """Continue a run written at world size `saved` with `saved_accum` accumulation
         steps on this run's: on another world size the interrupted epoch goes on with the

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from conftest import compose_config, tiny_overrides
 from omegaconf import OmegaConf
 
 from fastload import checkpoint as ckpt
@@ -250,3 +251,19 @@ def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch(
     warm.measured(SimpleNamespace(wall_s=8.0, steps=40), val)  # a slower epoch: kept
     assert warm.at_step(span) == 40 - (13 + 1)
     assert warm.at_step(EpochSpan(epoch=2, first_step=30, max_steps=40)) == 30
+
+
+def test_an_epochs_lr_is_the_one_its_last_update_used(tmp_path):
+    """The row's lr: the schedule steps after every update, so the optimizer's value at the
+    epoch's end is the next update's (in warm-up, visibly larger)."""
+    from fastload.train_state import TrainState
+
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "optim.warmup_epochs=2"))
+    state = TrainState.create(cfg, torch.device("cpu"), 1, 10, amp=None, channels_last=False)
+    assert state.last_update_lr() == state.optimizer.param_groups[0]["lr"]  # no update yet
+    for _ in range(10):  # an epoch of 10 updates, in warm-up
+        used = state.optimizer.param_groups[0]["lr"]
+        state.optimizer.step()
+        state.scheduler.step()
+    assert state.last_update_lr() == pytest.approx(used)
+    assert state.optimizer.param_groups[0]["lr"] > used * 1.05  # the next update's
