@@ -27,6 +27,7 @@ import torch
 
 from fastload.tasks.base import SumsEvaluator
 from fastload.tasks.classification import ClassificationStep
+from fastload.telemetry.timer import drain_s
 
 EVAL_STEP_SHARE = 1 / 3  # a forward pass costs about a third of forward + backward
 
@@ -118,9 +119,11 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
         while max_batches is None or out.batches < max_batches:
             if budget_s is not None and time.perf_counter() - t0 >= budget_s:
                 break
-            w0 = time.perf_counter()
+            w0, d0 = time.perf_counter(), drain_s(batches)
             batch = next(it, None)
-            out.wait_s += time.perf_counter() - w0  # the end too: a DataLoader joins its workers
+            # the end too (a DataLoader joins its workers); less the loader's wait for the
+            # GPU's queued work, which is the step's compute
+            out.wait_s += time.perf_counter() - w0 - (drain_s(batches) - d0)
             if batch is None:
                 break
             step.train(batch)

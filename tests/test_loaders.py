@@ -964,3 +964,38 @@ def test_a_full_dev_shm_is_one_message_and_leaves_no_segment(tmp_path):
     assert "error: /dev/shm is full" in out.stderr and "--shm-size" in out.stderr
     assert "Traceback" not in out.stderr
     assert out.stdout.split()[-1:] == ["filler"] and "torch_" not in out.stdout  # ls /dev/shm
+
+
+def test_loaders_time_their_wait_for_the_gpus_queue_where_their_copy_waits_for_it(
+    folder, monkeypatch
+):
+    """With pin_memory=false on CUDA the copy from pageable memory waits for the consumer's
+    queued GPU work, so the loader waits for it first and times it (`device_drain_s`, which
+    the step timer counts as compute); pinned copies wait for nothing, so no drain there.
+    The CUDA calls are faked (no GPU here): what is checked is where the drain happens."""
+    from fastload.loaders.dataloader_stream import DataLoaderStream
+
+    drains = []
+
+    def fake_drain(self):
+        drains.append(self.pin_memory)
+        self.device_drain_s += 0.01
+
+    monkeypatch.setattr(DataLoaderStream, "_drain_device", fake_drain)
+    for pinned in (False, True):
+        loader = build_test_loader("loader.num_workers=0", folder=folder)
+        assert loader.device_drain_s == 0.0
+        real = loader.device_prep
+        # the stage's choice only: a device prep that says cuda and passes batches through
+        loader.device_prep = type(
+            "Prep",
+            (),
+            {"device": torch.device("cuda", 0), "decoder": None, "__call__": lambda s, b: b},
+        )()
+        loader.pin_memory = pinned
+        host = list(loader._device_batches(iter([{"n": 1}, {"n": 2}])))
+        assert len(host) == 2
+        assert loader.device_drain_s == pytest.approx(0.0 if pinned else 0.02)
+        loader.device_prep = real
+        loader.close()
+    assert drains == [False, False]

@@ -646,3 +646,76 @@ def test_progress_bar_postfix_and_disabled(capsys):
     bar.close()
     assert "img/s=1,234" in rendered and "wait=25%" in rendered and "epoch 0" in rendered
     assert capsys.readouterr().out == ""  # progress goes to stderr, not stdout
+
+
+class QueuedGpu:
+    """A stand-in GPU: `queue(s)` adds s seconds of work behind what is queued (returns at
+    once, as a kernel launch does); `synchronize()` waits until the queue has run."""
+
+    def __init__(self):
+        self.busy_until = time.perf_counter()
+
+    def queue(self, seconds: float) -> None:
+        self.busy_until = max(self.busy_until, time.perf_counter()) + seconds
+
+    def synchronize(self, *args) -> None:
+        time.sleep(max(0.0, self.busy_until - time.perf_counter()))
+
+
+class PageableCopyLoader:
+    """Batches ready on the host at once, whose copy to the GPU (pageable memory) returns
+    only after the GPU's queued work: a loader with pin_memory=false on CUDA. `drains`: it
+    waits for the queue itself first and says so in `device_drain_s`, as fastload's loaders
+    do (DataLoaderStream._drain_device)."""
+
+    def __init__(self, gpu: QueuedGpu, n: int, drains: bool):
+        self.gpu, self.n, self.drains = gpu, n, drains
+        if drains:
+            self.device_drain_s = 0.0
+
+    def __iter__(self):
+        for _ in range(self.n):
+            if self.drains:
+                t = time.perf_counter()
+                self.gpu.synchronize()
+                self.device_drain_s += time.perf_counter() - t
+            self.gpu.synchronize()  # the synchronous copy waits for the queue
+            yield {"target": torch.zeros(4)}
+
+
+@pytest.mark.parametrize("drains", [True, False])
+def test_a_loader_whose_next_waits_for_the_gpu_is_not_charged_the_steps_compute(drains):
+    """pin_memory=false on CUDA (or a GPU decode in the training thread): next() returns
+    after the queued step. The loader times that wait, and the timer counts it as the step's
+    compute, not as data wait: the batches were ready at once."""
+    gpu = QueuedGpu()
+    timer = StepTimer()
+    timer.start()
+    for _ in timer.iter(PageableCopyLoader(gpu, 6, drains=drains)):
+        gpu.queue(0.05)  # the step: 50 ms of GPU work, launched asynchronously
+    t = timer.stop()
+    assert t.wall_s >= 5 * 0.05  # the last step still queued at stop() (no sync here)
+    if drains:
+        assert t.data_wait_share < 0.2, t
+    else:  # a loader that does not say so: the step's compute lands in data wait
+        assert t.data_wait_share > 0.6, t
+
+
+def test_measure_feed_counts_a_loaders_wait_for_the_gpu_as_compute():
+    from fastload.measure import feed
+
+    gpu = QueuedGpu()
+
+    class GpuStep:
+        sync = staticmethod(gpu.synchronize)
+
+        def train(self, batch):
+            gpu.queue(0.05)
+
+        def after_step(self):
+            pass
+
+    got = feed(PageableCopyLoader(gpu, 5, drains=True), GpuStep())
+    assert got.batches == 5 and got.wait_s < 0.2 * got.wall_s, got
+    slow = feed(PageableCopyLoader(gpu, 5, drains=False), GpuStep())
+    assert slow.wait_s > 0.6 * slow.wall_s, slow

@@ -102,6 +102,8 @@ class CudaPrefetchLoader(DataLoaderStream):
         side, device = self.stream, self.device_prep.device
         pending = None  # (batch, event) prepared on the side stream, not yet handed over
         for host in host_batches:
+            if not self.pin_memory:  # its copy from pageable memory waits for the consumer
+                self._drain_device()
             consumer = torch.cuda.current_stream(device)  # the training thread's, right now
             with torch.cuda.stream(side):
                 side.wait_stream(consumer)  # (1) above

@@ -47,13 +47,22 @@ class EpochTiming:
         }
 
 
+def drain_s(loader) -> float:
+    """Seconds `loader` has waited inside `next()` for the GPU's queued work (a copy from
+    pageable memory, a GPU decode in the training thread: fastload/loaders/
+    dataloader_stream.py, `_drain_device`); 0 for any other iterable."""
+    return getattr(loader, "device_drain_s", 0.0)
+
+
 class StepTimer:
     """Measures an epoch: ``start()``, loop over ``iter(loader)``, ``add_samples(n)``, ``stop()``.
 
     Per step it costs two ``perf_counter()`` calls and a generator hop (about a microsecond).
     With ``cuda_sync=True`` the device is synchronised in ``stop()`` only, so the wall time
     includes queued GPU work; syncing every step would serialise the very overlap of data
-    loading and compute this timer exists to measure.
+    loading and compute this timer exists to measure. A loader whose `next()` must wait for
+    the GPU's queued work (a copy from pageable memory) times that wait itself
+    (`device_drain_s`), and it is counted as compute, not data wait.
     """
 
     def __init__(self, cuda_sync: bool = False) -> None:
@@ -79,7 +88,7 @@ class StepTimer:
         if self._t0 is None:
             self.start()
         perf_counter = time.perf_counter  # local name: this loop runs once per step
-        t = perf_counter()
+        t, drained = perf_counter(), drain_s(iterable)
         it = iter(iterable)
         while True:
             try:
@@ -88,10 +97,11 @@ class StepTimer:
                 # Exhaustion can be slow too (a DataLoader joins its workers here).
                 self._data_wait_s += perf_counter() - t
                 return
-            self._data_wait_s += perf_counter() - t
+            # less the loader's wait for the GPU's queued work inside next(): the step's compute
+            self._data_wait_s += perf_counter() - t - (drain_s(iterable) - drained)
             self._steps += 1
             yield item
-            t = perf_counter()
+            t, drained = perf_counter(), drain_s(iterable)
 
     @contextlib.contextmanager
     def data_work(self) -> Iterator[None]:
