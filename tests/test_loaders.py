@@ -459,6 +459,29 @@ def test_cuda_prefetch_batches_are_not_overwritten_while_in_use(folder):
         torch.testing.assert_close(e, g.cpu(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("strategy", ["baseline", "prefetch"])
+def test_unpinned_copies_on_cuda_count_the_queued_step_as_compute(folder, strategy):
+    """pin_memory=false: each copy from pageable memory waits for the consumer's queued
+    work. The loader waits for it first (device_drain_s), so the step timer's data wait
+    stays small behind ~50 ms of queued matrix products per batch."""
+    from fastload.telemetry.timer import StepTimer
+
+    opts = ("loader.num_workers=2", "loader.pin_memory=false")
+    loader = make_loader(strategy, folder, *opts, device="cuda")
+    loader.set_epoch(0)
+    big = torch.randn(4096, 4096, device="cuda")
+    timer = StepTimer(cuda_sync=True)
+    timer.start()
+    for _ in timer.iter(loader):
+        for _ in range(10):
+            big = big @ big
+            big = big / big.norm()
+    t = timer.stop()
+    assert loader.device_drain_s > 0.2 * t.wall_s, (loader.device_drain_s, t)
+    assert t.data_wait_share < 0.3, t
+
+
 class _FakeStream:
     """Stands in for a CUDA stream / event on the CPU: records what the prefetcher asks."""
 
