@@ -469,7 +469,8 @@ def test_unpinned_copies_on_cuda_count_the_queued_step_as_compute(folder, strate
 
     opts = ("loader.num_workers=2", "loader.pin_memory=false")
     loader = make_loader(strategy, folder, *opts, device="cuda")
-    loader.set_epoch(0)
+    epoch(loader, 0)  # the workers' start (real data wait) is not what is checked
+    loader.set_epoch(1)
     big = torch.randn(4096, 4096, device="cuda")
     timer = StepTimer(cuda_sync=True)
     timer.start()
