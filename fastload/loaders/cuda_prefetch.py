@@ -100,9 +100,10 @@ class CudaPrefetchLoader(DataLoaderStream):
             yield from self._threaded_device_batches(host_batches)
             return
         side, device = self.stream, self.device_prep.device
+        drain = self._device_stage_waits_for_gpu()  # the side stream waits for the consumer
         pending = None  # (batch, event) prepared on the side stream, not yet handed over
         for host in host_batches:
-            if not self.pin_memory:  # its copy from pageable memory waits for the consumer
+            if drain:
                 self._drain_device()
             consumer = torch.cuda.current_stream(device)  # the training thread's, right now
             with torch.cuda.stream(side):

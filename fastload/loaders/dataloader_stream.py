@@ -213,13 +213,19 @@ class DataLoaderStream:
         return _DataLoaderBatches(self, it, ring, time.perf_counter())
 
     def _device_batches(self, host_batches):
-        drain = self.device_prep.device.type == "cuda" and (
-            not self.pin_memory or self.device_prep.decoder is not None
-        )
+        drain = self._device_stage_waits_for_gpu()
         for batch in host_batches:
-            if drain:  # a copy from pageable memory, or a GPU decode in this thread
+            if drain:
                 self._drain_device()
             yield self.device_prep(batch)
+
+    def _device_stage_waits_for_gpu(self) -> bool:
+        """Whether device prep in the training thread waits for the consumer's queued GPU
+        work: a copy from pageable memory on CUDA, or a GPU decode (its call returns after
+        the queue)."""
+        return self.device_prep.device.type == "cuda" and (
+            not self.pin_memory or self.device_prep.decoder is not None
+        )
 
     def _drain_device(self) -> None:
         """Wait here for the consumer's queued GPU work, timed in `device_drain_s`, where the
