@@ -4,6 +4,7 @@ nothing from fastload, so anything may import it."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -176,3 +177,30 @@ def spawn_pool(workers: int):
         return ctx.Pool(workers)  # its processes and threads start here, SIGINT blocked
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a pending Ctrl-C lands here
+
+
+@contextlib.contextmanager
+def ctrl_c_after():
+    """`with ctrl_c_after():` a Ctrl-C that lands inside the block takes effect when the block
+    ends, whatever the block did with it. Some compiled modules run Python code while they
+    initialise and turn any exception raised there into their own ImportError (pybind11's
+    "initialization failed"), which a caller takes for "not installed": a Ctrl-C during
+    nvImageCodec's import in the pre-flight was lost that way, and the run went on to
+    generate the dataset. Inside the block SIGINT only sets a flag; at its end the previous
+    handler gets the signal again (KeyboardInterrupt, or the training loop's graceful stop).
+    Only the main thread may swap signal handlers; elsewhere the block runs unchanged."""
+    import signal
+    import threading
+
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # None: a handler installed from C, which cannot be put back
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:  # also when the block failed: the Ctrl-C comes first
+            signal.raise_signal(signal.SIGINT)

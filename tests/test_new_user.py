@@ -303,17 +303,13 @@ def test_ctrl_c_during_generation_is_one_line_and_exit_130(tmp_path, when):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
-    def started() -> bool:  # the cache folder comes just before the pool starts
-        return (
-            cache.exists()
-            if when == "pool importing"
-            else any(cache.glob(".*.tmp-*/train/*/*.jpg"))
-        )
+    def started() -> bool:  # the dataset's temporary folder comes just before the pool starts
+        return any(cache.glob(".*.tmp-*" if when == "pool importing" else ".*.tmp-*/train/*/*.jpg"))
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not started():
         time.sleep(0.05)
-    time.sleep(1.0 if when == "pool importing" else 0.5)
+    time.sleep(0.3 if when == "pool importing" else 0.5)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
@@ -362,6 +358,52 @@ def test_ctrl_c_while_the_pool_starts_is_not_lost(tmp_path):
         out.stdout + out.stderr
     )
     assert "Traceback" not in out.stderr, out.stderr
+
+
+CTRL_C_INSIDE_A_COMPILED_MODULES_IMPORT = """
+import importlib.util, os, signal, sys
+from fastload.decode import roi_nvimgcodec
+
+real = importlib.util.find_spec("nvidia.nvimgcodec")
+
+class Initialising:
+    \"\"\"nvidia.nvimgcodec as its compiled part initialises: Python code runs, takes the
+    Ctrl-C, and the error becomes the module's own ImportError (pybind11's way).\"\"\"
+    def find_spec(self, name, path=None, target=None):
+        if name == "nvidia.nvimgcodec":
+            return importlib.util.spec_from_loader(name, self, origin=real.origin)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(100))
+        except BaseException as e:
+            raise ImportError("initialization failed") from e
+
+sys.meta_path.insert(0, Initialising())
+try:
+    nv = roi_nvimgcodec.load()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+else:
+    print("Ctrl-C lost:", nv, roi_nvimgcodec.UNAVAILABLE_REASON, flush=True)
+"""
+
+
+def test_ctrl_c_inside_a_compiled_modules_import_is_not_lost(tmp_path):
+    """The pre-flight imports nvImageCodec, whose initialisation turns a KeyboardInterrupt
+    raised inside it into an ImportError: the Ctrl-C used to read as "nvImageCodec did not
+    load" and the run went on. It now stops the run, once the import is done."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    script = tmp_path / "import_window.py"
+    script.write_text(CTRL_C_INSIDE_A_COMPILED_MODULES_IMPORT)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "FASTLOAD_CACHE": str(tmp_path / "c")},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    assert out.stdout.strip() == "interrupted", out.stdout + out.stderr
 
 
 # 13, 14. Tracebacks where a message belongs --------------------------------------------------

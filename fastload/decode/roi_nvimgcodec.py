@@ -43,6 +43,7 @@ import threading
 import numpy as np
 
 from fastload.decode.roi import RoiDecodeError, region_for
+from fastload.host import ctrl_c_after
 
 EXTENSION = "libjpeg_turbo_ext.so"
 UNAVAILABLE_REASON = ""
@@ -180,7 +181,8 @@ def load():
     try:
         os.environ.setdefault("NVIMGCODEC_EXTENSIONS_PATH", _extensions_folder(package))
         os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "0")
-        from nvidia import nvimgcodec
+        with ctrl_c_after():  # its initialisation would turn a Ctrl-C into an ImportError
+            from nvidia import nvimgcodec
     except (ImportError, OSError) as e:
         UNAVAILABLE_REASON = f"nvImageCodec did not load ({e}): {INSTALL}"
         return None
