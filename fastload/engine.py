@@ -43,7 +43,12 @@ from fastload.pipeline import (
     prepare_data,
 )
 from fastload.preflight import preflight
-from fastload.telemetry.report import ProgressBar, format_summary_table
+from fastload.telemetry.report import (
+    ProgressBar,
+    format_summary_table,
+    steady_epochs,
+    whole_epochs,
+)
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
 from fastload.telemetry.timer import StepTimer
@@ -515,10 +520,10 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    steady = history[1:] or history  # the first epoch carries start-up (workers, caches)
+    steady = steady_epochs(history)
     return {
         "epochs": len(history),
-        "epoch_time_s_mean": mean("epoch_time_s", history),
+        "epoch_time_s_mean": mean("epoch_time_s", whole_epochs(history)),
         "images_per_s": mean("images_per_s", steady),
         "data_wait_share": mean("data_wait_share", steady),
         "gpu_util_mean": mean("gpu_util_mean", steady),
@@ -573,6 +578,7 @@ class Epochs:
         self.cfg, self.ctx, self.state, self.step, self.task = cfg, ctx, state, step, task
         self.data, self.record = data, record
         self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
+        self.start_up = True  # the next epoch is this process's first: it carries the start-up
         self.warm = EvalWarmStart()
         self.watch = LossWatch(ctx.device)
         epoch_samples = state.steps_per_epoch * cfg.trainer.batch_size * ctx.world_size
@@ -620,6 +626,8 @@ class Epochs:
         row = {"epoch": epoch, **metrics, "lr": lr}
         if span.first_step:  # resumed inside this epoch: its numbers cover the steps from here
             row["resumed_at_step"] = span.first_step
+        if self.start_up:  # workers, caches, compilation: left out of the steady-state means
+            row["start_up_epoch"], self.start_up = True, False
         if self.evaluates(epoch):
             t0 = time.perf_counter()
             val, val_skipped, val_seen, val_files = evaluate(self.step, data.val, ctx, state.ema)

@@ -633,6 +633,32 @@ def test_format_summary_table_renders_values_and_na():
     assert all(line.split()[-1] == "n/a" for line in empty.splitlines())
 
 
+def test_the_summary_leaves_out_each_processs_start_up_and_the_partial_epoch(tmp_path):
+    """A run resumed inside epoch 2: epochs 0 and 2 each start a process (workers, caches,
+    compilation), and epoch 2's time covers only its last steps. The steady-state means take
+    epochs 1 and 3; time / epoch takes the epochs trained whole."""
+    from fastload.engine import summarize
+
+    def row(epoch, time_s, images_per_s, **extra):
+        return {"epoch": epoch, "epoch_time_s": time_s, "images_per_s": images_per_s,
+                "data_wait_share": images_per_s / 1000, "gpu_util_mean": None,
+                "peak_pss_mib": 1.0, "peak_rss_sum_mib": 1.0, **extra}  # fmt: skip
+
+    history = [
+        row(0, 30.0, 50.0, start_up_epoch=True),
+        row(1, 10.0, 100.0),
+        row(2, 4.0, 20.0, start_up_epoch=True, resumed_at_step=60),
+        row(3, 12.0, 80.0),
+    ]
+    task = types.SimpleNamespace(metric="val_acc1", metric_label=None, metric_unit=" %")
+    summary = summarize(history, tmp_path, None, task)
+    assert summary["images_per_s"] == 90.0 and summary["data_wait_share"] == pytest.approx(0.09)
+    assert summary["epoch_time_s_mean"] == pytest.approx((30 + 10 + 12) / 3)
+    # rows written before they marked the start-up: the first is taken for it
+    old = [{k: v for k, v in r.items() if k != "start_up_epoch"} for r in history[:2]]
+    assert summarize(old, tmp_path, None, task)["images_per_s"] == 100.0
+
+
 def test_progress_bar_postfix_and_disabled(capsys):
     off = ProgressBar(total=10, enabled=False)
     for _ in range(10):

@@ -162,6 +162,8 @@ def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder,
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     # the epoch resumed inside of says so: its numbers cover its last 2 steps only
     assert [r.get("resumed_at_step") for r in rows] == [None, 2, None]
+    # each process's first epoch carries its start-up, left out of the steady-state means
+    assert [r.get("start_up_epoch") for r in rows] == [True, True, None]
     # the EMA evaluated beside the model: its own numbers, the same as the uninterrupted run's
     ref_rows = read_jsonl(tmp_path / "ref" / "r" / "metrics.jsonl")
     assert rows[-1]["ema_val_loss"] == ref_rows[-1]["ema_val_loss"] != rows[-1]["val_loss"]

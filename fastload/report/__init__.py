@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from fastload.errors import FastloadError
+from fastload.telemetry.report import steady_epochs
 
 REPEAT_KEYS = ("+repeat", "repeat")
 
@@ -40,8 +41,9 @@ class Run:
         return sum(float(r["epoch_time_s"]) for r in self.epochs)
 
     def steady(self, key: str) -> float | None:
-        """The mean over the epochs after the first (start-up), or the only epoch."""
-        rows = self.epochs[1:] or self.epochs
+        """The mean over the epochs without a process's start-up (the first, and the first
+        after a resume), or over all when none is left."""
+        rows = steady_epochs(self.epochs)
         vals = [float(r[key]) for r in rows if r.get(key) is not None]
         return statistics.fmean(vals) if vals else None
 

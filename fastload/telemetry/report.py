@@ -109,6 +109,20 @@ def ema_metric_row(summary: Mapping[str, Any], fmt) -> list[tuple[str, str]]:
     return [(f"{label} (EMA)", fmt("best_ema_metric", ".4g", unit=unit))]
 
 
+def steady_epochs(rows: list[dict]) -> list[dict]:
+    """The epoch rows that show the steady state: not the first epoch of a process, which
+    carries its start-up (workers, caches, compilation), the run's and a resumed run's alike
+    (`start_up_epoch`; in rows written before that key: the first row); all rows when no
+    other is left."""
+    return [r for i, r in enumerate(rows) if i and not r.get("start_up_epoch")] or rows
+
+
+def whole_epochs(rows: list[dict]) -> list[dict]:
+    """The rows of epochs trained whole: not one a run resumed inside of, whose time covers
+    only its last steps (`resumed_at_step`); all rows when no other is left."""
+    return [r for r in rows if not r.get("resumed_at_step")] or rows
+
+
 def format_summary_table(summary: Mapping[str, Any]) -> str:
     """A short aligned plain-text table of a run's summary; missing/None values show "n/a".
 
