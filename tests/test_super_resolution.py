@@ -19,6 +19,7 @@ from fastload.data import rawimage
 from fastload.data.layouts import Div2kLayout
 from fastload.data.pairs import PairDataset, bicubic_down, check_pair_size, collate_pairs
 from fastload.data.synthetic_div2k import ensure_synthetic_div2k
+from fastload.decode.base import open_rgb
 from fastload.decode.pil import PILBackend
 from fastload.errors import ConfigError, DatasetError
 from fastload.storage.disk import DiskStorage
@@ -126,6 +127,36 @@ def test_png_folder_lmdb_lz4_and_raw_shards_give_the_same_samples(div2k, tmp_pat
             for name, ds in sets.items():
                 got = ds[key]
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, key)
+
+
+@pytest.mark.parametrize("kind", ["raw", "jpeg"])
+def test_a_resized_pair_stays_exactly_scale_apart(div2k, tmp_path, kind):
+    """Packed smaller (raw size / jpeg max_side 61: not a multiple of the scale), every LR
+    image is exactly its HR image's size / 2, and it is the HR's bicubic downscale on the
+    same grid, to the far edge. Resizing each to its own longer side rounded their sides
+    apart (one pixel in some pairs), shifting the grids apart towards that edge. A pack of
+    pairs from before is re-packed."""
+
+    def pixels(data):
+        return rawimage.pixels(data) if rawimage.is_raw(data) else np.asarray(open_rgb(data))
+
+    opts = {"size": 61} if kind == "raw" else {"max_side": 61, "quality": 100}
+    store = ShardStorage(path=tmp_path / "p", kind=kind, **opts)
+    reader = open_split(store, div2k)
+    for i in range(len(reader)):
+        hr, lr = (pixels(reader.get(i, f)) for f in ("image", "lr"))
+        assert max(hr.shape[:2]) <= 61 and hr.shape[:2] == (2 * lr.shape[0], 2 * lr.shape[1])
+        # grey levels; Lanczos-resized grainy images, so not 0 (4.5 at most here; a pair one
+        # pixel apart at the far edge: 8.8, one LR pixel apart throughout: 11-19)
+        down = torch.from_numpy(np.array(bicubic_down(hr, 2))).permute(2, 0, 1)
+        assert interior_error(down, torch.from_numpy(lr.copy()).permute(2, 0, 1)) < 6.0, i
+    sidecar = tmp_path / "p" / "train" / "fastload-pack.json"
+    record = json.loads(sidecar.read_text())
+    del record["params"]["pairs_exact"]
+    sidecar.write_text(json.dumps(record))
+    reason = stale_reason(lambda: Div2kLayout(str(div2k)).source("train"), tmp_path / "p" / "train",
+                          store.pack_options())  # fmt: skip
+    assert reason and "pairs apart" in reason
 
 
 def smooth_div2k(root, n=3, scale=2):

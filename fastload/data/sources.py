@@ -302,7 +302,8 @@ class Div2kSource(Source):
         return len(self.files)
 
     def pack_metadata(self) -> dict:
-        return {"pair_scale": self.scale} if self.lr is not None else {}
+        # pairs_exact: a resized pair is exactly scale apart (older packs: up to a pixel off)
+        return {"pair_scale": self.scale, "pairs_exact": True} if self.lr is not None else {}
 
     def _hr_path(self, i: int) -> str:
         return str(self.hr / self.files[i])

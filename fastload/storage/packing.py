@@ -10,9 +10,9 @@ Record kinds:
   raw, size S:       decoded RGB pixels, longer side S (aspect kept), no decode at training;
   raw, size null:    decoded RGB pixels at full resolution (super-resolution pairs).
 A record is the source's named fields (fastload/data/records.py); the kind applies to
-each of its image fields, a paired image (DIV2K LR) resized to max_side / scale or
-size / scale, so the pair keeps its scale (to the rounding of a side); raw size null keeps
-both exact. LMDB can lz4-compress its values (`compression`,
+each of its image fields; a resized pair (DIV2K HR and LR) stays exact: the HR's sides
+become multiples of the scale and the LR is resized to the HR's size / scale (`make_item`);
+raw size null keeps both as they are. LMDB can lz4-compress its values (`compression`,
 a store option recorded with the others, so a pack made without it is not reused).
 """
 
@@ -66,30 +66,35 @@ class PackWriter(Protocol):
     def close(self, *, classes, params: dict, source: str = "") -> dict: ...
 
 
-def _resized(img: Image.Image, max_side: int | None) -> Image.Image:
+def _resized(img: Image.Image, max_side: int | None, multiple: int = 1, to=None) -> Image.Image:
+    """`img` with its longer side at most `max_side`, each side a multiple of `multiple`
+    (a pair's HR image: its LR image is then exactly its size / scale); `to`: exactly this
+    (width, height) instead."""
     w, h = img.size
-    if not max_side or max(w, h) <= max_side:
+    if to is None and (not max_side or max(w, h) <= max_side):
         return img
-    s = max_side / max(w, h)
-    size = (max(1, round(w * s)), max(1, round(h * s)))
-    img.draft("RGB", size)  # JPEG DCT-domain downscale when it is at least 2x
-    return img.resize(size, Image.LANCZOS, reducing_gap=3.0)
+    if to is None:
+        s = max_side / max(w, h)
+        to = tuple(multiple * max(1, round(side * s / multiple)) for side in (w, h))
+    img.draft("RGB", to)  # JPEG DCT-domain downscale when it is at least 2x
+    return img.resize(to, Image.LANCZOS, reducing_gap=3.0)
 
 
-def make_record(task) -> tuple[bytes, int, int, float, float]:
+def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, float, float]:
     """Worker: source file -> (record bytes, height, width, sx, sy) for the requested kind;
-    (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them)."""
+    (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them).
+    `multiple`, `to`: as `_resized`'s, for a pair's images."""
     path, kind, max_side, quality, size = task
     with open(path, "rb") as f:
         data = f.read()
     if kind == "jpeg" and not max_side:
         return data, 0, 0, 1.0, 1.0
     img = Image.open(io.BytesIO(data))
-    if kind == "jpeg" and img.format == "JPEG" and max(img.size) <= max_side:
+    if to is None and kind == "jpeg" and img.format == "JPEG" and max(img.size) <= max_side:
         return data, img.height, img.width, 1.0, 1.0
     img = open_rgb(data)
     w0, h0 = img.size
-    img = _resized(img, size if kind == "raw" else max_side)
+    img = _resized(img, size if kind == "raw" else max_side, multiple, to)
     sx, sy = img.width / w0, img.height / h0
     if kind == "raw":
         return rawimage.encode(np.asarray(img, dtype=np.uint8)), img.height, img.width, sx, sy
@@ -107,14 +112,24 @@ class Unreadable(NamedTuple):
 
 def make_item(task):
     """Worker: the stored bytes of one record's image fields ({name: make_record's tuple});
-    an `Unreadable` for a file that cannot be decoded (truncated, not an image)."""
-    out = {}
-    for name, image_task in task:
+    an `Unreadable` for a file that cannot be decoded (truncated, not an image).
+
+    A pair (DIV2K: HR, and LR with `divide` = the scale) resized stays a pair: the HR image
+    first, its sides made multiples of the scale, then the LR image resized to exactly the
+    HR's size / scale. Resizing each to its own max side would round their sides apart and
+    shift the LR grid against the HR's by up to a pixel at the far edge."""
+    out, hr = {}, None
+    scale = max(divide for _, _, divide in task)
+    for name, image_task, divide in sorted(task, key=lambda t: t[2]):
+        to = None
+        if divide > 1 and hr is not None and hr[3:] != (1.0, 1.0):  # the HR was resized
+            to = (hr[2] // divide, hr[1] // divide)
         try:
-            out[name] = make_record(image_task)
+            out[name] = make_record(image_task, multiple=scale if divide == 1 else 1, to=to)
         except Exception as exc:  # any decoder's failure on bad bytes
             return Unreadable(image_task[0], f"{type(exc).__name__}: {exc}")
-    return out
+        hr = out[name] if divide == 1 else hr
+    return {name: out[name] for name, _, _ in task}
 
 
 def source_digest(records, source) -> tuple[str, int]:
@@ -181,9 +196,10 @@ def pack_schema(source, kind: str) -> Schema:
 
 
 def _tasks(records, kind, max_side, quality, size) -> list:
-    # An image with `divide` (a DIV2K LR pair) is resized to max_side / divide, size /
-    # divide: the pair keeps its scale to within the rounding of each side (the pair dataset
-    # accepts LR = HR / scale rounded down or up); size null keeps every image as it is.
+    # An image with `divide` (a DIV2K LR pair) is resized to the HR's size / divide when the
+    # HR is resized (make_item); its max_side / divide, size / divide decide whether it is
+    # (an HR too small to resize has an LR too small too). size null keeps every image as
+    # it is.
     return [
         [
             (
@@ -195,6 +211,7 @@ def _tasks(records, kind, max_side, quality, size) -> list:
                     quality,
                     size and max(1, size // v.divide),
                 ),
+                v.divide,
             )  # fmt: skip
             for name, v in r.items()
             if isinstance(v, ImageFile)
@@ -329,6 +346,9 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
     want = record_options(**options)
     if have != want:
         return f"it was packed with {have}, this run asks for {want}"
+    params, resized = record["params"], want.get("size" if want["kind"] == "raw" else "max_side")
+    if resized and params.get("pair_scale") and not params.get("pairs_exact"):
+        return "an older fastload resized its LR/HR pairs apart (up to a pixel at the far edge)"
     if not callable(make_source):
         src_dir = Path(make_source)
         if not src_dir.is_dir():
