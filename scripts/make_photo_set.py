@@ -12,8 +12,8 @@ crops of them, ImageNet-like:
     JPEG: quality U(85, 95), 4:2:0 chroma (1 in 10 at 4:4:4), baseline, optimised Huffman
     tables off (what most cameras and PIL write by default).
 
-Classes are the source photographs (--classes of them, the rest dropped), so a classifier
-trained on it learns something; the set is for speed, not accuracy.
+Class k holds the crops of photographs k, k + C, k + 2C, ... (C = --classes; every source is
+used), so a classifier trained on it learns something; the set is for speed, not accuracy.
 
     python scripts/make_photo_set.py OUT [--train 2000 --val 200 --seed 0]
 

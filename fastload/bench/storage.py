@@ -14,7 +14,7 @@ the train split of the default synthetic set.
           the page cache), so its cold row is the warm number, marked.
 
 webdataset reads tar shards (--wds-shard-mb) where they are; webdataset-http streams the same
-shards from Python's http.server on this machine through the node cache (under --tmpfs-dir):
+shards from Python's http.server on this machine through the node cache (in <--tmpfs-dir>-wds-cache):
 warm = the cached epoch, cold = the cache emptied before each pass (every shard fetched).
 
 --ffcv-python runs FFCV (scripts/bench_ffcv.py, in an environment that has it) on the same
