@@ -292,6 +292,87 @@ def test_orientation_from_xmp_or_a_big_endian_long_is_read_as_pil_reads_it(photo
     assert backend.pop_counts()["decode_fallback_exif_rotated"] == 2
 
 
+def with_segments(data: bytes, before_frame: list[bytes], after_frame: list[bytes]) -> bytes:
+    """`data` (a JPEG) with APP1 segments (b"Exif..." / XMP bodies) added before its first
+    segment and right after its frame header."""
+    import struct
+
+    def app1(body):
+        return b"\xff\xe1" + struct.pack(">H", len(body) + 2) + body
+
+    i, out = 2, [data[:2], *map(app1, before_frame)]
+    while data[i + 1] != 0xDA:  # up to the scan
+        (n,) = struct.unpack_from(">H", data, i + 2)
+        out.append(data[i : i + 2 + n])
+        if 0xC0 <= data[i + 1] <= 0xC2:
+            out += map(app1, after_frame)
+        i += 2 + n
+    return b"".join(out) + data[i:]
+
+
+def test_orientation_is_pils_with_several_blocks_or_one_after_the_frame(photo, monkeypatch):
+    """PIL reads the first EXIF block's orientation (it appends later ones), else the last
+    XMP packet's, from every marker before the scan: the header reader answers the same, so
+    the JPEG-only decoders send the image to the reference decode exactly when PIL rotates
+    it (they decoded it unrotated, uncounted, when a later block said 1 or the EXIF came
+    after the frame header; they counted a fallback PIL did not make for an XMP packet that
+    a later one replaced)."""
+
+    def exif(orientation):
+        e = Image.Exif()
+        e[0x0112 if orientation else 0x010F] = orientation or "camera"
+        return e.tobytes()  # b"Exif\0\0" + the TIFF block
+
+    def xmp(orientation):
+        tag = f' tiff:Orientation="{orientation}"' if orientation else ""
+        return b"http://ns.adobe.com/xap/1.0/\x00" + f"<x{tag}/>".encode()
+
+    plain = encode(photo, "JPEG", quality=90)
+    cases = {
+        "exif 6, then exif 1": (with_segments(plain, [exif(6), exif(1)], []), 6),
+        "exif 6, then exif without it": (with_segments(plain, [exif(6), exif(None)], []), 6),
+        "exif 6 after the frame": (with_segments(plain, [], [exif(6)]), 6),
+        "exif 6 twice prefixed": (with_segments(plain, [b"Exif\0\0" + exif(6)], []), 6),
+        "xmp 6, then xmp without it": (with_segments(plain, [xmp(6), xmp(None)], []), 1),
+    }
+    backend = make_backend("turbo", monkeypatch)
+    for name, (data, orientation) in cases.items():
+        assert (Image.open(io.BytesIO(data)).getexif().get(0x0112) or 1) == orientation, name
+        assert jpeg_info(data).orientation == orientation, name
+        ref_t = Recording(RandomResizedCropFlip(56, scale=(0.08, 1.0)))
+        want = PILBackend().load(data, ref_t, sample_rng(0, 0, 1))
+        got = backend.load(data, Recording(RandomResizedCropFlip(56, scale=(0.08, 1.0))),
+                           sample_rng(0, 0, 1))  # fmt: skip
+        assert psnr(got, want) >= MIN_PSNR_DB, name
+    assert backend.pop_counts()["decode_fallback_exif_rotated"] == 4
+
+
+def test_a_narrow_image_decoded_at_one_eighth_keeps_its_box(photo):
+    """An 89 px wide JPEG decodes to 12 px at 1/8, and 89 / 12 rounds to 7: the box was
+    mapped for 1/7 (wrong pixels with OpenCV's resize, a ValueError with PIL's). The scale
+    is the libjpeg-turbo scaling that gives both decoded sides."""
+    from fastload.decode.turbo import TurboBackend, decoded_scale
+
+    assert decoded_scale(89, 300, 12, 38, 8) == 8 and decoded_scale(1000, 800, 250, 200, 8) == 4
+    data = encode(photo.resize((89, 300)), "JPEG", quality=95)
+
+    class Fixed:  # one box, 8x the output, so a 1/8 decode
+        size = 8
+
+        def sample(self, w, h, rng):
+            return (0, 100, 89, 150), False
+
+        def __call__(self, img, rng):
+            return resized_crop(img, (0, 100, 89, 150), 8, False)
+
+    want = PILBackend().load(data, Fixed(), None)
+    for resize in ("cv2", "pil"):
+        backend = TurboBackend(roi="off", resize=resize)  # the whole-image path
+        got = backend.load(data, Fixed(), None)
+        assert np.abs(got.astype(int) - want).mean() < 5, resize  # 19 grey levels before
+        assert backend.pop_counts()["decode_dct_scaled"] == 1
+
+
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF", "PPM"])  # PPM: a PGM, which opens as mode I
 def test_16_bit_grayscale_keeps_its_levels(fmt):
     """Pillow's convert("RGB") clips 16-bit values above 255 to white: a 16-bit PNG would

@@ -30,10 +30,14 @@ class JpegInfo:
 
 def jpeg_info(data: bytes) -> JpegInfo | None:
     """The frame header and EXIF orientation of a JPEG; None for anything else (PNG, GIF,
-    a truncated or garbled header)."""
+    a truncated or garbled header). The orientation is PIL's: the first EXIF block's (PIL
+    appends later blocks to it, so its first directory stays the one read), else the last
+    XMP packet's (each replaces the one before); markers are read up to the scan, as PIL
+    does, so an EXIF block after the frame header counts too."""
     if data[:2] != b"\xff\xd8":
         return None
-    exif = xmp = None  # the orientation each states; PIL takes XMP's only without EXIF's
+    exif = xmp = frame = None
+    exif_seen = False
     i, n = 2, len(data)
     while i + 4 <= n:
         if data[i] != 0xFF:
@@ -45,26 +49,28 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
         if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # standalone markers
             i += 2
             continue
+        if marker == 0xDA:  # start of scan: the header is complete
+            break
         (length,) = struct.unpack_from(">H", data, i + 2)
         seg = i + 4
         if marker == 0xE1 and data[seg : seg + 6] == b"Exif\x00\x00":
-            exif = _exif_orientation(data[seg + 6 : i + 2 + length])
+            if not exif_seen:
+                exif, exif_seen = _exif_orientation(data[seg + 6 : i + 2 + length]), True
         elif marker == 0xE1 and data[seg : seg + len(_XMP)] == _XMP:
             found = _XMP_ORIENTATION.search(data, seg + len(_XMP), i + 2 + length)
-            xmp = int(found[2]) if found else xmp
-        elif marker in _SOF:
+            xmp = int(found[2]) if found else None
+        elif marker in _SOF and frame is None:
             if seg + 6 > n:
                 return None
             _, height, width, comps = struct.unpack_from(">BHHB", data, seg)
             if width == 0 or height == 0:
                 return None
-            orientation = exif if exif is not None else xmp if xmp is not None else 1
-            orientation = orientation if 1 <= orientation <= 8 else 1
-            return JpegInfo(width, height, comps, marker in _PROGRESSIVE, orientation)
-        elif marker == 0xDA:  # start of scan before any frame header
-            return None
+            frame = (width, height, comps, marker in _PROGRESSIVE)
         i += 2 + length
-    return None
+    if frame is None:  # a scan before any frame header, or none at all
+        return None
+    orientation = exif if exif is not None else xmp if xmp is not None else 1
+    return JpegInfo(*frame, orientation if 1 <= orientation <= 8 else 1)
 
 
 # Pillow reads an XMP packet's tiff:Orientation when the EXIF has none (Image.getexif), and
@@ -77,6 +83,8 @@ def _exif_orientation(tiff: bytes) -> int | None:
     """The orientation tag of an EXIF block, None without one. Its value is read by its
     type: a SHORT in the first two bytes of the value field, a LONG in all four (the first
     two of a big-endian LONG are its high half)."""
+    if tiff.startswith(b"Exif\x00\x00"):  # written twice by some tools; PIL reads past it
+        tiff = tiff[6:]
     try:
         endian = {b"II": "<", b"MM": ">"}[tiff[:2]]
         (ifd,) = struct.unpack_from(endian + "I", tiff, 4)

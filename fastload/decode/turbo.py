@@ -110,6 +110,18 @@ def import_cv2(required: bool):
     return cv2
 
 
+def decoded_scale(width: int, height: int, got_w: int, got_h: int, asked: int) -> float:
+    """The reduction a DCT-scaled decode used: libjpeg-turbo scales by M / 8 (M = 1..16)
+    and makes ceil(side x M / 8) pixels of a side, so it is 8 / M for the M that gives both
+    decoded sides, the asked one tried first (simplejpeg may pick another). Dividing the
+    sides instead rounds wrong for narrow images at 1/8: 89 px decode to 12, and 89 / 12 =
+    7.4, not 8."""
+    for m in sorted(range(1, 17), key=lambda m: m * asked != 8):
+        if -(-width * m // 8) == got_w and -(-height * m // 8) == got_h:
+            return 8 / m
+    return width / got_w  # no libjpeg-turbo scaling makes these sides: the ratio itself
+
+
 class _Scratch(threading.local):
     """Per-thread uint16 buffers for `resize_linear`, grown when needed and reused: a new
     300 KB array per sample would be a fresh mmap, page-faulted in every time."""
@@ -378,10 +390,8 @@ class TurboBackend(JpegOnlyBackend):
             self.counts.add("decode_fallback_decode_error")
             return load_with_box(data, box, flip, transform.size)
         if s > 1:
-            # The decoded width is ceil(width / s); recover s from it (robust to simplejpeg
-            # picking another factor), then map the box: output pixel i covers [i*s, (i+1)*s).
-            s = max(1, round(info.width / pixels.shape[1]))
-            box = tuple(v / s for v in box)
+            s = decoded_scale(info.width, info.height, pixels.shape[1], pixels.shape[0], s)
+            box = tuple(v / s for v in box)  # output pixel i covers [i*s, (i+1)*s)
             self.counts.add("decode_dct_scaled", int(s > 1))
         return self._resized_crop(pixels, box, transform.size, flip)
 
