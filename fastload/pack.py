@@ -4,7 +4,7 @@
                                            [--compression lz4]
     python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S|full]
     python -m fastload.pack {lmdb,shards,webdataset} DST --source coco \
-        --annotations instances_train2017.json --images DIR      # -> DST/train2017/
+        --annotations instances_train2017.json --images DIR [--subset N]  # -> DST/train2017/
     python -m fastload.pack {lmdb,shards,webdataset} DST --source div2k \
         --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
     python -m fastload.pack webdataset SRC DST [--max-side N --quality Q] [--shard-mb M]
@@ -15,7 +15,7 @@ A record holds the source's named fields (fastload/data/records.py). ImageFolder
 label. COCO: one record per image (by image id): image, image_id, boxes [x, y, w, h]
 (float32, scaled with the image when re-encoded), labels (category ids, int64). DIV2K: one
 record per HR image (by name): image, position, and lr, the paired LR image, when --lr is
-given (same kind; re-encoded/raw pairs are resized to max_side / scale, size / scale). See
+given (same kind; a pair resized stays exact: LR = HR / scale). See
 fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store,webdataset}.py.
 
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
@@ -213,6 +213,7 @@ def parse(argv):
     p.add_argument("--source", choices=["imagefolder", "coco", "div2k"], default="imagefolder")
     p.add_argument("--annotations", type=Path, help="coco: instances_<split>.json")
     p.add_argument("--images", type=Path, help="coco: the folder of that split's images")
+    p.add_argument("--subset", type=int, default=None, help="coco: only the first N images by id")
     p.add_argument("--hr", type=Path, help="div2k: the HR image folder")
     p.add_argument("--lr", type=Path, help="div2k: the paired LR folder (optional)")
     p.add_argument("--scale", type=int, help="div2k: the LR scale (2, 3, 4, 8) with --lr")
@@ -246,7 +247,7 @@ def pack_source(p, args) -> None:
     if args.source == "coco":
         if args.annotations is None or args.images is None:
             p.error("--source coco needs --annotations FILE and --images DIR")
-        source = CocoSource(args.annotations, args.images)
+        source = CocoSource(args.annotations, args.images, args.subset)
     else:
         if args.hr is None:
             p.error("--source div2k needs --hr DIR (and optionally --lr DIR --scale S)")

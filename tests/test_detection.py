@@ -33,8 +33,8 @@ from fastload.tasks.detection import GroundTruth, coco_map
 from tests.helpers import sample, targets
 
 # What the synthetic splits hold on purpose (fastload/data/synthetic_coco.py).
-DROPPED = {"crowd": 1, "degenerate": 2, "images_without_boxes": 1}
-VAL_DROPPED = {"crowd": 1, "degenerate": 0, "images_without_boxes": 1}
+DROPPED = {"crowd": 1, "degenerate": 2, "images_without_boxes": 1, "of_no_image": 0}
+VAL_DROPPED = {"crowd": 1, "degenerate": 0, "images_without_boxes": 1, "of_no_image": 0}
 FIELDS = {"boxes", "labels", "image_id", "orig_size"}
 
 
@@ -219,6 +219,53 @@ def test_a_coco_subset_packs_beside_the_whole_set_not_over_it(coco_root, tmp_pat
         assert len(store.open(layout, "train")) == len(DiskStorage().open(layout, "train"))
     assert {p: p.stat().st_mtime_ns for p in marks} == marks
     assert len(store.open(subset, "train")) == 3 < len(store.open(whole, "train"))
+
+
+def test_the_pack_command_a_subset_run_gives_packs_its_subset(coco_root, tmp_path):
+    """storage.auto_pack=false names the command that packs the split; for a subset it
+    packed the whole split into the subset's folder, which the run then found out of date
+    and named the same command again."""
+    from fastload.pack import main as pack_main
+
+    layout, store = CocoLayout(str(coco_root), subset=3), ShardStorage(auto_pack=False)
+    root = tmp_path / "packs"
+    args = layout.pack_args("train", root)
+    assert args[args.index("--subset") + 1] == "3"
+    assert pack_main(["shards", *args]) == 0
+    store = ShardStorage(path=str(root), auto_pack=False)
+    store.prepare(layout, ["train"])  # current: not refused as out of date
+    assert len(store.open(layout, "train")) == 3
+
+
+def test_annotations_of_no_listed_image_are_counted(coco_root, tmp_path):
+    from fastload.data.sources import CocoSource
+
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    ann = root / "annotations" / "instances_train.json"
+    data = json.loads(ann.read_text())
+    stray = {**data["annotations"][0], "id": 10**6, "image_id": 10**6}
+    data["annotations"].append(stray)
+    ann.write_text(json.dumps(data))
+    assert CocoSource(ann, root / "train").dropped == {**DROPPED, "of_no_image": 1}
+
+
+def test_a_smaller_pack_needs_the_images_sizes_to_score_in_their_frame(coco_root, tmp_path):
+    """Without width/height in the annotation file, a pack stored at a max side was scored
+    with its detections in the smaller pixels against boxes in the original ones: mAP ~0,
+    silently. Packing so is refused naming the file; an unresized pack still works."""
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    ann = root / "annotations" / "instances_train.json"
+    data = json.loads(ann.read_text())
+    for im in data["images"]:
+        del im["width"], im["height"]
+    ann.write_text(json.dumps(data))
+    layout = CocoLayout(str(root))
+    with pytest.raises(DatasetError, match=r"instances_train.json: 12 image\(s\) without width"):
+        ShardStorage(path=str(tmp_path / "small"), max_side=32).prepare(layout, ["train"])
+    assert not (tmp_path / "small" / "train").exists()
+    ShardStorage(path=str(tmp_path / "orig")).prepare(layout, ["train"])
 
 
 def test_evaluation_predicts_in_fp32_under_bf16_training(tmp_path):

@@ -133,8 +133,9 @@ class CocoLayout(Layout):
 
     def pack_args(self, split: str, pack_root) -> list[str]:
         images = Path(self.root) / self.images.format(split=split)
+        subset = ["--subset", str(self.subset)] if self.subset else []
         return [str(pack_root), "--source", "coco", "--annotations", str(self.annotation_file(split)),
-                "--images", str(images), "--split-name", split]  # fmt: skip
+                "--images", str(images), *subset, "--split-name", split]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

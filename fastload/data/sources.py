@@ -79,6 +79,10 @@ class Source:
         """What a pack of this source records of it besides its fields (meta["params"])."""
         return {}
 
+    def check_packing(self, resized: bool) -> None:
+        """Refuse (DatasetError) a pack this source cannot be packed into; `resized`: its
+        images are stored smaller than the files."""
+
 
 class ImageFolderSource(Source):
     kind = "imagefolder"
@@ -196,6 +200,10 @@ class CocoSource(Source):
         ids = ids[:subset] if subset else ids
         self.ids = np.array(ids, np.int64)
         self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
+        # (width, height) as the file states them, 0 where it does not
+        self.sizes = np.array(
+            [[int(coco.imgs[i].get(k) or 0) for k in ("width", "height")] for i in ids], np.int64
+        ).reshape(-1, 2)
         self._index_boxes(coco, ids)
         self._check_files(ann_path, fix["files"])
         self._files = {"image": self._path}  # bound methods: a source crosses spawn
@@ -222,6 +230,27 @@ class CocoSource(Source):
         self._labels = np.array(labels, np.int64)
         self._offsets = np.array(offsets, np.int64)
         self.dropped["images_without_boxes"] = int(np.sum(np.diff(self._offsets) == 0))
+        listed = set(coco.imgs)  # annotations of no listed image (a subset's are not such)
+        self.dropped["of_no_image"] = sum(
+            len(anns) for i, anns in coco.imgToAnns.items() if i not in listed
+        )
+
+    def check_packing(self, resized: bool) -> None:
+        """A COCO pack stored smaller is scored in the annotation file's frame, which its
+        images' width and height give (COCO's own files have them): without them the
+        detections would stay in the smaller pixels against boxes in the original ones, a
+        silent mAP near 0."""
+        if not resized:
+            return
+        missing = np.flatnonzero((self.sizes <= 0).any(axis=1))
+        if len(missing):
+            raise DatasetError(
+                f"{self.annotations}: {len(missing)} image(s) without width/height (first: id "
+                f"{self.ids[missing[0]]}), which a pack stored "
+                f"smaller (max_side, raw size) needs to score detections in the annotations' "
+                f"frame. Add each image's width and height to the file, or pack without "
+                f"resizing (kind jpeg with no max_side, or raw with size null)."
+            )
 
     def _check_files(self, ann_path: Path, fix: str) -> None:
         missing = [f for f in self.files if not (self.images / f).is_file()]

@@ -284,6 +284,7 @@ def pack_split(
         raise StorageError(f"pack --kind {kind!r}: use jpeg or raw.")
     dst = Path(dst).absolute()
     source = source if source is not None else ImageFolderSource(src)
+    source.check_packing(bool(size if kind == "raw" else max_side))
     records = [source.record(i) for i in range(len(source))]
     digest, source_bytes = source_digest(records, source)
     tasks = _tasks(records, kind, max_side, quality, size)
