@@ -48,12 +48,21 @@ from fastload.storage.shards import ShardStorage
 from fastload.storage.webdataset import WebDatasetStorage
 from fastload.storage.webdataset import verify_split as webdataset_verify
 
+SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "train2017", "val2017"}
+
 
 def split_dirs(src: Path) -> list[Path]:
-    """The split folders of a dataset root (train/, val/, ...), or src itself if it is one."""
+    """The split folders of a dataset root (train/, val/, ...), or src itself if it is one:
+    a root when every subfolder holds folders, or when one is named as a split (ImageNet's
+    flat test/ holds images only and is left out, said so, not taken for a class)."""
     subs = sorted(p for p in src.iterdir() if p.is_dir()) if src.is_dir() else []
     splits = [p for p in subs if any(c.is_dir() for c in p.iterdir())]
     if splits and len(splits) == len(subs):
+        return splits
+    if any(p.name.lower() in SPLIT_NAMES for p in splits):
+        for p in subs:
+            if p not in splits:
+                print(f"left out {p}: no class folders in it (pass --splits to choose)")
         return splits
     return [src]
 
@@ -81,7 +90,11 @@ def pack_one(args, src_dir, out, source=None) -> None:
     if replacing is not None:
         # COCO / DIV2K: the source built from the command line, checked like a folder
         what = src_dir if source is None else (lambda: source)
-        reason = stale_reason(what, out, store.pack_options())
+        reason = (
+            stale_reason(what, out, store.pack_options())
+            if (out / store.marker).is_file()
+            else f"it holds no {args.format} pack (another format's, or an unfinished one)"
+        )
         if reason is None:
             print(f"{out} exists and matches its source: skipped (delete it to re-pack)")
             return

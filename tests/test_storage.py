@@ -416,6 +416,76 @@ def test_missing_pack_gives_the_pack_command(tiny_folder, tmp_path):
         LmdbStorage(path=tmp_path / "none", auto_pack=False).open(tiny_folder, "train")
 
 
+def test_a_relative_root_finds_its_pack_current(tmp_path, monkeypatch, caplog):
+    """dataset.root=ds and /abs/ds are one dataset: the pack made from one is current for
+    the other (the digest took the paths as spelled, and re-packed)."""
+    make_image_folder(tmp_path / "ds", per_split=(2, 1))
+    monkeypatch.chdir(tmp_path)
+    store = ShardStorage(path=tmp_path / "packs")
+    store.prepare(str(tmp_path / "ds"), ["train"])
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        store.prepare("ds", ["train"])
+    assert "re-packing" not in caplog.text
+
+
+def test_a_class_added_without_images_makes_a_pack_out_of_date(tmp_path, caplog):
+    """A class folder added after the last one (still empty) leaves every path and label as
+    they were, so the digest is the same: the pack kept the old classes, and the run's
+    num_classes check blamed the config."""
+    root = make_image_folder(tmp_path / "ds", classes=("cat", "dog"), per_split=(2, 1))
+    store = LmdbStorage(path=tmp_path / "packs")
+    store.prepare(str(root), ["train"])
+    (root / "train" / "zebra").mkdir()
+    with caplog.at_level("WARNING"):
+        store.prepare(str(root), ["train"])
+    assert "the classes of" in caplog.text
+    assert store.open(str(root), "train").classes == ("cat", "dog", "zebra")
+
+
+def test_a_file_that_cannot_be_read_stops_the_pack_even_with_skip_corrupt(tmp_path, monkeypatch):
+    """Permission denied or an I/O error is not a corrupt image: left out, it would stay out
+    once mended (its size and time unchanged, the pack found current)."""
+    from fastload.storage import packing
+
+    root = make_image_folder(tmp_path / "ds", per_split=(2, 1))
+    bad = sorted((root / "train" / "cat").iterdir())[0]
+    real_open = open
+
+    def denied(path, *a, **k):
+        if str(path) == str(bad):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(packing, "open", denied, raising=False)
+    with pytest.raises(StorageError, match=rf"cannot read {bad} while packing .*Permission"):
+        pack_split(ShardStorage().writer, root / "train", tmp_path / "p", progress=False,
+                   workers=1, skip_corrupt=True)  # fmt: skip
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_pack_of_another_format_in_the_folder_is_replaced(tiny_folder, tmp_path, capsys):
+    """pack shards into a folder holding an LMDB pack said "matches: skipped", and the run
+    then found no shards pack there."""
+    assert pack_main(["lmdb", str(tiny_folder), str(tmp_path / "p"), "--splits", "train"]) == 0
+    assert pack_main(["shards", str(tiny_folder), str(tmp_path / "p"), "--splits", "train"]) == 0
+    assert "another format" in capsys.readouterr().out
+    assert (tmp_path / "p" / "train" / "meta.json").is_file()
+    LmdbStorage(path=tmp_path / "p").prepare(tiny_folder, ["train"])  # and back, by a run
+    assert (tmp_path / "p" / "train" / "data.mdb").is_file()
+
+
+def test_the_pack_cli_takes_a_root_with_a_flat_test_folder_for_a_root(tmp_path, capsys):
+    """ImageNet's test/ holds images, no class folders: the root was packed as one split
+    with the classes test, train, val."""
+    root = make_image_folder(tmp_path / "imagenet", per_split=(2, 1))
+    (root / "test").mkdir()
+    (root / "test" / "1.jpg").write_bytes(next((root / "val" / "cat").iterdir()).read_bytes())
+    assert pack_main(["shards", str(root), str(tmp_path / "p")]) == 0
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["train", "val"]
+    assert f"left out {root / 'test'}" in capsys.readouterr().out
+
+
 # -- tmpfs staging -----------------------------------------------------------------------------
 
 _KILL_MIDWAY = """

@@ -89,9 +89,10 @@ class ImageFolderSource(Source):
     schema = Schema(IMAGE_FIELD, Field("label", "int", ext="", classes=True))
 
     def __init__(self, split_dir):
+        split_dir = Path(split_dir).absolute()  # dataset.root=ds and /abs/ds: one digest
         self.index = index_image_folder(split_dir)
-        self.root = str(Path(split_dir).absolute())
-        self.name = Path(split_dir).absolute().name
+        self.root = str(split_dir)
+        self.name = split_dir.name
         self.classes = self.index.classes
         self._files = {"image": self._path}
         self._values = {"label": self.index.targets}

@@ -85,8 +85,11 @@ def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, floa
     (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them).
     `multiple`, `to`: as `_resized`'s, for a pair's images."""
     path, kind, max_side, quality, size = task
-    with open(path, "rb") as f:
-        data = f.read()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise NotRead(f"{type(exc).__name__}: {exc}") from None
     if kind == "jpeg" and not max_side:
         return data, 0, 0, 1.0, 1.0
     img = Image.open(io.BytesIO(data))
@@ -103,11 +106,18 @@ def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, floa
     return out.getvalue(), img.height, img.width, sx, sy
 
 
+class NotRead(Exception):
+    """A source file that could not be read (permissions, an I/O error): not a corrupt
+    image. Left out as one, it would stay out of the pack once mended, since the file's
+    size and time, which the pack's staleness check compares, are unchanged."""
+
+
 class Unreadable(NamedTuple):
-    """What a pack worker returns for a file it cannot decode."""
+    """What a pack worker returns for a file it cannot decode (`read`: or cannot read)."""
 
     path: str
     error: str
+    read: bool = True
 
 
 def make_item(task):
@@ -126,6 +136,8 @@ def make_item(task):
             to = (hr[2] // divide, hr[1] // divide)
         try:
             out[name] = make_record(image_task, multiple=scale if divide == 1 else 1, to=to)
+        except NotRead as exc:
+            return Unreadable(image_task[0], str(exc), read=False)
         except Exception as exc:  # any decoder's failure on bad bytes
             return Unreadable(image_task[0], f"{type(exc).__name__}: {exc}")
         hr = out[name] if divide == 1 else hr
@@ -228,6 +240,11 @@ def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, ta
     for r, result in zip(records, results, strict=True):
         bar.update()
         if isinstance(result, Unreadable):
+            if not result.read:  # never left out: see NotRead
+                raise StorageError(
+                    f"cannot read {result.path} while packing ({result.error}). Make it "
+                    f"readable (permissions, the disk), or remove it, then pack again."
+                )
             if not skip_corrupt:
                 raise StorageError(
                     f"cannot decode {result.path} while packing ({result.error}). Remove or "
@@ -306,6 +323,7 @@ def pack_split(
             record = {
                 "source": str(source.root),
                 "source_digest": digest,
+                "classes": [str(c) for c in source.classes],
                 "params": params,
                 "schema": out.schema.to_json(),
             }
@@ -367,6 +385,10 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
             f"{source.root} changed since it was packed (files added, removed, rewritten or "
             f"relabelled)"
         )
+    # a class folder added after the last or renamed, a COCO category renamed: the files and
+    # labels are the same, the names are not (packs from before this was recorded: unchecked)
+    if "classes" in record and record["classes"] != [str(c) for c in source.classes]:
+        return f"the classes of {source.root} changed since it was packed"
     return None
 
 
@@ -439,9 +461,14 @@ class PackedStorage(Storage):
         for split in dict.fromkeys(splits):
             dst = self.pack_root(layout) / split
             exists = (dst / self.marker).is_file()
-            replacing = folder_id(dst) if exists else None  # the pack judged below
-            if exists:
-                reason = stale_reason(lambda s=split: layout.source(s), dst, self.pack_options())
+            other = not exists and (dst / SIDECAR).is_file()  # another format's pack is there
+            replacing = folder_id(dst) if exists or other else None  # the pack judged below
+            if exists or other:
+                reason = (
+                    f"it holds a pack of another format, not {self.format}"
+                    if other
+                    else stale_reason(lambda s=split: layout.source(s), dst, self.pack_options())
+                )
                 if reason is None:
                     if not skip_corrupt:
                         warn_left_out(dst)

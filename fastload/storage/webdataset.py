@@ -770,7 +770,13 @@ class WebDatasetStorage(PackedStorage):
                 "params": {"derived_from": pattern},
                 "shards": shards,
             }
-            derived.write_text(json.dumps(manifest), encoding="utf-8")
+            # whole or not at all: a cut one (a full disk) would be read back as broken JSON
+            tmp = derived.with_name(f".{derived.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(manifest), encoding="utf-8")
+                os.replace(tmp, derived)
+            finally:
+                tmp.unlink(missing_ok=True)
             log.info(
                 "%s: no manifest beside the shards; read %d shards (%d samples) in %.1f s, "
                 "kept as %s",
