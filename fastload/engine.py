@@ -188,8 +188,10 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     overflow = step.scaler_skips() if hasattr(step, "scaler_skips") else None
     extra = [skipped, timing.samples, float(nonfinite is not None)]
     reduced = dist.all_reduce(sums + extra + [counts[k] for k in keys], ctx)
+    measured = step.train_metrics(reduced[:n])
     metrics = {
-        **step.train_metrics(reduced[:n]),
+        # no sample trained (an epoch continued with nothing left): nothing measured, not 0
+        **(measured if reduced[n + 1] else dict.fromkeys(measured)),
         "skipped_corrupt": int(reduced[n]),
         **{k: int(v) for k, v in zip(keys, reduced[n + 3 :], strict=True)},
     }
@@ -602,7 +604,8 @@ class Epochs:
         data.before_epoch()
         sampler.reset()
         span = EpochSpan(epoch, state.step, data.train.batches_in(epoch))
-        if state.stretches and ctx.is_main:
+        continued = bool(state.stretches)  # begun on another world size, its plan from 0 here
+        if continued and ctx.is_main:
             self.continued(epoch, span)
         hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
         done = train_one_epoch(
@@ -624,7 +627,7 @@ class Epochs:
             self.stop(stopper, f"at epoch {epoch} step {steps}")
         state.epoch, state.step, state.stretches = epoch + 1, 0, []
         row = {"epoch": epoch, **metrics, "lr": lr}
-        if span.first_step:  # resumed inside this epoch: its numbers cover the steps from here
+        if span.first_step or continued:  # resumed inside it: the numbers cover what is left
             row["resumed_at_step"] = span.first_step
         if self.start_up:  # workers, caches, compilation: left out of the steady-state means
             row["start_up_epoch"], self.start_up = True, False

@@ -192,6 +192,10 @@ def stopped_on_two_then_resumed(world: int, folder, tmp_path) -> None:
         assert all(draws[(1, i)] == h for i, h in epoch1)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["epoch"], r["world_size"]) for r in rows] == [(0, world), (1, world)]
+    # the continued epoch says so (its plan starts at 0 here), so time / epoch leaves it out
+    assert [r.get("resumed_at_step") for r in rows] == [0, None]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epoch_time_s_mean"] == rows[1]["epoch_time_s"]
     # one log: rank 0's, each line once (every rank appended to it, each line W times)
     log = (run_dir / "train.log").read_text()
     assert log.count("written by 2 rank(s)") == log.count("resumed from") == 1, log

@@ -120,7 +120,7 @@ def steady_epochs(rows: list[dict]) -> list[dict]:
 def whole_epochs(rows: list[dict]) -> list[dict]:
     """The rows of epochs trained whole: not one a run resumed inside of, whose time covers
     only its last steps (`resumed_at_step`); all rows when no other is left."""
-    return [r for r in rows if not r.get("resumed_at_step")] or rows
+    return [r for r in rows if r.get("resumed_at_step") is None] or rows
 
 
 def format_summary_table(summary: Mapping[str, Any]) -> str:
