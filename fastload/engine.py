@@ -398,6 +398,7 @@ def check_writable(run_dir: Path) -> None:
 
 
 BEST_FILE = {"model": ckpt.BEST, "ema": ckpt.BEST_EMA}
+PENDING = ".pending"  # best.pt.pending: a new best that no checkpoint holds yet
 
 
 class RunRecord:
@@ -437,43 +438,73 @@ class RunRecord:
         rngs = dist.gather_rng(self.ctx)
         if self.ctx.is_main:
             ckpt.save_atomic(state.state_dict(rngs), self.checkpoint_path)
+            for name in BEST_FILE.values():  # the new bests this checkpoint now holds
+                pending = self.checkpoint_path.with_name(name + PENDING)
+                if pending.is_file():
+                    os.replace(pending, pending.with_name(name))
 
     def save_best(self, model, of: str, epoch: int, value: float) -> None:
         """trainer.keep_best: the weights of an evaluation that beat the best so far, as
-        checkpoints/best.pt (the EMA's: best_ema.pt); rank 0 writes."""
+        checkpoints/best.pt (the EMA's: best_ema.pt); rank 0 writes. Written as
+        best.pt.pending, renamed to best.pt by the next checkpoint (`save`): best.pt is then
+        always of an evaluation that last.pt's history holds, also when the run is killed in
+        between (trainer.checkpoint_every > 1 leaves epochs between them) and resumes in its
+        own folder (a torchrun restart), where the pending file's evaluation is redone."""
         if not (self.keep_best and self.ctx.is_main):
             return
         payload = ckpt.weights_payload(model, of, epoch, self.task.metric, value, self.run_identity)
-        ckpt.save_atomic(payload, self.checkpoint_path.with_name(BEST_FILE[of]))
+        ckpt.save_atomic(payload, self.checkpoint_path.with_name(BEST_FILE[of] + PENDING))
 
     def carry_best(self, resumed: Path, history: list) -> None:
         """A resumed run's best weights so far are in the folder of the run it continues:
-        copied here, when the evaluation they are of is in the resumed history (not one of
-        an attempt that ended before its next checkpoint)."""
+        copied here (or, in the same folder, kept), when the evaluation they are of is in the
+        resumed history (not one of an attempt that ended before its next checkpoint: a
+        pending best of such an attempt in this folder is removed)."""
         if not (self.keep_best and self.ctx.is_main):
             return
         for of, name in BEST_FILE.items():
-            source, target = resumed.with_name(name), self.checkpoint_path.with_name(name)
+            target = self.checkpoint_path.with_name(name)
+            pending = resumed.with_name(name + PENDING)
+            if pending.is_file():  # killed after a new best, before or just after last.pt
+                if self.in_history(pending, of, history):
+                    self.copy_best(pending, target, move=pending.parent == target.parent)
+                    continue
+                if pending.parent == target.parent:
+                    log.info("removing %s: its evaluation is not in the checkpoint resumed "
+                             "from; this run redoes it", pending)  # fmt: skip
+                    pending.unlink()
+            source = resumed.with_name(name)
             if not source.is_file() or target.exists() or source.parent == target.parent:
                 continue
-            try:
-                best = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-                key = ("ema_" if of == "ema" else "") + best["metric"]
-                seen = any(r["epoch"] == best["epoch"] and r.get(key) == best["value"]
-                           for r in history)  # fmt: skip
-            except Exception:  # noqa: BLE001 - unreadable: this run writes its own
-                seen = False
-            if not seen:
+            if not self.in_history(source, of, history):
                 log.info("not carrying %s over: it is of an evaluation the resumed checkpoint "
                          "does not hold; this run writes its own", source)  # fmt: skip
                 continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = temp_path(target)
-            try:
-                shutil.copyfile(source, tmp)
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
+            self.copy_best(source, target)
+
+    @staticmethod
+    def in_history(path: Path, of: str, history: list) -> bool:
+        """Whether the best-weights file at `path` is of an evaluation in `history`."""
+        try:
+            best = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            key = ("ema_" if of == "ema" else "") + best["metric"]
+            return any(r["epoch"] == best["epoch"] and r.get(key) == best["value"]
+                       for r in history)  # fmt: skip
+        except Exception:  # noqa: BLE001 - unreadable: this run writes its own
+            return False
+
+    @staticmethod
+    def copy_best(source: Path, target: Path, move: bool = False) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if move:
+            os.replace(source, target)
+            return
+        tmp = temp_path(target)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def skipped(self, epoch: int, files: list[str]) -> None:
         """What dataset.skip_corrupt left out: the count and the first few on the console,

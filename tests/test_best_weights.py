@@ -76,6 +76,35 @@ def test_a_resumed_run_carries_the_best_weights_its_history_holds(tmp_path, kept
         assert torch.equal(payload["model"]["weight"], model.weight.detach())
 
 
+def test_a_new_best_is_best_pt_once_a_checkpoint_holds_it(tmp_path):
+    """best.pt is written as best.pt.pending and renamed by the next checkpoint: a run killed
+    in between (trainer.checkpoint_every=2, a SIGKILL) and resumed in its own folder (a
+    torchrun restart) kept a best.pt of an evaluation its history does not hold, with a
+    value above the summary's best. The resume removes such a pending file, and keeps one
+    whose evaluation the checkpoint holds (killed just after writing last.pt)."""
+    from fastload.train_state import TrainState
+
+    run_dir = tmp_path / "out" / "exp" / "r1"
+    cfg = compose_config(tiny_overrides(tmp_path, run_dir), run_dir)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    record = RunRecord(cfg, DistContext(), run_dir, [], build_task(cfg))
+    best = record.checkpoint_path.with_name(ckpt.BEST)
+    pending = best.with_name(ckpt.BEST + ".pending")
+    record.save_best(torch.nn.Linear(2, 3), "model", 0, 40.0)
+    assert pending.is_file() and not best.exists()
+    state = TrainState.create(cfg, torch.device("cpu"), 1, 1, amp=None, channels_last=False)
+    record.save(state)  # the checkpoint holds epoch 0's evaluation: it becomes best.pt
+    assert ckpt.load(best)["value"] == 40.0 and not pending.exists()
+    history = [{"epoch": 0, "val_acc1": 40.0}]
+    record.save_best(torch.nn.Linear(2, 3), "model", 2, 55.0)  # then killed before a checkpoint
+    record.carry_best(record.checkpoint_path, history)  # the restart, in the same folder
+    assert not pending.exists() and ckpt.load(best)["value"] == 40.0
+    record.save_best(torch.nn.Linear(2, 3), "model", 1, 45.0)  # killed right after last.pt
+    record.carry_best(record.checkpoint_path, [*history, {"epoch": 1, "val_acc1": 45.0}])
+    assert not pending.exists() and ckpt.load(best)["value"] == 45.0
+
+
 def test_evaluate_refuses_before_any_data_work(tmp_path):
     """The weights of another model, and evaluate= with resume= (the numbers the weights give:
     tests/test_train.py's SIGTERM test evaluates the files its run wrote)."""
