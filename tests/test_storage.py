@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -526,6 +527,41 @@ def test_memory_limit_headroom_counts(monkeypatch, tmp_path):
     assert tmpfs.room(tmp_path)["container memory limit headroom"] == 1000
     with pytest.raises(StorageError, match="container memory limit headroom"):
         tmpfs.check_room(tmp_path, 5000, 0, "x")
+
+
+def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):
+    """storage=disk lists only image files: a link to nothing that is no image (an old
+    notes.txt) is not staged and does not stop the staging."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    (root / "train" / "a" / "notes.txt").symlink_to(tmp_path / "missing.txt")
+    store = tmpfs.TmpfsStorage(target_dir=tmp_path / "shm", progress=False, reserve_gb=0)
+    store.prepare(root, ["train", "val"])
+    disk, staged = DiskStorage().open(root, "train"), store.open(root, "train")
+    assert [sample(staged, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
+    final = tmpfs.staged_root(root, tmp_path / "shm")
+    assert not os.path.lexists(final / "train" / "a" / "notes.txt")
+
+
+def test_staging_names_an_image_that_leads_nowhere(tmp_path, monkeypatch):
+    """An image name the split's index lists but no file behind it (a dangling link, or a
+    file removed while staging) is refused naming it; nothing is left in place."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    link = root / "train" / "a" / "gone.jpg"
+    link.symlink_to(tmp_path / "missing.jpg")
+    target = tmp_path / "shm"
+    with pytest.raises(
+        StorageError, match=re.escape(f"{link}: a symlink to {tmp_path}/missing.jpg")
+    ):
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    link.unlink()
+    victim = root / "val" / "b" / "b_000.jpg"
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: victim.unlink() or real(*a))
+    with pytest.raises(StorageError, match=re.escape(f"{victim}: no such file")):
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert not list(target.iterdir())
 
 
 # -- cold cache --------------------------------------------------------------------------------

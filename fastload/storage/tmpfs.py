@@ -18,6 +18,7 @@ The storage itself is storage=disk on the staged folder: identical bytes, order 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -29,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastload.atomic import building, is_disk_full, no_space_message, remove_stale
-from fastload.data.folder import walk_once, warn_skipped
+from fastload.data.folder import IMG_EXTENSIONS, walk_once, warn_skipped
 from fastload.data.layouts import as_layout
 from fastload.errors import StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
@@ -56,9 +57,12 @@ def build_manifest(layout, splits) -> dict:
     """Every file the splits need (the layout's folders and files, relative to its root),
     with size and modification time: a changed source never matches an old staging; and
     every folder, empty ones too: class indices come from the class folders, so the copy
-    must have each one the source has (storage=disk and tmpfs give the same targets)."""
+    must have each one the source has (storage=disk and tmpfs give the same targets).
+    A name that leads nowhere (a dangling symlink, a file removed since the listing) is left
+    out when it is no image, as storage=disk never lists it; an image name is refused: the
+    split's index would list it and the run fail on it."""
     root = Path(layout.root).absolute()
-    files, dirs, skipped = [], [], []
+    files, dirs, skipped, broken = [], [], [], []
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
@@ -76,14 +80,39 @@ def build_manifest(layout, splits) -> dict:
             dirs.append(os.path.relpath(dirpath, root))
             for n in sorted(names):
                 p = os.path.join(dirpath, n)
-                st = os.stat(p)
+                try:
+                    st = os.stat(p)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP):
+                        raise
+                    if n.lower().endswith(IMG_EXTENSIONS):
+                        raise StorageError(
+                            f"cannot stage {p}: {_leads_nowhere(p)}, but storage=disk would "
+                            f"list it as an image of its split. Restore the file or remove "
+                            f"the name."
+                        ) from None
+                    broken.append(p)
+                    continue
                 files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
     warn_skipped(root, skipped)
+    if broken:
+        log.info(
+            "storage=tmpfs: left out %d name(s) that lead to no file (no image: storage=disk "
+            "does not read them either): %s",
+            len(broken),
+            ", ".join(broken[:5]) + (" ..." if len(broken) > 5 else ""),
+        )
     # A folder not followed (a class folder linking to one already walked) is still a class
     # of its split, with no images of its own: staged empty, as storage=disk indexes it.
     dirs += [os.path.relpath(s, root) for s in skipped]
     splits = list(dict.fromkeys(splits))
     return {"source": str(root), "splits": splits, "dirs": dirs, "files": files}
+
+
+def _leads_nowhere(path) -> str:
+    if os.path.islink(path):
+        return f"a symlink to {os.readlink(path)}, which leads to no file"
+    return "no such file (removed meanwhile?)"
 
 
 def _matches(folder: Path, manifest: dict) -> bool:
@@ -138,7 +167,16 @@ def copy_files(
 
     def one(item):
         rel, size = item[0], item[1]
-        shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+        try:
+            shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+        except FileNotFoundError:
+            if os.path.exists(src_root / rel):
+                raise
+            raise StorageError(
+                f"cannot stage {src_root / rel}: {_leads_nowhere(src_root / rel)}; it was "
+                f"there when the dataset was listed. Was the source modified during the "
+                f"copy? Retry."
+            ) from None
         return size
 
     with tqdm(
