@@ -529,6 +529,69 @@ def test_memory_limit_headroom_counts(monkeypatch, tmp_path):
         tmpfs.check_room(tmp_path, 5000, 0, "x")
 
 
+def test_a_copy_holding_more_splits_is_reused_and_one_lacking_a_split_replaced(
+    tmp_path, monkeypatch
+):
+    """A run that needs fewer splits (evaluate=<checkpoint>: val) reuses the copy staged for
+    [train, val] while the training run reads it. A copy without a needed split is replaced
+    by one holding the splits of both, built beside it: its readers keep reading."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    store.prepare(root, ["train", "val"])
+    train = store.open(root, "train")
+    store.prepare(root, ["val"])
+    store.prepare(root, ["train"])
+    assert calls == [1]  # staged once, reused as it is by both
+    assert sample(train, 0) == sample(DiskStorage().open(root, "train"), 0)
+
+    other = make_image_folder(tmp_path / "other", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    store.prepare(other, ["val"])
+    val = store.open(other, "val")
+    store.prepare(other, ["train"])  # the val-only copy lacks train: replaced
+    final = tmpfs.staged_root(other, target)
+    staged = json.loads((final / tmpfs.MANIFEST).read_text())
+    assert sorted(staged["splits"]) == ["train", "val"] and len(calls) == 3
+    disk_val = DiskStorage().open(other, "val")
+    assert [sample(val, i) for i in range(len(val))] == [
+        sample(disk_val, i) for i in range(len(disk_val))
+    ]  # the val run's reader, opened on the old copy, reads the new one
+    store.prepare(other, ["train", "val"])
+    store.prepare(other, ["val"])
+    assert len(calls) == 3 and not list(target.glob(".*"))
+
+
+def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
+    tmp_path, monkeypatch, caplog
+):
+    """Where the old copy and its replacement do not fit together, the old one goes first
+    (a run reading it would fail, and the warning says so) rather than refusing the run."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["val"], target, progress=False, reserve_gb=0)
+    need = sum(
+        -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
+        for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
+    )
+    monkeypatch.setattr(
+        tmpfs,
+        "room",
+        lambda d: {
+            "free space": need - 1 if final.exists() else need,  # room for one copy
+            "available RAM": None,
+            "container memory limit headroom": None,
+        },
+    )
+    with caplog.at_level("WARNING", logger="fastload"):
+        tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
+    assert "removing it first (a run on this node reading it fails)" in caplog.text
+    staged = json.loads((final / tmpfs.MANIFEST).read_text())
+    assert sorted(staged["splits"]) == ["train", "val"] and not list(target.glob(".*"))
+
+
 def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):
     """storage=disk lists only image files: a link to nothing that is no image (an old
     notes.txt) is not staged and does not stop the staging."""
