@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -590,6 +591,48 @@ def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
     assert "removing it first (a run on this node reading it fails)" in caplog.text
     staged = json.loads((final / tmpfs.MANIFEST).read_text())
     assert sorted(staged["splits"]) == ["train", "val"] and not list(target.glob(".*"))
+
+
+_STAGE = """
+import sys
+from fastload.storage import tmpfs
+tmpfs.stage(sys.argv[1], sys.argv[3:], sys.argv[2], progress=False, reserve_gb=0)
+"""
+
+
+def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_splits(
+    tmp_path, monkeypatch
+):
+    """Two runs on one node stage the same dataset at once: the one that finishes second
+    trains on the other's copy when it holds the splits it needs, else says what happened."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    real = tmpfs.copy_files
+
+    def another_stages_meanwhile(splits):
+        def copy(*a):
+            subprocess.run(
+                [sys.executable, "-c", _STAGE, str(root), str(target), *splits],
+                cwd=REPO,
+                check=True,
+                timeout=120,
+            )
+            real(*a)
+
+        monkeypatch.setattr(tmpfs, "copy_files", copy)
+
+    another_stages_meanwhile(["val"])
+    with pytest.raises(StorageError, match="another process staged .* it holds \\['val'\\]"):
+        tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
+    final = tmpfs.staged_root(root, target)
+    shutil.rmtree(final)
+    another_stages_meanwhile(["train", "val"])
+    assert tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0) == final
+    disk, staged = DiskStorage().open(root, "train"), tmpfs.TmpfsStorage(target).open(root, "train")
+    assert [sample(staged, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
+    assert os.listdir(target) == [final.name]  # our own copy is gone
 
 
 def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):

@@ -16,7 +16,9 @@
       5. verify the copy against the manifest, write the manifest, rename into place (over
          the copy it replaces).
     An interrupted copy leaves only the temporary folder, which is never read and is removed
-    by the next run on this host (when its process is gone).
+    by the next run on this host (when its process is gone). Of two runs on one node that
+    stage at once, the one that finishes second uses the other's copy if it holds the splits
+    it needs (step 2), else stops saying so.
 
 The storage itself is storage=disk on the staged folder: identical bytes, order and targets.
 """
@@ -35,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastload.atomic import (
+    AlreadyBuilt,
     building,
     folder_id,
     is_disk_full,
@@ -252,7 +255,7 @@ def stage(
         ) from None
     name = staged_name(root)
     final = target_dir / name
-    manifest = build_manifest(layout, splits)
+    manifest = wanted = build_manifest(layout, splits)
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
@@ -298,6 +301,20 @@ def stage(
                     f"copy? Retry."
                 )
             (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    except AlreadyBuilt:
+        # Another run on this node (a second job, or a restart racing the old run) staged it
+        # first: as good as ours when it holds what this run needs.
+        if _matches(final, wanted):
+            log.info("storage=tmpfs: %s was staged by another process meanwhile: using it", final)
+            return final
+        have = (_read_manifest(final) or {}).get("splits")
+        raise StorageError(
+            f"storage=tmpfs: another process staged {final} while this one did, and its copy "
+            f"does not hold what this run needs (the splits {', '.join(wanted['splits'])} of "
+            f"{root} as they are now; it holds {have or 'no complete copy'}). Run again: the "
+            f"copy is then replaced by one holding the splits of both runs; or give one of "
+            f"them another storage.target_dir."
+        ) from None
     except OSError as exc:
         if not is_disk_full(exc):
             raise
