@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -596,6 +598,146 @@ def test_memory_limit_headroom_counts(monkeypatch, tmp_path):
     assert tmpfs.room(tmp_path)["container memory limit headroom"] == 1000
     with pytest.raises(StorageError, match="container memory limit headroom"):
         tmpfs.check_room(tmp_path, 5000, 0, "x")
+
+
+def test_a_copy_holding_more_splits_is_reused_and_one_lacking_a_split_replaced(
+    tmp_path, monkeypatch
+):
+    """A run that needs fewer splits (evaluate=<checkpoint>: val) reuses the copy staged for
+    [train, val] while the training run reads it. A copy without a needed split is replaced
+    by one holding the splits of both, built beside it: its readers keep reading."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    store.prepare(root, ["train", "val"])
+    train = store.open(root, "train")
+    store.prepare(root, ["val"])
+    store.prepare(root, ["train"])
+    assert calls == [1]  # staged once, reused as it is by both
+    assert sample(train, 0) == sample(DiskStorage().open(root, "train"), 0)
+
+    other = make_image_folder(tmp_path / "other", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    store.prepare(other, ["val"])
+    val = store.open(other, "val")
+    store.prepare(other, ["train"])  # the val-only copy lacks train: replaced
+    final = tmpfs.staged_root(other, target)
+    staged = json.loads((final / tmpfs.MANIFEST).read_text())
+    assert sorted(staged["splits"]) == ["train", "val"] and len(calls) == 3
+    disk_val = DiskStorage().open(other, "val")
+    assert [sample(val, i) for i in range(len(val))] == [
+        sample(disk_val, i) for i in range(len(disk_val))
+    ]  # the val run's reader, opened on the old copy, reads the new one
+    store.prepare(other, ["train", "val"])
+    store.prepare(other, ["val"])
+    assert len(calls) == 3 and not list(target.glob(".*"))
+
+
+def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
+    tmp_path, monkeypatch, caplog
+):
+    """Where the old copy and its replacement do not fit together, the old one goes first
+    (a run reading it would fail, and the warning says so) rather than refusing the run."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["val"], target, progress=False, reserve_gb=0)
+    need = sum(
+        -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
+        for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
+    )
+    monkeypatch.setattr(
+        tmpfs,
+        "room",
+        lambda d: {
+            "free space": need - 1 if final.exists() else need,  # room for one copy
+            "available RAM": None,
+            "container memory limit headroom": None,
+        },
+    )
+    with caplog.at_level("WARNING", logger="fastload"):
+        tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
+    assert "removing it first (a run on this node reading it fails)" in caplog.text
+    staged = json.loads((final / tmpfs.MANIFEST).read_text())
+    assert sorted(staged["splits"]) == ["train", "val"] and not list(target.glob(".*"))
+
+
+_STAGE = """
+import sys
+from fastload.storage import tmpfs
+tmpfs.stage(sys.argv[1], sys.argv[3:], sys.argv[2], progress=False, reserve_gb=0)
+"""
+
+
+def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_splits(
+    tmp_path, monkeypatch
+):
+    """Two runs on one node stage the same dataset at once: the one that finishes second
+    trains on the other's copy when it holds the splits it needs, else says what happened."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    real = tmpfs.copy_files
+
+    def another_stages_meanwhile(splits):
+        def copy(*a):
+            subprocess.run(
+                [sys.executable, "-c", _STAGE, str(root), str(target), *splits],
+                cwd=REPO,
+                check=True,
+                timeout=120,
+            )
+            real(*a)
+
+        monkeypatch.setattr(tmpfs, "copy_files", copy)
+
+    another_stages_meanwhile(["val"])
+    with pytest.raises(StorageError, match="another process staged .* it holds \\['val'\\]"):
+        tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
+    final = tmpfs.staged_root(root, target)
+    shutil.rmtree(final)
+    another_stages_meanwhile(["train", "val"])
+    assert tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0) == final
+    disk, staged = DiskStorage().open(root, "train"), tmpfs.TmpfsStorage(target).open(root, "train")
+    assert [sample(staged, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
+    assert os.listdir(target) == [final.name]  # our own copy is gone
+
+
+def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):
+    """storage=disk lists only image files: a link to nothing that is no image (an old
+    notes.txt) is not staged and does not stop the staging."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    (root / "train" / "a" / "notes.txt").symlink_to(tmp_path / "missing.txt")
+    store = tmpfs.TmpfsStorage(target_dir=tmp_path / "shm", progress=False, reserve_gb=0)
+    store.prepare(root, ["train", "val"])
+    disk, staged = DiskStorage().open(root, "train"), store.open(root, "train")
+    assert [sample(staged, i) for i in range(len(disk))] == [
+        sample(disk, i) for i in range(len(disk))
+    ]
+    final = tmpfs.staged_root(root, tmp_path / "shm")
+    assert not os.path.lexists(final / "train" / "a" / "notes.txt")
+
+
+def test_staging_names_an_image_that_leads_nowhere(tmp_path, monkeypatch):
+    """An image name the split's index lists but no file behind it (a dangling link, or a
+    file removed while staging) is refused naming it; nothing is left in place."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    link = root / "train" / "a" / "gone.jpg"
+    link.symlink_to(tmp_path / "missing.jpg")
+    target = tmp_path / "shm"
+    with pytest.raises(
+        StorageError, match=re.escape(f"{link}: a symlink to {tmp_path}/missing.jpg")
+    ):
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    link.unlink()
+    victim = root / "val" / "b" / "b_000.jpg"
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: victim.unlink() or real(*a))
+    with pytest.raises(StorageError, match=re.escape(f"{victim}: no such file")):
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert not list(target.iterdir())
 
 
 # -- cold cache --------------------------------------------------------------------------------

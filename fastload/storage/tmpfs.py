@@ -2,22 +2,30 @@
 
     prepare (local rank 0, the other ranks wait at a barrier):
       1. list the source splits (folders, empty ones too, and files with sizes): the manifest;
-      2. reuse <target_dir>/<name> if its manifest matches the source and its files match
-         the manifest (sizes), else
+      2. reuse <target_dir>/<name> if it holds the requested splits as the source has them
+         now (its manifest, under those splits' paths, matches; other splits it holds do not
+         count) and its files match the manifest (sizes), else
       3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
          against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
-         refuse with the numbers and the fix when the dataset does not fit;
+         refuse with the numbers and the fix when the dataset does not fit. A copy already
+         there (outdated, damaged, or without a requested split) is replaced by one holding
+         its splits too, built beside it when both fit, so that a run reading it keeps its
+         files; else it is removed first, and a run on this node reading it fails;
       4. copy in parallel (threads: the copy is I/O and syscalls, the GIL is released) into
          a temporary sibling folder (fastload/atomic.py), with a progress bar;
-      5. verify the copy against the manifest, write the manifest, rename into place.
+      5. verify the copy against the manifest, write the manifest, rename into place (over
+         the copy it replaces).
     An interrupted copy leaves only the temporary folder, which is never read and is removed
-    by the next run on this host (when its process is gone).
+    by the next run on this host (when its process is gone). Of two runs on one node that
+    stage at once, the one that finishes second uses the other's copy if it holds the splits
+    it needs (step 2), else stops saying so.
 
 The storage itself is storage=disk on the staged folder: identical bytes, order and targets.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -28,8 +36,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fastload.atomic import building, is_disk_full, no_space_message, remove_stale
-from fastload.data.folder import walk_once, warn_skipped
+from fastload.atomic import (
+    AlreadyBuilt,
+    building,
+    folder_id,
+    is_disk_full,
+    no_space_message,
+    remove_stale,
+    temp_path,
+)
+from fastload.data.folder import IMG_EXTENSIONS, walk_once, warn_skipped
 from fastload.data.layouts import as_layout
 from fastload.errors import StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
@@ -56,9 +72,12 @@ def build_manifest(layout, splits) -> dict:
     """Every file the splits need (the layout's folders and files, relative to its root),
     with size and modification time: a changed source never matches an old staging; and
     every folder, empty ones too: class indices come from the class folders, so the copy
-    must have each one the source has (storage=disk and tmpfs give the same targets)."""
+    must have each one the source has (storage=disk and tmpfs give the same targets).
+    A name that leads nowhere (a dangling symlink, a file removed since the listing) is left
+    out when it is no image, as storage=disk never lists it; an image name is refused: the
+    split's index would list it and the run fail on it."""
     root = Path(layout.root).absolute()
-    files, dirs, skipped = [], [], []
+    files, dirs, skipped, broken = [], [], [], []
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
@@ -76,22 +95,73 @@ def build_manifest(layout, splits) -> dict:
             dirs.append(os.path.relpath(dirpath, root))
             for n in sorted(names):
                 p = os.path.join(dirpath, n)
-                st = os.stat(p)
+                try:
+                    st = os.stat(p)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP):
+                        raise
+                    if n.lower().endswith(IMG_EXTENSIONS):
+                        raise StorageError(
+                            f"cannot stage {p}: {_leads_nowhere(p)}, but storage=disk would "
+                            f"list it as an image of its split. Restore the file or remove "
+                            f"the name."
+                        ) from None
+                    broken.append(p)
+                    continue
                 files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
     warn_skipped(root, skipped)
+    if broken:
+        log.info(
+            "storage=tmpfs: left out %d name(s) that lead to no file (no image: storage=disk "
+            "does not read them either): %s",
+            len(broken),
+            ", ".join(broken[:5]) + (" ..." if len(broken) > 5 else ""),
+        )
     # A folder not followed (a class folder linking to one already walked) is still a class
     # of its split, with no images of its own: staged empty, as storage=disk indexes it.
     dirs += [os.path.relpath(s, root) for s in skipped]
     splits = list(dict.fromkeys(splits))
-    return {"source": str(root), "splits": splits, "dirs": dirs, "files": files}
+    paths = list(dict.fromkeys(os.path.normpath(p) for p in layout.stage_paths(splits)))
+    return {"source": str(root), "splits": splits, "paths": paths, "dirs": dirs, "files": files}
 
 
-def _matches(folder: Path, manifest: dict) -> bool:
+def _leads_nowhere(path) -> str:
+    if os.path.islink(path):
+        return f"a symlink to {os.readlink(path)}, which leads to no file"
+    return "no such file (removed meanwhile?)"
+
+
+def _read_manifest(folder: Path) -> dict | None:
     try:
         have = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    return have if isinstance(have, dict) else None
+
+
+def _under(rel: str, paths) -> bool:
+    rel = os.path.normpath(rel)
+    return any(p == os.curdir or rel == p or rel.startswith(p + os.sep) for p in paths)
+
+
+def _matches(folder: Path, manifest: dict) -> bool:
+    """Whether `folder` is a complete copy of what `manifest` lists: under the manifest's
+    paths its own manifest has the same folders and files (size, modification time) as the
+    source has now, and they are there with those sizes. Other splits it holds besides do
+    not count: a copy staged for [train, val] serves a val-only run (evaluate=<checkpoint>)
+    as it is, while the training run that staged it goes on reading it."""
+    have = _read_manifest(folder)
+    if have is None or have.get("source") != manifest["source"]:
         return False
-    if have != manifest:
+    paths = manifest["paths"]
+    try:
+        files = {(os.path.normpath(r), s, t) for r, s, t in have["files"] if _under(r, paths)}
+        dirs = {os.path.normpath(d) for d in have["dirs"] if _under(d, paths)}
+    except (KeyError, TypeError, ValueError):
+        return False
+    if files != {(os.path.normpath(r), s, t) for r, s, t in manifest["files"]}:
+        return False
+    if dirs != {os.path.normpath(d) for d in manifest["dirs"]}:
         return False
     try:
         return all((folder / rel).is_dir() for rel in manifest["dirs"]) and all(
@@ -110,10 +180,15 @@ def room(target_dir: Path) -> dict:
     }
 
 
+def short_of(target_dir: Path, need: int) -> tuple[dict, dict]:
+    """(every limit of `room`, those under `need` bytes)."""
+    limits = room(target_dir)
+    return limits, {k: v for k, v in limits.items() if v is not None and v < need}
+
+
 def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
     """Refuse (with the numbers and the fix) when `need` + `reserve` bytes do not fit."""
-    limits = room(target_dir)
-    short = {k: v for k, v in limits.items() if v is not None and v < need + reserve}
+    limits, short = short_of(target_dir, need + reserve)
     if not short:
         return
     have = ", ".join(f"{k} {size_text(v)}" for k, v in limits.items() if v is not None)
@@ -138,7 +213,16 @@ def copy_files(
 
     def one(item):
         rel, size = item[0], item[1]
-        shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+        try:
+            shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+        except FileNotFoundError:
+            if os.path.exists(src_root / rel):
+                raise
+            raise StorageError(
+                f"cannot stage {src_root / rel}: {_leads_nowhere(src_root / rel)}; it was "
+                f"there when the dataset was listed. Was the source modified during the "
+                f"copy? Retry."
+            ) from None
         return size
 
     with tqdm(
@@ -171,25 +255,43 @@ def stage(
         ) from None
     name = staged_name(root)
     final = target_dir / name
-    manifest = build_manifest(layout, splits)
+    manifest = wanted = build_manifest(layout, splits)
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
-    need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
     # A staging killed on this host (SIGKILL, OOM) left its partial copy in RAM: remove it
     # before measuring the room, or it alone could make the new copy "not fit".
     remove_stale(final.absolute())
-    old = final if final.exists() else None  # an outdated or damaged copy: replaced below
-    freed = sum(f.stat().st_size for f in old.rglob("*") if f.is_file()) if old else 0
-    check_room(target_dir, max(0, need - freed), int(reserve_gb * 2**30), root)
-    if old is not None:
+    reserve = int(reserve_gb * 2**30)
+    replacing = None
+    if final.exists():  # outdated, damaged, or without a split this run needs
+        replacing = folder_id(final)
+        manifest = _with_splits_of(final, layout, manifest)
+    need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
+    if replacing is None:
+        check_room(target_dir, need, reserve, root)
+    elif not short_of(target_dir, need + reserve)[1]:
+        # Built beside the old copy, then renamed over it (fastload/atomic.py): a run
+        # reading the old one finds its files at the same paths in the new one.
         log.warning(
-            "storage=tmpfs: %s does not match %s (changed or incomplete): re-staging", final, root
-        )
-        shutil.rmtree(final)
+            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
+            "run needs): re-staging %s beside it, then replacing it",
+            final, root, ", ".join(manifest["splits"]),
+        )  # fmt: skip
+    else:
+        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in final.rglob("*") if f.is_file())
+        check_room(target_dir, max(0, need - sum(pages)), reserve, root)
+        log.warning(
+            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
+            "run needs), and there is no room for a new copy beside it: removing it first (a "
+            "run on this node reading it fails) and re-staging %s",
+            final, root, ", ".join(manifest["splits"]),
+        )  # fmt: skip
+        _remove(final, replacing)
+        replacing = None
     t0 = time.perf_counter()
     try:
-        with building(final) as tmp:
+        with building(final, replacing) as tmp:
             copy_files(root, tmp, manifest["files"], threads, progress, manifest["dirs"])
             bad = [f[0] for f in manifest["files"] if os.stat(tmp / f[0]).st_size != f[1]]
             if bad:
@@ -199,6 +301,20 @@ def stage(
                     f"copy? Retry."
                 )
             (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    except AlreadyBuilt:
+        # Another run on this node (a second job, or a restart racing the old run) staged it
+        # first: as good as ours when it holds what this run needs.
+        if _matches(final, wanted):
+            log.info("storage=tmpfs: %s was staged by another process meanwhile: using it", final)
+            return final
+        have = (_read_manifest(final) or {}).get("splits")
+        raise StorageError(
+            f"storage=tmpfs: another process staged {final} while this one did, and its copy "
+            f"does not hold what this run needs (the splits {', '.join(wanted['splits'])} of "
+            f"{root} as they are now; it holds {have or 'no complete copy'}). Run again: the "
+            f"copy is then replaced by one holding the splits of both runs; or give one of "
+            f"them another storage.target_dir."
+        ) from None
     except OSError as exc:
         if not is_disk_full(exc):
             raise
@@ -215,6 +331,36 @@ def stage(
         need / 1e6 / max(dt, 1e-9),
     )
     return final
+
+
+def _with_splits_of(old: Path, layout, manifest: dict) -> dict:
+    """The manifest of the requested splits and those of the copy at `old`, which the new
+    copy replaces: a run still reading the old copy (another split, on this node) keeps its
+    files, and neither run's splits are re-staged by the next run of the other."""
+    have = _read_manifest(old) or {}
+    more = [s for s in have.get("splits", ()) if isinstance(s, str)]
+    if have.get("source") != manifest["source"] or not set(more) - set(manifest["splits"]):
+        return manifest
+    try:
+        return build_manifest(layout, [*manifest["splits"], *more])
+    except StorageError:  # such a split is gone from the source: stage the requested ones
+        return manifest
+
+
+def _remove(final: Path, old_id: tuple[int, int]) -> None:
+    """Remove the copy at `final` if it is still the one judged outdated (`old_id`): another
+    process may have staged a new one there meanwhile. Renamed aside first, so that no
+    reader sees it half removed; a process killed before the rmtree leaves a temporary
+    folder that the next run removes (fastload/atomic.py)."""
+    aside = temp_path(final.absolute())
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        if folder_id(final) != old_id:
+            return
+        os.rename(final, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 class TmpfsStorage(Storage):
