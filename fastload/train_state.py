@@ -24,6 +24,10 @@ from fastload.optim import build_optimizer, warmup_cosine
 log = logging.getLogger("fastload")
 
 
+INIT_ONLY = ("model.weights", "model.weights_backbone", "model.zero_init_residual")
+MODEL_CHECKED = ("model.arch:", "model.num_classes:", "dataset.num_classes:")
+
+
 def model_config(cfg: DictConfig) -> dict:
     """What identifies the model a checkpoint was written for."""
     return {"arch": cfg.model.get("arch"), "num_classes": cfg.model.get("num_classes")}
@@ -255,9 +259,12 @@ def check_same_run(state: dict, run_config: dict, path) -> None:
     saved = state.get("run_config")
     if saved is None:
         return  # a format-1 checkpoint: load() already said it cannot be verified
-    diff = ckpt.config_differences(saved, run_config)
-    model_only = all(d.startswith(("model.", "dataset.num_classes")) for d in diff)
-    if diff and not model_only:  # a model change gets the model message below
+    # Settings of the initial weights shape nothing on a resume, whose state replaces them;
+    # another model (arch, classes) gets the model check's own message (load_state_dict);
+    # any other model setting (srcnn's residual, its filters) changes what is computed.
+    diff = [d for d in ckpt.config_differences(saved, run_config) if not d.startswith(INIT_ONLY)]
+    model_only = all(d.startswith(MODEL_CHECKED) for d in diff)
+    if diff and not model_only:
         shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
         raise CheckpointError(
             f"checkpoint {path} belongs to a run with a different configuration "

@@ -256,3 +256,23 @@ def test_num_classes_is_a_whole_number_before_a_model_is_built(value, tmp_path):
     cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", f"dataset.num_classes={value}"))
     with pytest.raises(ConfigError, match=r"dataset\.num_classes=.*use a whole number >= 1"):
         build_task(cfg).build_model(cfg)
+
+
+def test_a_resume_refuses_a_model_setting_that_changes_what_is_computed(tmp_path):
+    """srcnn's model.residual (or its filters) loads the same weights into another
+    computation: refused with the key, as any result-shaping change. The initial weights'
+    settings shape nothing on a resume, and another arch or class count is left to the
+    model check (its own message)."""
+    from fastload import checkpoint as ckpt
+    from fastload.errors import CheckpointError
+    from fastload.train_state import check_same_run
+
+    def run_config(*extra):
+        overrides = ["experiment=srcnn_div2k", f"output_root={tmp_path}", *extra]
+        return ckpt.run_config(compose_config(overrides))
+
+    saved = {"run_config": run_config()}
+    with pytest.raises(CheckpointError, match=r"model.residual: True -> False"):
+        check_same_run(saved, run_config("model.residual=false"), tmp_path / "last.pt")
+    check_same_run(saved, run_config("+model.weights=/w/srcnn.pt"), tmp_path / "last.pt")
+    check_same_run(saved, run_config("model.arch=other"), tmp_path / "last.pt")
