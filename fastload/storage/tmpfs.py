@@ -262,33 +262,7 @@ def stage(
     # A staging killed on this host (SIGKILL, OOM) left its partial copy in RAM: remove it
     # before measuring the room, or it alone could make the new copy "not fit".
     remove_stale(final.absolute())
-    reserve = int(reserve_gb * 2**30)
-    replacing = None
-    if final.exists():  # outdated, damaged, or without a split this run needs
-        replacing = folder_id(final)
-        manifest = _with_splits_of(final, layout, manifest)
-    need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
-    if replacing is None:
-        check_room(target_dir, need, reserve, root)
-    elif not short_of(target_dir, need + reserve)[1]:
-        # Built beside the old copy, then renamed over it (fastload/atomic.py): a run
-        # reading the old one finds its files at the same paths in the new one.
-        log.warning(
-            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
-            "run needs): re-staging %s beside it, then replacing it",
-            final, root, ", ".join(manifest["splits"]),
-        )  # fmt: skip
-    else:
-        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in final.rglob("*") if f.is_file())
-        check_room(target_dir, max(0, need - sum(pages)), reserve, root)
-        log.warning(
-            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
-            "run needs), and there is no room for a new copy beside it: removing it first (a "
-            "run on this node reading it fails) and re-staging %s",
-            final, root, ", ".join(manifest["splits"]),
-        )  # fmt: skip
-        _remove(final, replacing)
-        replacing = None
+    manifest, need, replacing = _make_room(final, layout, manifest, int(reserve_gb * 2**30))
     t0 = time.perf_counter()
     try:
         with building(final, replacing) as tmp:
@@ -331,6 +305,42 @@ def stage(
         need / 1e6 / max(dt, 1e-9),
     )
     return final
+
+
+def _make_room(final: Path, layout, manifest: dict, reserve: int):
+    """(the manifest to stage, its bytes in pages, the folder_id of the copy at `final` it
+    replaces or None) once the room is checked (refused with the numbers when it does not
+    fit). A copy at `final` (outdated, damaged, or without a split this run needs) is
+    replaced by one that holds its splits too, built beside it when both fit; else it is
+    removed first."""
+    target_dir, root = final.parent, Path(layout.root).absolute()
+    replacing = None
+    if final.exists():
+        replacing = folder_id(final)
+        manifest = _with_splits_of(final, layout, manifest)
+    need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
+    if replacing is None:
+        check_room(target_dir, need, reserve, root)
+    elif not short_of(target_dir, need + reserve)[1]:
+        # Built beside the old copy, then renamed over it (fastload/atomic.py): a run
+        # reading the old one finds its files at the same paths in the new one.
+        log.warning(
+            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
+            "run needs): re-staging %s beside it, then replacing it",
+            final, root, ", ".join(manifest["splits"]),
+        )  # fmt: skip
+    else:
+        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in final.rglob("*") if f.is_file())
+        check_room(target_dir, max(0, need - sum(pages)), reserve, root)
+        log.warning(
+            "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
+            "run needs), and there is no room for a new copy beside it: removing it first (a "
+            "run on this node reading it fails) and re-staging %s",
+            final, root, ", ".join(manifest["splits"]),
+        )  # fmt: skip
+        _remove(final, replacing)
+        replacing = None
+    return manifest, need, replacing
 
 
 def _with_splits_of(old: Path, layout, manifest: dict) -> dict:
