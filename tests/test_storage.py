@@ -466,6 +466,42 @@ def test_a_file_that_cannot_be_read_stops_the_pack_even_with_skip_corrupt(tmp_pa
     assert not (tmp_path / "p").exists()
 
 
+def test_a_dangling_image_link_is_named_not_reported_as_an_unwritable_pack(tmp_path):
+    root = make_image_folder(tmp_path / "ds", per_split=(2, 1))
+    link = root / "train" / "cat" / "gone.jpg"
+    link.symlink_to(tmp_path / "nowhere.jpg")
+    for store in (ShardStorage(path=tmp_path / "s"), LmdbStorage(path=tmp_path / "l")):
+        with pytest.raises(StorageError, match=rf"cannot read {link} while packing .*restore"):
+            store.prepare(str(root), ["train"])  # was: "cannot write there ... storage.path"
+
+
+def test_a_full_disk_under_lmdb_is_the_no_space_message(tmp_path, monkeypatch):
+    """LMDB reports a full disk at its commit as its own error ("Input/output error")."""
+    import lmdb
+
+    root = make_image_folder(tmp_path / "ds", per_split=(2, 1))
+
+    class FullEnv:
+        def __init__(self, env):
+            self.env = env
+
+        def begin(self, write=False):
+            raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+        def __getattr__(self, name):
+            return getattr(self.env, name)
+
+    real_open = lmdb.open
+    monkeypatch.setattr(lmdb, "open", lambda *a, **k: FullEnv(real_open(*a, **k)))
+    import shutil
+
+    free = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: free._replace(free=4096))
+    with pytest.raises(StorageError, match="no space left to write the pack"):
+        pack_split(LmdbStorage().writer, root / "train", tmp_path / "p", progress=False)
+    assert not (tmp_path / "p").exists()
+
+
 def test_a_pack_of_another_format_in_the_folder_is_replaced(tiny_folder, tmp_path, capsys):
     """pack shards into a folder holding an LMDB pack said "matches: skipped", and the run
     then found no shards pack there."""

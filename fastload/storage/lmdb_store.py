@@ -24,9 +24,11 @@ must never cross a fork (vision#689, pytorch#11929).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import struct
 import time
 import zlib
@@ -213,6 +215,14 @@ class LmdbWriter:
                 self.growths += 1
                 self.env.set_mapsize(self.map_size)
                 log.debug("LMDB map full: grew to %d MB", self.map_size >> 20)
+            except lmdb.Error as exc:
+                # A full disk reaches LMDB's commit as its own error (an I/O error): said as
+                # one, so the pack reports it as every store does (no_space_message).
+                if shutil.disk_usage(self.dir).free >= 1 << 20 and "No space" not in str(exc):
+                    raise
+                raise OSError(
+                    errno.ENOSPC, f"No space left on device ({exc})", str(self.dir)
+                ) from exc
 
     def flush(self) -> None:
         if self.pending:

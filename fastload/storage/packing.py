@@ -153,7 +153,14 @@ def source_digest(records, source) -> tuple[str, int]:
     for r in records:
         for value in r.values():
             if isinstance(value, ImageFile):
-                st = os.stat(value.path)
+                try:
+                    st = os.stat(value.path)
+                except OSError as exc:  # a dangling link, a file removed: the source's fault
+                    raise StorageError(
+                        f"cannot read {value.path} while packing ({exc.strerror or exc}): "
+                        f"restore it (a link to a file that is gone?) or remove it, then pack "
+                        f"again."
+                    ) from None
                 total += st.st_size
                 h.update(f"{value.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             elif isinstance(value, np.ndarray):
