@@ -475,6 +475,21 @@ def test_a_dangling_image_link_is_named_not_reported_as_an_unwritable_pack(tmp_p
             store.prepare(str(root), ["train"])  # was: "cannot write there ... storage.path"
 
 
+def test_a_file_name_that_is_not_utf8_packs(tmp_path):
+    """File names are bytes to the OS; Python hands a non-UTF-8 one over surrogate-escaped,
+    which str.encode() refused: every pack stopped with a bare UnicodeEncodeError."""
+    root = make_image_folder(tmp_path / "ds", classes=("cat", "dog"), per_split=(1, 1))
+    cat = root / "train" / "cat"
+    name = os.fsencode(cat) + b"/caf\xe9.jpg"  # Latin-1, as an old archive may hold
+    with open(name, "wb") as f:
+        f.write(next(cat.iterdir()).read_bytes())
+    want = len(DiskStorage().open(str(root), "train"))
+    assert want == 3
+    for store in (ShardStorage(path=tmp_path / "s"), LmdbStorage(path=tmp_path / "l")):
+        store.prepare(str(root), ["train"])
+        assert len(store.open(str(root), "train")) == want
+
+
 def test_a_full_disk_under_lmdb_is_the_no_space_message(tmp_path, monkeypatch):
     """LMDB reports a full disk at its commit as its own error ("Input/output error")."""
     import lmdb

@@ -251,7 +251,7 @@ class LmdbWriter:
         self._put_all(
             [
                 *columns,
-                (PATHS_KEY, "\n".join(self.paths).encode()),
+                (PATHS_KEY, "\n".join(self.paths).encode("utf-8", "surrogateescape")),
                 (META_KEY, json.dumps(meta).encode()),
             ]
         )
@@ -311,7 +311,7 @@ class LmdbReader(PackedReader):
         return self._txn
 
     def describe(self, i: int, name: str | None = None) -> str:
-        paths = (self._get(PATHS_KEY) or b"").decode("utf-8", "replace").split("\n")
+        paths = (self._get(PATHS_KEY) or b"").decode("utf-8", "surrogateescape").split("\n")
         src = f", packed from {paths[i]}" if i < len(paths) and paths[i] else ""
         name = name if name in self._keys else self.schema.blobs[0].name
         return f"{self.dir} key {field_key(i, name).decode()}{src}"
@@ -481,7 +481,7 @@ def _verify_records(env, split_dir: Path) -> tuple[int, list[str]]:
                 problems.append(
                     f"{split_dir}: {have} values of {f.name} for {count} records; re-pack."
                 )
-        paths = (txn.get(PATHS_KEY) or b"").decode().split("\n")
+        paths = (txn.get(PATHS_KEY) or b"").decode("utf-8", "surrogateescape").split("\n")
         crc, bad = 0, []
         for i in range(count):
             wrong = []

@@ -162,7 +162,7 @@ def source_digest(records, source) -> tuple[str, int]:
                         f"again."
                     ) from None
                 total += st.st_size
-                h.update(f"{value.path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                h.update(os.fsencode(value.path) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             elif isinstance(value, np.ndarray):
                 h.update(
                     f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()

@@ -130,7 +130,10 @@ class ShardWriter:
         self._finish_shard()
         index = np.array(self.rows, dtype=index_dtype(self.schema))
         np.save(self.dir / "index.npy", index)
-        (self.dir / "paths.txt").write_text("\n".join(self.paths) + "\n", encoding="utf-8")
+        # a file name that is not UTF-8 is kept as its bytes (surrogateescape), as Python reads it
+        (self.dir / "paths.txt").write_text(
+            "\n".join(self.paths) + "\n", encoding="utf-8", errors="surrogateescape"
+        )
         meta = {
             "format": FORMAT,
             "version": VERSION,
@@ -218,7 +221,7 @@ class ShardReader(PackedReader):
         row = self._row(i)
         src = ""
         try:
-            with open(self.dir / "paths.txt", encoding="utf-8") as f:
+            with open(self.dir / "paths.txt", encoding="utf-8", errors="surrogateescape") as f:
                 for k, line in enumerate(f):
                     if k == i:
                         src = f", packed from {line.strip()}"
@@ -441,7 +444,7 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
             f"{meta['count']}: the pack is incomplete; delete {split_dir} and re-pack."
         )
     try:
-        paths = (split_dir / "paths.txt").read_text(encoding="utf-8").split("\n")
+        paths = (split_dir / "paths.txt").read_text("utf-8", "surrogateescape").split("\n")
     except OSError:
         paths = []
     first = schema.blobs[0].name
