@@ -471,7 +471,7 @@ def test_a_dangling_image_link_is_named_not_reported_as_an_unwritable_pack(tmp_p
     link = root / "train" / "cat" / "gone.jpg"
     link.symlink_to(tmp_path / "nowhere.jpg")
     for store in (ShardStorage(path=tmp_path / "s"), LmdbStorage(path=tmp_path / "l")):
-        with pytest.raises(StorageError, match=rf"cannot read {link} while packing .*restore"):
+        with pytest.raises(StorageError, match=rf"cannot read {link} while packing .*Restore"):
             store.prepare(str(root), ["train"])  # was: "cannot write there ... storage.path"
 
 

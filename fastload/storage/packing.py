@@ -112,6 +112,14 @@ class NotRead(Exception):
     size and time, which the pack's staleness check compares, are unchanged."""
 
 
+def cannot_read(path, why) -> StorageError:
+    """A source file the pack cannot read (gone, a dangling link, permissions, the disk)."""
+    return StorageError(
+        f"cannot read {path} while packing ({why}). Restore it or make it readable (a link to "
+        f"a file that is gone? its permissions? the disk?), or remove it, then pack again."
+    )
+
+
 class Unreadable(NamedTuple):
     """What a pack worker returns for a file it cannot decode (`read`: or cannot read)."""
 
@@ -156,11 +164,7 @@ def source_digest(records, source) -> tuple[str, int]:
                 try:
                     st = os.stat(value.path)
                 except OSError as exc:  # a dangling link, a file removed: the source's fault
-                    raise StorageError(
-                        f"cannot read {value.path} while packing ({exc.strerror or exc}): "
-                        f"restore it (a link to a file that is gone?) or remove it, then pack "
-                        f"again."
-                    ) from None
+                    raise cannot_read(value.path, exc.strerror or exc) from None
                 total += st.st_size
                 h.update(os.fsencode(value.path) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             elif isinstance(value, np.ndarray):
@@ -248,10 +252,7 @@ def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, ta
         bar.update()
         if isinstance(result, Unreadable):
             if not result.read:  # never left out: see NotRead
-                raise StorageError(
-                    f"cannot read {result.path} while packing ({result.error}). Make it "
-                    f"readable (permissions, the disk), or remove it, then pack again."
-                )
+                raise cannot_read(result.path, result.error)
             if not skip_corrupt:
                 raise StorageError(
                     f"cannot decode {result.path} while packing ({result.error}). Remove or "
