@@ -29,6 +29,7 @@ from fastload.storage.disk import DiskStorage
 from fastload.storage.lmdb_store import LmdbStorage
 from fastload.storage.shards import ShardStorage
 from fastload.storage.tmpfs import TmpfsStorage
+from fastload.tasks.base import build_task
 from fastload.tasks.detection import GroundTruth, coco_map
 from tests.helpers import sample, targets
 
@@ -266,6 +267,21 @@ def test_a_smaller_pack_needs_the_images_sizes_to_score_in_their_frame(coco_root
         ShardStorage(path=str(tmp_path / "small"), max_side=32).prepare(layout, ["train"])
     assert not (tmp_path / "small" / "train").exists()
     ShardStorage(path=str(tmp_path / "orig")).prepare(layout, ["train"])
+
+
+def test_a_flipping_evaluation_transform_is_refused(coco_root):
+    """Detections of a flipped image were scored against the unflipped annotations."""
+    from omegaconf import open_dict
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}"])
+    with open_dict(cfg):
+        cfg.dataset.val_transform.hflip = 0.5
+    task = build_task(cfg)
+    reader = DiskStorage().open(CocoLayout(str(coco_root)), "val")
+    with pytest.raises(ConfigError, match=r"dataset.val_transform.hflip=0.5: .*hflip=0"):
+        task.dataset("val", reader, PILBackend())
+    assert len(task.dataset("train", DiskStorage().open(CocoLayout(str(coco_root)), "train"),
+                            PILBackend())) > 0  # fmt: skip
 
 
 def test_evaluation_predicts_in_fp32_under_bf16_training(tmp_path):

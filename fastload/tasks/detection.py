@@ -57,6 +57,14 @@ class DetectionTask(Task):
 
     def dataset(self, split: str, reader, backend, normalize=None):
         transform = instantiate(self.data[f"{split}_transform"])
+        if split != "train" and getattr(transform, "hflip", 0):
+            # the boxes flip with the pixels, but the detections are scored against the
+            # annotation file's unflipped boxes: a mirrored, silently low mAP
+            raise ConfigError(
+                f"dataset.{split}_transform.hflip={transform.hflip}: evaluation scores the "
+                f"detections against the annotations as they are, so its images are not "
+                f"flipped. Set dataset.{split}_transform.hflip=0."
+            )
         common = dict(seed=self.seed, skip_corrupt=self.data.skip_corrupt, normalize=normalize)
         return DetectionDataset(reader, backend, transform, train=split == "train", **common)
 
