@@ -81,6 +81,7 @@ from fastload.storage.wds_cache import (
     locked,
     with_retries,
 )
+from fastload.telemetry.sinks import write_json_atomic
 
 log = logging.getLogger("fastload")
 
@@ -771,12 +772,7 @@ class WebDatasetStorage(PackedStorage):
                 "shards": shards,
             }
             # whole or not at all: a cut one (a full disk) would be read back as broken JSON
-            tmp = derived.with_name(f".{derived.name}.tmp-{os.getpid()}")
-            try:
-                tmp.write_text(json.dumps(manifest), encoding="utf-8")
-                os.replace(tmp, derived)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_json_atomic(derived, manifest)
             log.info(
                 "%s: no manifest beside the shards; read %d shards (%d samples) in %.1f s, "
                 "kept as %s",
