@@ -386,6 +386,8 @@ def wants_gpu_decode(p: Probe) -> bool:
     mode = p.auto.get("gpu_decode", "auto")
     if mode is False or p.ctx.device.type != "cuda" or p.plan.normalize_on != "device":
         return False
+    if mode == "auto" and p.auto.get("backends") == []:
+        return False  # backends=[] keeps backend= as configured; gpu_decode=true still tries
     if any(t.backend == GPU_BACKEND for t in p.trials):
         return False  # configured, or already tried
     return mode is True or best(p.trials).data_wait >= GPU_DECODE_WAIT
@@ -499,7 +501,9 @@ def apply(plan, cfg: DictConfig, choice: dict | None):
         plan = with_prep_thread(plan, backend).replace(backend=backend)
         # a combination that cannot work is refused here too
         normalize_on(cfg, backend, loader_target=plan.loader["_target_"])
-        if plan.loader["_target_"] == PREP_THREAD_LOADER:
-            log.info("loader=auto: backend=%s runs with loader=prefetch (its decode in a prep "
-                     "thread, beside the step)", choice["backend"])  # fmt: skip
-    return plan
+    # A device decoder, configured and kept, runs as its trial ran too: in the prep thread.
+    threaded = with_prep_thread(plan, plan.backend)
+    if threaded.loader["_target_"] != getattr(cfg.loader, "_target_", None):
+        log.info("loader=auto: backend=%s runs with loader=prefetch (its decode in a prep "
+                 "thread, beside the step)", choice["backend"])  # fmt: skip
+    return threaded

@@ -406,15 +406,17 @@ def test_loader_auto_times_the_models_step_on_a_copy(tune_folder, caplog):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
-def fake_search_probe(rates: dict, *, mode="auto", device="cuda", normalize="device"):
+def fake_search_probe(
+    rates: dict, *, mode="auto", device="cuda", normalize="device", backends=("turbo",)
+):
     """A stand-in for autotune.Probe as search() uses it: each trial gets its
     (img/s, data-wait share) from `rates` by backend (worker counts ignored)."""
     from types import SimpleNamespace
 
     from fastload.autotune import Trial
 
-    auto = {"workers": [4], "prefetch_factors": [2], "pin_memory": [True], "backends": [],
-            "gpu_decode": mode}  # fmt: skip
+    auto = {"workers": [4], "prefetch_factors": [2], "pin_memory": [True],
+            "backends": list(backends), "gpu_decode": mode}  # fmt: skip
     p = SimpleNamespace(
         cfg=SimpleNamespace(loader=SimpleNamespace(pin_memory="auto")),
         auto=auto,
@@ -453,6 +455,11 @@ def test_loader_auto_tries_gpu_decode_when_the_workers_cannot_keep_up():
         assert search(p).backend == "turbo" and len(p.trials) == 1, kwargs
     # gpu_decode=true tries it even when the workers keep up
     p = fake_search_probe({"turbo": (600.0, 0.0), "nvjpeg": (900.0, 0.0)}, mode=True)
+    assert search(p).backend == "nvjpeg"
+    # loader.auto.backends=[] keeps backend= as configured: auto does not swap in the GPU
+    p = fake_search_probe({"turbo": (600.0, 0.40), "nvjpeg": (900.0, 0.0)}, backends=[])
+    assert search(p).backend == "turbo" and len(p.trials) == 1
+    p = fake_search_probe({"turbo": (600.0, 0.40), "nvjpeg": (900.0, 0.0)}, backends=[], mode=True)
     assert search(p).backend == "nvjpeg"
 
 
@@ -497,6 +504,12 @@ def test_loader_auto_charges_a_device_decoders_gpu_time_to_the_step(monkeypatch,
     assert tuned.backend.name == "nvjpeg"
     assert tuned.loader["_target_"] == autotune.PREP_THREAD_LOADER
     assert autotune.apply(plan, cfg, None).loader["_target_"] == plan.loader["_target_"]
+    # configured backend=nvjpeg and kept: its trial ran in the prep thread, so does the run
+    configured = plan.replace(backend=NvjpegBackend())
+    kept = autotune.apply(configured, cfg, {"num_workers": 1, "prefetch_factor": 2,
+                                            "pin_memory": False, "backend": "nvjpeg"})  # fmt: skip
+    assert kept.backend is configured.backend
+    assert kept.loader["_target_"] == autotune.PREP_THREAD_LOADER
 
 
 @pytest.mark.cuda
