@@ -195,6 +195,16 @@ def test_lmdb_lz4_values_are_compressed_and_read_back_exactly(tmp_path):
     assert reason and "compression" in reason
 
 
+def test_lmdb_lz4_without_the_package_is_refused_naming_it(tmp_path, monkeypatch):
+    from fastload.errors import StorageError
+
+    monkeypatch.setitem(sys.modules, "lz4", None)  # `import lz4.block` raises ImportError
+    monkeypatch.setitem(sys.modules, "lz4.block", None)
+    with pytest.raises(StorageError, match=r"pip install lz4.*storage.compression=null"):
+        LmdbStorage(path=tmp_path / "lz4", kind="raw", compression="lz4")
+    assert not (tmp_path / "lz4").exists()  # refused before any packing
+
+
 def test_lmdb_lz4_damage_is_reported_by_read_and_verify(tmp_path, capsys):
     import lmdb
 

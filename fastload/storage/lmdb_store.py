@@ -134,13 +134,24 @@ def check_not_truncated(env, path: str) -> None:
 COMPRESSIONS = (None, "lz4")
 
 
+def lz4_block():
+    """lz4.block, or the StorageError that names the package to install."""
+    try:
+        import lz4.block
+    except ImportError as exc:
+        raise StorageError(
+            f"storage.compression=lz4 needs the lz4 package, which does not import here ({exc}). "
+            "Install it (pip install lz4; `pip install -e .` installs it with fastload), or "
+            "set storage.compression=null."
+        ) from None
+    return lz4.block
+
+
 def compress(data: bytes, compression: str | None) -> bytes:
     """A value's stored bytes: lz4 block (its size in front) or the bytes as they are."""
     if compression is None:
         return data
-    import lz4.block
-
-    return lz4.block.compress(data, store_size=True)
+    return lz4_block().compress(data, store_size=True)
 
 
 def decompress(value, compression: str | None):
@@ -148,9 +159,7 @@ def decompress(value, compression: str | None):
     block raises StorageError from the caller's describe()."""
     if compression is None:
         return value
-    import lz4.block
-
-    return lz4.block.decompress(value)
+    return lz4_block().decompress(value)
 
 
 class LmdbWriter:
@@ -381,6 +390,8 @@ class LmdbStorage(PackedStorage):
                 f"storage.kind={kind!r}, storage.compression={compression!r}: use kind "
                 f"{' or '.join(KINDS)} and compression null or lz4."
             )
+        if compression == "lz4":
+            lz4_block()  # missing: said before any packing starts
         self.max_side, self.quality = max_side, int(quality)
         self.kind, self.size, self.compression = kind, size, compression
         self.initial_map_size = int(initial_map_size)
