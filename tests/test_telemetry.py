@@ -659,7 +659,14 @@ def test_the_summary_leaves_out_each_processs_start_up_and_the_partial_epoch(tmp
     assert summarize(old, tmp_path, None, task)["images_per_s"] == 100.0
 
 
-def test_progress_bar_postfix_and_disabled(capsys):
+def test_progress_bar_postfix_and_disabled(capsys, monkeypatch):
+    import functools
+
+    from fastload.telemetry import report
+
+    # TQDM_DISABLE=1 in the environment (tqdm's own switch, honoured in runs; read at import)
+    # would leave no bar to check here
+    monkeypatch.setattr(report, "tqdm", functools.partial(report.tqdm, disable=False))
     off = ProgressBar(total=10, enabled=False)
     for _ in range(10):
         off.update(images_per_s=1.0, data_wait_share=0.5)
