@@ -577,16 +577,20 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
 class EvalWarmStart:
     """When to start the evaluation loader so that its first batch is ready as training's
     last step ends: lead = (the time its first batch took last evaluation) / (the shortest
-    mean training step of an epoch so far), plus one step; two steps before anything is
-    measured. The shortest, not the last: an epoch holding torch.compile's compilation (a
-    minute for ResNet-50) has a mean step of a second or more, which made the next epoch's
-    lead two steps (on an H200 that epoch's evaluation took 0.26 s against 0.10 s in the
-    epochs after: the likely cause, not measured apart). A lead too long costs only the
-    evaluation's batches held early."""
+    step time measured so far), plus one step; two steps before anything is measured.
+
+    A step time is measured two ways per epoch, and the shorter kept: the epoch's mean step,
+    and the steps after the warm start (from the hook to the end of training, the GPU's queue
+    included: the timer synchronises). The second is what an epoch holding torch.compile's
+    compilation (a minute for ResNet-50, a mean step of a second or more) still measures
+    right: with its mean alone the next epoch's lead was two steps, and on an H200 that
+    epoch's evaluation took 0.24-0.62 s against 0.10-0.14 s in the epochs after. A lead too
+    long costs only the evaluation's batches held early."""
 
     def __init__(self):
         self.first_batch_s: float | None = None
         self.step_s: float | None = None
+        self._started: tuple[int, float] | None = None  # (step, time) of this epoch's start
 
     def at_step(self, span: EpochSpan) -> int:
         lead = 2
@@ -594,12 +598,31 @@ class EvalWarmStart:
             lead = math.ceil(self.first_batch_s / self.step_s) + 1
         return max(span.first_step, span.max_steps - lead)
 
+    def hooks(self, span: EpochSpan, start) -> dict:
+        """train_one_epoch's hooks: `start` (the evaluation loader's) before step at_step."""
+        at = self.at_step(span)
+
+        def hook():
+            start()  # (forking the workers is not a step's time)
+            self._started = (at, time.perf_counter())
+
+        return {at: hook}
+
+    def trained(self, steps: int) -> None:
+        """Training's end, `steps` done: the steps after the warm start give a step time."""
+        if self._started is not None and steps > self._started[0]:
+            at, t = self._started
+            self._keep((time.perf_counter() - t) / (steps - at))
+        self._started = None
+
     def measured(self, timing, val_loader) -> None:
         if timing.steps:
-            step_s = timing.wall_s / timing.steps
-            self.step_s = step_s if self.step_s is None else min(self.step_s, step_s)
+            self._keep(timing.wall_s / timing.steps)
         if val_loader.first_batch_s is not None:
             self.first_batch_s = val_loader.first_batch_s
+
+    def _keep(self, step_s: float) -> None:
+        self.step_s = step_s if self.step_s is None else min(self.step_s, step_s)
 
 
 class Epochs:
@@ -638,12 +661,13 @@ class Epochs:
         continued = bool(state.stretches)  # begun on another world size, its plan from 0 here
         if continued and ctx.is_main:
             self.continued(epoch, span)
-        hooks = {self.warm.at_step(span): data.val.start} if self.evaluates(epoch) else {}
+        hooks = self.warm.hooks(span, data.val.start) if self.evaluates(epoch) else {}
         done = train_one_epoch(
             self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
             progress=cfg.trainer.progress, watch=self.watch, budget=self.budget, hooks=hooks,
             after_step=self.checkpoint_inside(epoch, span),
         )  # fmt: skip
+        self.warm.trained(done.steps)
         steps, timing, metrics = done.steps, done.timing, done.metrics
         lr = state.last_update_lr()  # this epoch's last update's, not the next one's
         if done.diverged or not weights_finite(state.model):  # before evaluating or saving

@@ -233,18 +233,37 @@ def test_slurm_ranks_per_node_without_ntasks_per_node(monkeypatch, env, want):
     assert slurm_tasks_on_this_node() == want
 
 
-def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch():
+def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch(monkeypatch):
     """The lead (steps before training's end at which the evaluation loader starts) comes
-    from the shortest mean step so far: an epoch holding torch.compile's minute must not
-    make the next epoch's lead two steps."""
+    from the shortest step time so far: an epoch holding torch.compile's minute must not
+    make the next epoch's lead two steps. Its steps after the warm start (timed from the
+    hook to training's end) measure the compiled step."""
     from types import SimpleNamespace
 
+    from fastload import engine
     from fastload.engine import EpochSpan, EvalWarmStart
 
+    now = [100.0]
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: now[0])
     warm, span = EvalWarmStart(), EpochSpan(epoch=1, first_step=0, max_steps=40)
     assert warm.at_step(span) == 38  # nothing measured: two steps
+    started = []
+    hooks = warm.hooks(span, lambda: started.append(now[0]))
+    assert list(hooks) == [38]
+    hooks[38]()  # the compile epoch's warm start: two steps of 40 ms each after it
+    now[0] += 0.080
+    warm.trained(40)
     val = SimpleNamespace(first_batch_s=0.5)
     warm.measured(SimpleNamespace(wall_s=46.0, steps=40), val)  # compilation: 1.15 s a step
+    assert started and warm.at_step(span) == 40 - (13 + 1)
+    # an epoch stopped before its warm start measures nothing from it
+    fresh = EvalWarmStart()
+    fresh.hooks(span, lambda: None)
+    fresh.trained(30)
+    fresh.measured(SimpleNamespace(wall_s=46.0, steps=30), val)
+    assert fresh.step_s == pytest.approx(46.0 / 30) and fresh.at_step(span) == 38
+    warm = EvalWarmStart()
+    warm.measured(SimpleNamespace(wall_s=46.0, steps=40), val)  # the mean alone: 1.15 s
     assert warm.at_step(span) == 38
     warm.measured(SimpleNamespace(wall_s=1.6, steps=40), val)  # 40 ms a step
     assert warm.at_step(span) == 40 - (13 + 1)
