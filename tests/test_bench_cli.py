@@ -335,3 +335,67 @@ def test_host_stage_benches_refuse_a_backend_that_decodes_on_the_device(tiny_fol
     with pytest.raises(ConfigError, match="decodes in device prep.*no decode at all"):
         product_loader(cfg, backend=gpu_decoding)
     assert product_loader(cfg, backend=PILBackend()).dataset.reader  # a host decoder: timed
+
+
+def test_gpu_timeline_sums_each_streams_work_and_the_calls_that_wait():
+    """bench train --profile's reading of a Kineto trace: per stream its kernel and copy time
+    and the share of the window it kept busy (overlaps counted once), its heaviest kernels,
+    and the host calls that block (a cudaFree, a stream sync: not launches or async copies)."""
+    from fastload.bench.gpu_timeline import summarize
+
+    def span(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [
+        span("cpu_op", "aten::mm", 0, 1000),  # the window: 0 .. 1000 us
+        span("kernel", "sm90_gemm", 0, 400, stream=7),
+        span("kernel", "sm90_gemm", 300, 300, stream=7),  # overlaps the first: busy 0..600
+        span("kernel", "relu", 700, 100, stream=7),
+        span("gpu_memcpy", "Memcpy HtoD", 100, 50, stream=13),
+        span("kernel", "nvjpeg_idct", 150, 200, stream=13),
+        span("gpu_memset", "Memset", 850, 50, stream=13),
+        span("cuda_runtime", "cudaLaunchKernel", 0, 5),
+        span("cuda_runtime", "cudaMemcpyAsync", 10, 5),
+        span("cuda_runtime", "cudaFree", 20, 300),
+        span("cuda_runtime", "cudaStreamSynchronize", 400, 100),
+        span("cuda_runtime", "cudaFree", 600, 100),
+        {"ph": "M", "name": "thread_name", "args": {"name": "python"}},
+    ]}  # fmt: skip
+    got = summarize(trace)
+    assert got["window_ms"] == pytest.approx(1.0)
+    model, side = got["streams"]
+    assert model["stream"] == 7 and model["kernels_ms"] == pytest.approx(0.8)
+    assert model["busy_share"] == pytest.approx(0.7)  # 0..600 and 700..800
+    assert model["top_kernels"][0] == "sm90_gemm 0.7 ms"
+    assert side["stream"] == 13 and side["copies_ms"] == pytest.approx(0.1)
+    assert side["busy_share"] == pytest.approx(0.3)  # 100..350, 850..900
+    assert got["gpu_busy_share"] == pytest.approx(0.75)  # any stream: 0..600, 700..800, 850..900
+    calls = {c["call"]: c for c in got["blocking"]}
+    assert set(calls) == {"cudaFree", "cudaStreamSynchronize"}
+    assert calls["cudaFree"]["count"] == 2 and calls["cudaFree"]["total_ms"] == pytest.approx(0.4)
+    assert got["blocking"][0]["call"] == "cudaFree"  # the most time first
+    empty = summarize({"traceEvents": []})
+    assert empty["streams"] == [] and empty["gpu_busy_share"] is None
+
+
+def test_bench_train_profile_runs_one_more_epoch_left_out_of_the_figures(tiny_folder, tmp_path,
+                                                                        capsys):  # fmt: skip
+    from fastload.bench.__main__ import main
+
+    out = tmp_path / "b" / "train.json"
+    data = [f"dataset.root={tiny_folder}", "dataset.prepare=null", "dataset.num_classes=3",
+            "dataset.train_transform.size=32", "dataset.val_transform.size=32",
+            "trainer.batch_size=4", "loader.num_workers=0", "backend=pil", "trainer.device=cpu"]  # fmt: skip
+    argv = ["train", "--step-ms", "5", "--epochs", "2", "--steps-per-epoch", "2", "--profile"]
+    assert main([*argv, "--json", str(out), *data]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert [r["epoch"] for r in rows] == [0, 1, "all", "profiled"]  # the third epoch: profiled
+    assert rows[2]["epochs"] == 2
+    assert rows[2]["wall_s"] == pytest.approx(rows[0]["wall_s"] + rows[1]["wall_s"])
+    for loop, name in (("run", "train.trace.json"), ("ceiling", "train.ceiling.trace.json")):
+        events = json.loads((out.parent / name).read_text())["traceEvents"]
+        assert any(e.get("cat") == "cpu_op" for e in events), loop  # the step's torch ops
+        assert rows[3][loop]["window_ms"] > 0
+        assert rows[3][loop]["gpu_busy_share"] is None  # a CPU run: no GPU activity
+    assert "profiled epoch, run:" in text and "no GPU activity recorded" in text

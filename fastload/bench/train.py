@@ -31,19 +31,35 @@ from fastload.measure import EVAL_STEP_SHARE, SleepStep
 
 class Timeline:
     """What `Epochs` records, kept in memory: each epoch's row and its full wall time (from the
-    previous epoch's end, so the boundary and the evaluation are inside)."""
+    previous epoch's end, so the boundary and the evaluation are inside). With `trace`, the
+    last epoch (boundary and evaluation included) runs under torch.profiler, written there."""
 
     checkpoint_path = Path("(bench: none written)")
     checkpoints = False
 
-    def __init__(self):
+    def __init__(self, epochs: int, trace: Path | None = None):
         self.rows: list[dict] = []
+        self.epochs, self.trace, self.profiler = epochs, trace, None
         self.t = time.perf_counter()
 
     def epoch(self, row: dict) -> None:
         now = time.perf_counter()
         self.rows.append({**row, "wall_s": now - self.t})
-        self.t = now
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(str(self.trace))
+            self.profiler = None
+        elif self.trace is not None and len(self.rows) == self.epochs - 1:
+            self.start_profiler()
+        self.t = time.perf_counter()  # the profiler's start-up and export not in an epoch
+
+    def start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        activities += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
 
     def save(self, state) -> None:
         pass
@@ -106,8 +122,9 @@ def first_batch(loader) -> dict:
     raise RuntimeError("the loader produced no batch")
 
 
-def run_loop(cfg, ctx, data, args, amp, channels_last) -> tuple[list[dict], float]:
-    """The engine's epoch loop over `data`; (per-epoch rows, total seconds)."""
+def run_loop(cfg, ctx, data, args, amp, channels_last, trace=None) -> tuple[list[dict], float]:
+    """The engine's epoch loop over `data`; (per-epoch rows, total seconds). With `trace`, one
+    more epoch runs profiled (its trace written there), left out of both."""
     from fastload.engine import Epochs
     from fastload.tasks.base import build_task
     from fastload.train_state import TrainState
@@ -121,12 +138,15 @@ def run_loop(cfg, ctx, data, args, amp, channels_last) -> tuple[list[dict], floa
         step = task.step(state, cfg, ctx, amp)
     else:
         step = SleepStep(args.step_ms, ctx.device)
-    timeline = Timeline()
+    timeline = Timeline(cfg.trainer.epochs, trace)
     t0 = timeline.t
     Epochs(cfg, ctx, state, step, data, timeline, task).run()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize()
-    return timeline.rows, time.perf_counter() - t0
+    total = time.perf_counter() - t0
+    if trace is not None:
+        return timeline.rows[:-1], sum(r["wall_s"] for r in timeline.rows[:-1])
+    return timeline.rows, total
 
 
 def epoch_rows(rows: list[dict], ceiling: list[dict]) -> list[dict]:
@@ -195,6 +215,12 @@ def parse(argv):
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps-per-epoch", type=int, default=30)
     p.add_argument("--json", default="outputs/bench/train.json")
+    p.add_argument(
+        "--profile", action="store_true",
+        help="one more epoch of the run and of its ceiling under torch.profiler, left out of "
+        "the figures: prints where the GPU time went per CUDA stream, writes the two traces "
+        "beside --json",
+    )  # fmt: skip
     p.add_argument("override", nargs="*", help="train.py overrides: backend=turbo loader=bg ...")
     args = p.parse_args(argv)
     if args.model is None and args.step_ms is None:
@@ -211,7 +237,7 @@ def build(args):
     from fastload.pipeline import build_data, build_plan, prepare_data
 
     overrides = [*args.override, "logger=none", "trainer.progress=false"]
-    overrides += [f"trainer.epochs={args.epochs}"]
+    overrides += [f"trainer.epochs={args.epochs + int(args.profile)}"]
     overrides += [f"trainer.max_steps_per_epoch={args.steps_per_epoch}"]
     overrides += [f"model={args.model}"] if args.model else []
     cfg = compose(overrides)
@@ -236,10 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg, ctx, data, amp, channels_last = build(args)
     if len(data.train) < args.steps_per_epoch:
         print(f"note: an epoch of this data has {len(data.train)} steps < --steps-per-epoch")
+    traces = trace_paths(args.json) if args.profile else (None, None)
     try:
-        rows, total = run_loop(cfg, ctx, data, args, amp, channels_last)
+        rows, total = run_loop(cfg, ctx, data, args, amp, channels_last, traces[0])
         resident = ResidentData(data, first_batch(data.train), first_batch(data.val))
-        ceiling, ceiling_total = run_loop(cfg, ctx, resident, args, amp, channels_last)
+        ceiling, ceiling_total = run_loop(cfg, ctx, resident, args, amp, channels_last,
+                                          traces[1])  # fmt: skip
     finally:
         data.close()
     per_epoch = epoch_rows(rows, ceiling)
@@ -256,10 +284,42 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table([summary], list(summary)))
     print_targets(summary, args)
+    results = per_epoch + [{"epoch": "all", **summary}]
+    if args.profile:
+        results.append({"epoch": "profiled", **print_profile(*traces)})
     params = {**vars(args), "config_overrides": args.override, "device": str(ctx.device)}
-    path = write_json(args.json, "train", params, per_epoch + [{"epoch": "all", **summary}])
+    path = write_json(args.json, "train", params, results)
     print(f"wrote {path}")
     return 0
+
+
+def trace_paths(json_path: str) -> tuple[Path, Path]:
+    """The run's and the ceiling's trace files, beside the JSON."""
+    stem = Path(json_path).with_suffix("")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    return Path(f"{stem}.trace.json"), Path(f"{stem}.ceiling.trace.json")
+
+
+def print_profile(run_trace: Path, ceiling_trace: Path) -> dict:
+    """The profiled epoch of the run beside the ceiling's: GPU time per stream, blocking calls."""
+    from fastload.bench.gpu_timeline import summarize_file, table_rows
+
+    got = {"run": summarize_file(run_trace), "ceiling": summarize_file(ceiling_trace)}
+    streams, calls = [], []
+    for label, summary in got.items():
+        s, c = table_rows(label, summary)
+        streams += s
+        calls += c
+        busy = summary["gpu_busy_share"]
+        print(f"\nprofiled epoch, {label}: {summary['window_ms']:,.0f} ms, the GPU busy "
+              + ("n/a (no GPU activity recorded)" if busy is None else f"{100 * busy:.1f} %"))  # fmt: skip
+    if streams:
+        print(format_table(streams, list(streams[0])))
+    if calls:
+        print("\nhost calls that wait for the GPU (or its allocator):")
+        print(format_table(calls, list(calls[0])))
+    print(f"traces: {run_trace} and {ceiling_trace} (ui.perfetto.dev)")
+    return got
 
 
 def print_targets(summary: dict, args) -> None:
