@@ -81,7 +81,10 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
             return _new_shared(nbytes)
         return torch.UntypedStorage(nbytes).share_memory_()
     except RuntimeError as exc:
-        if "No space left on device" not in str(exc):
+        # torch 2.10 to 2.12 word a failed posix_fallocate with a stale errno ("Success (0)",
+        # pytorch#176069), not ENOSPC: that message means /dev/shm had no room either way.
+        text = str(exc)
+        if "No space left on device" not in text and "allocate shared memory(shm)" not in text:
             raise
         remove_unfilled_segment(str(exc))
         shm = shm_bytes()

@@ -990,6 +990,32 @@ def test_a_full_dev_shm_is_one_message_and_leaves_no_segment(tmp_path):
     assert out.stdout.split()[-1:] == ["filler"] and "torch_" not in out.stdout  # ls /dev/shm
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "unable to allocate shared memory(shm) for file </torch_1_2_3>: No space left on device (28)",
+        # torch 2.10-2.12 name a stale errno for the same failed posix_fallocate
+        "unable to allocate shared memory(shm) for file </torch_1_2_3>: Success (0)",
+    ],
+)
+def test_a_segment_torch_cannot_fill_is_the_full_dev_shm_message(monkeypatch, message):
+    from fastload import torch_internals
+
+    def full(nbytes):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(torch_internals, "_new_shared", full)
+    with pytest.raises(ConfigError, match=r"/dev/shm is full.*--shm-size"):
+        torch_internals.new_shared_storage(1 << 20)
+
+    def other(nbytes):
+        raise RuntimeError("unable to open shared memory object </torch_1_2_3>: Permission denied")
+
+    monkeypatch.setattr(torch_internals, "_new_shared", other)
+    with pytest.raises(RuntimeError, match="Permission denied"):  # not called a full /dev/shm
+        torch_internals.new_shared_storage(1 << 20)
+
+
 def test_loaders_time_their_wait_for_the_gpus_queue_where_their_copy_waits_for_it(
     folder, monkeypatch
 ):
