@@ -204,7 +204,8 @@ def test_item_cost_adds_cpu_work_per_sample(tiny_folder, tmp_path):
     cpu0, wall0 = time.process_time(), time.perf_counter()
     ds[(0, 0)]
     assert time.perf_counter() - wall0 >= 0.040
-    assert time.process_time() - cpu0 >= 0.010  # it burns CPU (a sleep would not)
+    # it burns 40 ms of CPU (a sleep would not), however busy the machine is
+    assert time.process_time() - cpu0 >= 0.040
 
 
 def test_report_keeps_a_sweeps_job_order(tmp_path):

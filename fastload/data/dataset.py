@@ -143,8 +143,10 @@ class PendingCrop(PendingImage):
 
 
 def busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """`seconds` of this thread's CPU time spent (not of the wall clock: on a busy machine
+    real per-sample work takes longer too, and a wall-clock loop would do less of it)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         pass
 
 
