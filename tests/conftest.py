@@ -36,6 +36,17 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker (and every train.py it starts: they inherit the
+    environment) gets usable cores / workers intra-op threads, not all of them: 16 workers on
+    16 cores otherwise ran 16 threads each, and CPU-bound tests ran past their timeouts. An
+    OMP_NUM_THREADS set by the caller is kept. torch reads it at its first parallel op; no
+    test module has imported torch yet."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def make_image_folder(root: Path, classes=("cat", "dog", "eel"), per_split=(6, 3), size=(96, 72)):
     """A tiny ImageFolder tree of JPEGs whose colour depends on the class."""
     rng = np.random.default_rng(0)
