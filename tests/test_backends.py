@@ -642,6 +642,41 @@ def test_nvjpeg_decoder_on_cpu_matches_pil_and_counts_progressive(kinds, monkeyp
     assert counts["decode_fallback_not_jpeg"] == 3 and backend.device_decoder.refused == 0
 
 
+def test_nvjpeg_decoder_settings_reach_nvimgcodec(kinds, monkeypatch):
+    """backend.fancy_upsampling, .preallocate and .cpu_threads: passed to nvImageCodec as its
+    options (which ignores a name it does not know, so each is spelled out and checked here),
+    kept when the backend travels to the workers, refused when not what they take."""
+    import pickle
+
+    from fastload.decode.nvjpeg import NvjpegBackend, NvjpegDecoder
+
+    t = RandomResizedCropFlip(96)
+    datas = {k: kinds[k] for k in ("baseline", "grayscale")}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    smooth = gpu_batch(NvjpegBackend(), datas, t, "cpu")
+    simple = NvjpegBackend(fancy_upsampling=False)
+    assert "simple upsampling" in simple.info()["decoder"]
+    plain = gpu_batch(simple, datas, t, "cpu")
+    # the colour image's chroma is upsampled another way: close, not equal; grey has no chroma
+    assert not np.array_equal(smooth["baseline"], plain["baseline"])
+    assert psnr(smooth["baseline"], plain["baseline"]) >= MIN_PSNR_DB
+    assert np.array_equal(smooth["grayscale"], plain["grayscale"])
+    d = NvjpegDecoder(0.5, cpu_threads=3, fancy_upsampling=False, preallocate=True)
+    assert d.options([(500, 375), (333, 500)]) == (
+        ":fancy_upsampling=0 nvjpeg_hw_decoder:preallocate_batch_size=2 "
+        "nvjpeg_hw_decoder:preallocate_width_hint=512 nvjpeg_hw_decoder:preallocate_height_hint=512"
+    )
+    assert NvjpegDecoder().options([(500, 375)]) == ":fancy_upsampling=1"  # the library's own
+    copy = pickle.loads(pickle.dumps(d))  # what a worker gets
+    assert (copy.hw_load, copy.cpu_threads, copy.fancy_upsampling, copy.preallocate) == (
+        0.5, 3, False, True)  # fmt: skip
+    for key, bad, words in (("cpu_threads", 0, "whole number >= 1"), ("cpu_threads", 2.5, ">= 1"),
+                            ("fancy_upsampling", "no", "true or false"),
+                            ("preallocate", 1, "true or false")):  # fmt: skip
+        with pytest.raises(ConfigError, match=rf"backend.{key}=.*{words}"):
+            NvjpegDecoder(**{key: bad})
+
+
 def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, caplog):
     """An image nvImageCodec refuses in a batch (None in its results) is decoded by PIL into its
     slot instead: the same pixels as when it is not refused, logged and counted."""

@@ -121,8 +121,8 @@ def device_ms_per_image(reader, task, backend, device, n: int = 64, reps: int = 
                           [sample_rng(0, 0, i) for i in idx])  # fmt: skip
     if batch is None:
         return None
-    hw_load = getattr(getattr(backend, "device_decoder", None), "hw_load", 0.9)
-    decoder = NvjpegDecoder(hw_load)
+    configured = getattr(backend, "device_decoder", None)
+    decoder = NvjpegDecoder(**configured.__getstate__()) if configured else NvjpegDecoder()
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     try:
@@ -157,25 +157,54 @@ class NvjpegDecoder:
     the nvImageCodec decoders and canvases are made on first use, one per (device, stream):
     the training loader's prep thread and an evaluation loader each get their own."""
 
-    def __init__(self, hw_load: float = 0.9):
+    def __init__(self, hw_load: float = 0.9, cpu_threads: int | None = None,
+                 fancy_upsampling: bool = True, preallocate: bool = False):  # fmt: skip
         if not 0.0 <= float(hw_load) <= 1.0:
             raise ConfigError(
                 f"backend.hw_load={hw_load!r}: the share of each batch for the GPU's hardware "
                 "JPEG decoder is a number from 0 (CUDA decoder only) to 1."
             )
+        if cpu_threads is not None and (
+            isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1
+        ):
+            raise ConfigError(
+                f"backend.cpu_threads={cpu_threads!r}: nvImageCodec's host threads for the GPU "
+                "decoder, a whole number >= 1, or null (its default: usable cores - 1)."
+            )
+        for key, value in (("fancy_upsampling", fancy_upsampling), ("preallocate", preallocate)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"backend.{key}={value!r}: use true or false.")
         self.hw_load = float(hw_load)
+        self.cpu_threads, self.fancy_upsampling = cpu_threads, fancy_upsampling
+        self.preallocate = preallocate
         self.refused = 0  # images the device decoder refused, decoded on the host instead
         self._streams: dict = {}  # (device, stream) -> _StreamState
         self._lock = threading.Lock()
         self._nv = None
 
     def __getstate__(self):
-        return {"hw_load": self.hw_load}
+        return {"hw_load": self.hw_load, "cpu_threads": self.cpu_threads,
+                "fancy_upsampling": self.fancy_upsampling, "preallocate": self.preallocate}  # fmt: skip
 
     def __setstate__(self, state):
         self.__init__(**state)
 
-    def _new_decoder(self, device: torch.device):
+    def options(self, shapes: list) -> str:
+        """nvImageCodec's decoder options: the upsampling, and with `preallocate` the hardware
+        decoder's memory pool sized for a batch like `shapes` (its largest image, in slots)
+        instead of the 1 x 1 image nvImageCodec reserves, which nvJPEG then grows. An unknown
+        option would be ignored without a word, hence only these, tested."""
+        out = [f":fancy_upsampling={int(self.fancy_upsampling)}"]
+        if self.preallocate and shapes:
+            hw = "nvjpeg_hw_decoder"
+            out += [
+                f"{hw}:preallocate_batch_size={len(shapes)}",
+                f"{hw}:preallocate_width_hint={slot_side(max(w for w, _ in shapes))}",
+                f"{hw}:preallocate_height_hint={slot_side(max(h for _, h in shapes))}",
+            ]
+        return " ".join(out)
+
+    def _new_decoder(self, device: torch.device, shapes: list):
         nv = self._nv = load_nvimgcodec()
         kind = nv.BackendKind
         self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
@@ -183,21 +212,24 @@ class NvjpegDecoder:
             backends = [nv.Backend(kind.GPU_ONLY), nv.Backend(kind.HYBRID_CPU_GPU)]
             if self.hw_load > 0:
                 backends.insert(0, nv.Backend(kind.HW_GPU_ONLY, load_hint=self.hw_load))
-            return nv.Decoder(device_id=device.index, backends=backends)
+            return nv.Decoder(device_id=device.index, max_num_cpu_threads=self.cpu_threads or 0,
+                              backends=backends, options=self.options(shapes))  # fmt: skip
         return nv.Decoder(
             device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
             max_num_cpu_threads=1,
             backends=[nv.Backend(kind.CPU_ONLY)],
+            options=self.options(shapes),
         )
 
-    def state(self, device: torch.device) -> _StreamState:
-        """The decoder and canvas of `device`'s current stream (made on first use)."""
+    def state(self, device: torch.device, shapes: list = ()) -> _StreamState:
+        """The decoder and canvas of `device`'s current stream (made on first use, for
+        batches like `shapes`)."""
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         key = (str(device), stream)
         with self._lock:
             if key not in self._streams:
                 self._streams[key] = _StreamState(
-                    self._new_decoder(device), self._nv, device, stream
+                    self._new_decoder(device, list(shapes)), self._nv, device, stream
                 )
             return self._streams[key]
 
@@ -207,7 +239,7 @@ class NvjpegDecoder:
             device = torch.device("cuda", torch.cuda.current_device())
         shapes = encoded["shape"].tolist()
         size = int(encoded["size"])
-        state = self.state(device)
+        state = self.state(device, shapes)
         out = torch.empty((len(shapes), size, size, 3), dtype=torch.uint8, device=device)
         with state.lock:  # a second thread on this stream waits for this batch's crops
             for a, b in canvas_chunks(shapes):
@@ -370,7 +402,8 @@ class NvjpegBackend(JpegOnlyBackend):
         return [Need("decoders", "fatal", "backend=nvjpeg decodes on the GPU, and none is used "
                      "here", "Run on a GPU machine, or backend=turbo.")]  # fmt: skip
 
-    def __init__(self, hw_load: float = 0.9):
+    def __init__(self, hw_load: float = 0.9, cpu_threads: int | None = None,
+                 fancy_upsampling: bool = True, preallocate: bool = False):  # fmt: skip
         if not torch.cuda.is_available():
             raise ConfigError(
                 "backend=nvjpeg decodes JPEGs on the GPU with nvImageCodec, but CUDA is not "
@@ -378,17 +411,17 @@ class NvjpegBackend(JpegOnlyBackend):
                 "(fastest here), backend=pil or backend=pillow-simd."
             )
         self.counts = Counts(*(f"decode_fallback_{r}" for r in NVJPEG_FALLBACK_REASONS))
-        self.device_decoder = NvjpegDecoder(hw_load)
+        self.device_decoder = NvjpegDecoder(hw_load, cpu_threads, fancy_upsampling, preallocate)
 
     def info(self) -> dict:
         from fastload.decode import roi_nvimgcodec
 
         version = roi_nvimgcodec.package_version() or "unknown"
-        hw = (
-            f"hardware decoder {self.device_decoder.hw_load:g} of each batch, "
-            if (self.device_decoder.hw_load)
-            else ""
-        )
+        d = self.device_decoder
+        hw = f"hardware decoder {d.hw_load:g} of each batch, " if d.hw_load else ""
+        hw += f"{d.cpu_threads} host threads, " if d.cpu_threads else ""
+        hw += "" if d.fancy_upsampling else "simple upsampling, "
+        hw += "preallocated, " if d.preallocate else ""
         return {
             "decoder": f"nvjpeg (nvimgcodec-{version}, {hw}whole images, batched crop)",
             "decoder_fallback": pillow_name(),
