@@ -492,18 +492,18 @@ def apply(plan, cfg: DictConfig, choice: dict | None):
     if choice is None:
         return plan
     plan = plan.with_loader(**{k: choice[k] for k in TUNED})
-    if choice["backend"] != getattr(plan.backend, "name", None):
+    swapped = choice["backend"] != getattr(plan.backend, "name", None)
+    if swapped:
         from hydra.utils import instantiate
 
+        plan = plan.replace(backend=instantiate(backend_config(choice["backend"])))
+    # A device decoder, chosen or configured and kept, runs as its trial ran: in the prep thread.
+    threaded = with_prep_thread(plan, plan.backend)
+    if swapped:  # a combination that cannot work is refused here too
         from fastload.pipeline import normalize_on
 
-        backend = instantiate(backend_config(choice["backend"]))
-        plan = with_prep_thread(plan, backend).replace(backend=backend)
-        # a combination that cannot work is refused here too
-        normalize_on(cfg, backend, loader_target=plan.loader["_target_"])
-    # A device decoder, configured and kept, runs as its trial ran too: in the prep thread.
-    threaded = with_prep_thread(plan, plan.backend)
-    if threaded.loader["_target_"] != getattr(cfg.loader, "_target_", None):
+        normalize_on(cfg, threaded.backend, loader_target=threaded.loader["_target_"])
+    if threaded is not plan:
         log.info("loader=auto: backend=%s runs with loader=prefetch (its decode in a prep "
                  "thread, beside the step)", choice["backend"])  # fmt: skip
     return threaded

@@ -169,7 +169,7 @@ class NvjpegDecoder:
         ):
             raise ConfigError(
                 f"backend.cpu_threads={cpu_threads!r}: nvImageCodec's host threads for the GPU "
-                "decoder, a whole number >= 1, or null (its default: usable cores - 1)."
+                "decoder, a whole number >= 1, or null (its default: about one per core)."
             )
         for key, value in (("fancy_upsampling", fancy_upsampling), ("preallocate", preallocate)):
             if not isinstance(value, bool):
