@@ -399,3 +399,21 @@ def test_bench_train_profile_runs_one_more_epoch_left_out_of_the_figures(tiny_fo
         assert rows[3][loop]["window_ms"] > 0
         assert rows[3][loop]["gpu_busy_share"] is None  # a CPU run: no GPU activity
     assert "profiled epoch, run:" in text and "no GPU activity recorded" in text
+
+
+@pytest.mark.parametrize(
+    "module, parser, option, value",
+    [
+        ("fastload.bench.train", "parse", "--json", "x.json"),
+        ("fastload.bench.loaders", "parse", "--json", "x.json"),
+        ("fastload.doctor.pipeline", "parse", "--out", "x"),
+        ("fastload.doctor.__main__", "parse_env", "--local-ranks", 2),
+    ],
+)
+def test_overrides_may_come_before_and_after_options(module, parser, option, value):
+    """`... trainer.batch_size=256 --json x.json backend=nvjpeg`: every override is taken,
+    not refused as an unrecognized argument for coming after an option."""
+    parse = getattr(importlib.import_module(module), parser)
+    args = parse(["trainer.batch_size=8", option, str(value), "backend=pil", "loader=bg"])
+    assert args.override == ["trainer.batch_size=8", "backend=pil", "loader=bg"]
+    assert getattr(args, option.lstrip("-").replace("-", "_")) == value

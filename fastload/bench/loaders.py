@@ -112,7 +112,7 @@ def parse(argv):
     p.add_argument(
         "override", nargs="*", help="config overrides, e.g. backend=turbo storage=shards"
     )
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     args.strategies = ",".join(
         pick_names(p, "--strategies", args.strategies, config_names("loader"))
     )

@@ -222,7 +222,7 @@ def parse(argv):
         "beside --json",
     )  # fmt: skip
     p.add_argument("override", nargs="*", help="train.py overrides: backend=turbo loader=bg ...")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     if args.model is None and args.step_ms is None:
         args.step_ms = 50.0
     if args.epochs < 1 or args.steps_per_epoch < 1:

@@ -26,7 +26,7 @@ def parse_env(argv: list[str]):
     p.add_argument("--local-ranks", type=int, default=None,
                    help="ranks per node to check for (default: LOCAL_WORLD_SIZE or 1)")  # fmt: skip
     p.add_argument("override", nargs="*", help="train.py overrides: loader.num_workers=8 ...")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     from fastload.dist import local_world_size_from_env
 
     args.local_ranks = args.local_ranks or local_world_size_from_env()

@@ -97,7 +97,7 @@ def parse(argv):
                    help="the run's ranks per node (default $LOCAL_WORLD_SIZE, else 1): the "
                         "doctor measures and advises one rank's share of the cores")  # fmt: skip
     p.add_argument("override", nargs="*", help="train.py overrides: backend=pil loader=bg ...")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     from fastload.dist import local_world_size_from_env
 
     args.local_ranks = args.local_ranks or local_world_size_from_env()
