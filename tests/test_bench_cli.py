@@ -378,6 +378,45 @@ def test_gpu_timeline_sums_each_streams_work_and_the_calls_that_wait():
     assert empty["streams"] == [] and empty["gpu_busy_share"] is None
 
 
+def test_gpu_timeline_charges_the_model_streams_idle_gaps_to_the_late_host_or_to_waiting():
+    """A gap on the model's stream whose next kernel was launched only after the stream went
+    idle is the host's, charged to the launching thread by its most specific name; a gap
+    whose next kernel was queued in time (it waited for another stream's event) is waiting."""
+    from fastload.bench.gpu_timeline import idle_line, summarize
+
+    def span(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1,
+                "tid": args.pop("tid", 0), "args": args}  # fmt: skip
+
+    def thread(tid, name):
+        return {"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
+
+    trace = {"traceEvents": [
+        span("cuda_runtime", "cudaLaunchKernel", 0, 5, correlation=1, tid=11),
+        span("kernel", "conv", 10, 100, stream=7, correlation=1),  # busy 10 .. 110
+        span("cuda_runtime", "cudaLaunchKernel", 20, 5, correlation=2, tid=11),
+        span("kernel", "bn", 150, 50, stream=7, correlation=2),  # 40 us gap, launched in time
+        span("cuda_runtime", "cudaLaunchKernel", 290, 10, correlation=3, tid=12),
+        span("kernel", "relu", 305, 20, stream=7, correlation=3),  # 105 us gap, launch at 300
+        span("cuda_runtime", "cudaLaunchKernel", 390, 20, correlation=4, tid=11),
+        span("kernel", "add", 420, 30, stream=7, correlation=4),  # 95 us gap, launch at 410
+        span("kernel", "nvjpeg_idct", 0, 100, stream=13, correlation=99),  # not the model's
+        thread(11, "thread 11 (python)"), thread(12, "thread 12 (pt_autograd_0)"),
+        thread(12, "thread 12 (python)"),
+    ]}  # fmt: skip
+    got = summarize(trace)["idle"]
+    assert got["stream"] == 7 and got["span_ms"] == pytest.approx(0.44)  # 10 .. 450
+    assert got["idle_ms"] == pytest.approx(0.24)
+    assert got["waiting_ms"] == pytest.approx(0.04)
+    assert got["host_ms"] == pytest.approx(0.2)
+    assert got["host_by_thread"] == pytest.approx(
+        {"thread 12 (pt_autograd_0)": 0.105, "thread 11 (python)": 0.095}
+    )
+    line = idle_line(summarize(trace))
+    assert "the host late 0 ms (thread 12 (pt_autograd_0) 0 ms" in line and "waiting 0 ms" in line
+    assert summarize({"traceEvents": []})["idle"] is None
+
+
 def test_bench_train_profile_runs_one_more_epoch_left_out_of_the_figures(tiny_folder, tmp_path,
                                                                         capsys):  # fmt: skip
     from fastload.bench.__main__ import main

@@ -302,7 +302,7 @@ def trace_paths(json_path: str) -> tuple[Path, Path]:
 
 def print_profile(run_trace: Path, ceiling_trace: Path) -> dict:
     """The profiled epoch of the run beside the ceiling's: GPU time per stream, blocking calls."""
-    from fastload.bench.gpu_timeline import summarize_file, table_rows
+    from fastload.bench.gpu_timeline import idle_line, summarize_file, table_rows
 
     got = {"run": summarize_file(run_trace), "ceiling": summarize_file(ceiling_trace)}
     streams, calls = [], []
@@ -313,6 +313,9 @@ def print_profile(run_trace: Path, ceiling_trace: Path) -> dict:
         busy = summary["gpu_busy_share"]
         print(f"\nprofiled epoch, {label}: {summary['window_ms']:,.0f} ms, the GPU busy "
               + ("n/a (no GPU activity recorded)" if busy is None else f"{100 * busy:.1f} %"))  # fmt: skip
+        line = idle_line(summary)
+        if line:
+            print(f"  the model's {line}")
     if streams:
         print(format_table(streams, list(streams[0])))
     if calls:
