@@ -677,6 +677,46 @@ def test_nvjpeg_decoder_settings_reach_nvimgcodec(kinds, monkeypatch):
             NvjpegDecoder(**{key: bad})
 
 
+def test_nvjpeg_decoders_phases_show_on_its_thread_in_bench_trains_profile(kinds, monkeypatch,
+                                                                          tmp_path):  # fmt: skip
+    """Under the profiler setting `bench train --profile` uses, the device decoder called from
+    another thread (device prep's, as loader=prefetch runs it) leaves its phases in the trace
+    as nvjpeg.* ranges on that thread, beside the starting thread's ops."""
+    import json
+    import threading
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fastload.bench.train import all_threads
+
+    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(64)
+    datas = {k: kinds[k] for k in ("baseline", "grayscale")}
+    gpu_batch(backend, datas, t, "cpu")  # nvImageCodec's decoder made outside the window
+    from torch._C._profiler import _ExperimentalConfig
+
+    if "profile_all_threads" not in (_ExperimentalConfig.__init__.__doc__ or ""):
+        pytest.skip(f"torch {torch.__version__} cannot profile threads it did not start in")
+    config = all_threads()
+    assert config is not None
+    prof = profile(activities=[ProfilerActivity.CPU], experimental_config=config)
+    prof.start()
+    side = threading.Thread(target=gpu_batch, args=(backend, datas, t, "cpu"))
+    side.start()
+    side.join()
+    with record_function("test.starting_thread"):
+        torch.zeros(2).add_(1)
+    prof.stop()
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+             if e.get("ph") == "X"]  # fmt: skip
+    phases = {e["name"]: e["tid"] for e in spans if e["name"].startswith("nvjpeg.")}
+    assert set(phases) == {"nvjpeg.wait_for_canvas", "nvjpeg.code_streams", "nvjpeg.decode",
+                           "nvjpeg.crop_resize"}  # fmt: skip
+    assert len(set(phases.values())) == 1
+    main = {e["tid"] for e in spans if e["name"] == "test.starting_thread"}
+    assert len(main) == 1 and phases["nvjpeg.decode"] not in main
+
+
 def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, caplog):
     """An image nvImageCodec refuses in a batch (None in its results) is decoded by PIL into its
     slot instead: the same pixels as when it is not refused, logged and counted."""

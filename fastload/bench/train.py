@@ -29,6 +29,18 @@ from fastload.bench.common import compose, format_table, one_device, write_json
 from fastload.measure import EVAL_STEP_SHARE, SleepStep
 
 
+def all_threads():
+    """torch.profiler's setting that records every thread's torch ops, not only the starting
+    thread's and autograd's: device prep's thread (backend=nvjpeg's decode, its phases named
+    nvjpeg.*) is in the trace beside the training thread. None where torch lacks it."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
+
+
 class Timeline:
     """What `Epochs` records, kept in memory: each epoch's row and its full wall time (from the
     previous epoch's end, so the boundary and the evaluation are inside). With `trace`, the
@@ -58,7 +70,7 @@ class Timeline:
 
         activities = [ProfilerActivity.CPU]
         activities += [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-        self.profiler = profile(activities=activities)
+        self.profiler = profile(activities=activities, experimental_config=all_threads())
         self.profiler.start()
 
     def save(self, state) -> None:
