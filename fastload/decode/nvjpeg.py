@@ -26,9 +26,12 @@ images decode at full speed; the crop reads the region out of the canvas instead
 
 nvImageCodec's backends, in order: the hardware decoder (NVJPG engines on A100, H100, H200,
 B200 and some others; not on consumer GPUs) takes `hw_load` of each batch, the CUDA decoders
-the rest and whatever the hardware refuses. The GPU time it takes comes out of the model's on
-the same GPU (the engines run beside the SMs, the hybrid decoder and the resize on them): use
-it when the CPUs cannot keep up (few cores per GPU); BENCHMARKS.md has the measured cost.
+the rest and whatever the hardware refuses. What it costs the model is host time more than GPU
+time: on an H200 a compiled ResNet-50's kernels ran as long as on a resident batch, while the
+prep thread's Python (this module's per-batch bookkeeping, nvImageCodec's code streams and
+call) delayed the training and autograd threads' launches by ~9 ms a step (that step is
+launch-bound; `bench train --profile` shows it). Use it when the CPUs cannot keep up (few cores
+per GPU); BENCHMARKS.md has the measured cost.
 
 Files the GPU path does not take (not JPEG, CMYK/YCCK, EXIF-rotated, progressive) are decoded
 in the worker with PIL (the same box), counted as decode_fallback_*, and merged back into
