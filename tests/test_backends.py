@@ -388,6 +388,31 @@ def test_16_bit_grayscale_keeps_its_levels(fmt):
     assert np.array_equal(rgb[..., 0], rgb[..., 2])
 
 
+@pytest.mark.parametrize("mode", ["I", "F"])
+def test_32_bit_and_float_tiffs_are_refused_not_clipped(mode):
+    """Pillow's convert("RGB") clips 32-bit integer and float pixels to 0..255: a float TIFF
+    in 0..1 would train as a black image. Their range is a convention the file does not
+    carry, so the decode refuses them, and the dataset names the file and the fix."""
+    import io
+
+    from fastload.errors import CorruptImageError
+
+    pixels = np.linspace(0, 1, 256, dtype=np.float32).reshape(16, 16)
+    if mode == "I":
+        pixels = (pixels * 100_000).astype(np.int32)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "TIFF")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == mode
+    with pytest.raises(
+        ValueError, match=rf"mode {mode}, TIFF\).*export the images as 8- or 16-bit"
+    ):
+        open_rgb(buf.getvalue())
+    ds = ImageDataset(BytesStorage([("scan.tif", buf.getvalue())]), PILBackend(),
+                      RandomResizedCropFlip(16), seed=0)  # fmt: skip
+    with pytest.raises(CorruptImageError, match=r"mem://scan.tif.*mode .*skip_corrupt=true"):
+        ds[0]
+
+
 def test_a_12_bit_pgm_is_scaled_by_its_maxval():
     levels = np.arange(0, 4096, 16, dtype=">u2").reshape(16, 16)
     data = b"P5\n# a 12-bit scan\n16 16\n4095\n" + levels.tobytes()

@@ -113,7 +113,8 @@ class DecodeBackend(abc.ABC):
 
 def open_rgb(data: bytes) -> Image.Image:
     """Decode to an RGB image the way real datasets need: EXIF orientation applied,
-    grayscale (8 or 16 bits) / CMYK / palette / alpha converted to RGB."""
+    grayscale (8 or 16 bits) / CMYK / palette / alpha converted to RGB; 32-bit integer and
+    float pixels refused (ValueError: their range is unknown)."""
     img = Image.open(io.BytesIO(data))
     img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
     if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PPM"):
@@ -122,6 +123,16 @@ def open_rgb(data: bytes) -> Image.Image:
         # top 8 bits instead, as an 8-bit export of the file would.
         levels = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
         img = Image.fromarray((levels >> 8).astype(np.uint8), "L")
+    elif img.mode in ("I", "F"):
+        # 32-bit integer or float pixels (TIFF): convert("RGB") clips them to 0..255, so a
+        # float image in 0..1 would train as black, a 32-bit one as white; their range is the
+        # file's convention, not in the file, so it is refused rather than guessed per image.
+        kind = "float" if img.mode == "F" else "32-bit integer"
+        raise ValueError(
+            f"{kind} pixels (Pillow mode {img.mode}, {img.format or 'unknown format'}): their "
+            "value range is not 0..255 and the file does not say what it is; export the "
+            "images as 8- or 16-bit (PNG, TIFF or JPEG) with the scaling the data needs"
+        )
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
