@@ -8,7 +8,9 @@ we map onto the same names. One process per GPU; a plain `python train.py` is wo
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -17,6 +19,10 @@ import torch.distributed as dist
 
 from fastload.checkpoint import rng_state
 from fastload.errors import ConfigError, FastloadError
+from fastload.host import slurm_task_per_gpu
+from fastload.telemetry.sampler import torch_device_identity
+
+log = logging.getLogger(__name__)
 
 
 def _from_slurm() -> None:
@@ -64,15 +70,52 @@ def local_world_size_from_env() -> int:
 def check_gpus_for_ranks(local_ranks: int) -> None:
     """One GPU per local rank, or one clear error before any process group exists (NCCL
     would otherwise fail with "Duplicate GPU detected" and a wall of tracebacks)."""
-    gpus = torch.cuda.device_count()
-    if local_ranks > gpus:
-        from fastload.errors import ConfigError
+    gpu_index(0, local_ranks)
 
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+
+def gpu_index(local_rank: int, local_ranks: int) -> int:
+    """The index, among the GPUs this process sees, of its rank's GPU: its local rank where
+    it sees one per local rank (torchrun; srun --gpus-per-node); 0 where a Slurm task sees a
+    single GPU of its own (srun --gpus-per-task=1 or --gpu-bind give each task another
+    CUDA_VISIBLE_DEVICES; `check_distinct_gpus` then makes sure no two tasks of a node got
+    the same one); else one clear error."""
+    gpus = torch.cuda.device_count()
+    if local_ranks <= gpus:
+        return local_rank
+    if gpus == 1 and slurm_task_per_gpu():
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise ConfigError(
+        f"{local_ranks} ranks on this node but {gpus} GPU(s) visible{where}: each rank "
+        f"needs its own GPU. Start one rank per GPU (torchrun --nproc_per_node={gpus}; under "
+        f"Slurm --ntasks-per-node={gpus}, or --gpus-per-task=1), or run the ranks on the CPU "
+        f"with trainer.device=cpu."
+    )
+
+
+def check_distinct_gpus(store, host: str, local_rank: int, local_ranks: int, uuid: str) -> None:
+    """Every rank of a node publishes its GPU's UUID in the rendezvous store and reads its
+    node's others': two ranks on one GPU (Slurm tasks bound to the same device) are one
+    clear error on each of them, before NCCL fails at its first collective."""
+    node = f"{host}/{os.environ.get('GROUP_RANK') or os.environ.get('SLURM_NODEID') or 0}"
+    store.set(f"{node}/{local_rank}", uuid)
+    keys = [f"{node}/{i}" for i in range(local_ranks)]
+    try:  # the rendezvous is done: every rank of the node is here within seconds
+        store.wait(keys, datetime.timedelta(seconds=60))
+    except Exception as exc:  # a local rank count the launcher got wrong: no check, no stop
+        log.debug("not checking for shared GPUs: %s", exc)
+        return
+    owners: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        owners.setdefault(store.get(key).decode(), []).append(i)
+    shared = owners.get(uuid, [])
+    if len(shared) > 1:
+        ranks = ", ".join(map(str, shared))
         raise ConfigError(
-            f"{local_ranks} ranks on this node but {gpus} GPU(s) visible{where}: each rank "
-            f"needs its own GPU. Start one rank per GPU (torchrun --nproc_per_node={gpus}), or "
+            f"local ranks {ranks} on {host} all run on GPU {uuid}: each rank needs its own "
+            f"GPU. Under Slurm give every task its own (srun --gpus-per-task=1 or --gpu-bind; "
+            f"or --gpus-per-node=N with --ntasks-per-node=N, each task seeing them all), or "
             f"run the ranks on the CPU with trainer.device=cpu."
         )
 
@@ -104,14 +147,11 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
-        from fastload.errors import ConfigError
-
         raise ConfigError(
             "trainer.device=cuda but no CUDA device is visible; use trainer.device=auto."
         )
     if use_cuda:
-        check_gpus_for_ranks(local_world_size_from_env())
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(gpu_index(local_rank, local_world_size_from_env()))
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
@@ -127,6 +167,11 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
             backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(minutes=30)
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        uuid = torch_device_identity(dev.index)[0] if use_cuda else None
+        if uuid is not None:
+            gpus = dist.PrefixStore(f"{attempt_prefix()}gpus/", store)
+            check_distinct_gpus(gpus, socket.gethostname(), local_rank, ctx.local_world_size,
+                                uuid)  # fmt: skip
         dist.init_process_group(
             backend=backend,
             store=dist.PrefixStore(attempt_prefix(), store),

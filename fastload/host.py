@@ -43,6 +43,18 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
+def slurm_task_per_gpu() -> bool:
+    """Started by srun as one of several tasks, not by torchrun (whose ranks share one
+    CUDA_VISIBLE_DEVICES): such a task may see a single GPU of its own (srun
+    --gpus-per-task=1, --gpu-bind)."""
+    env = os.environ
+    return (
+        "SLURM_PROCID" in env
+        and int(env.get("SLURM_NTASKS", "1")) > 1
+        and "TORCHELASTIC_RUN_ID" not in env
+    )
+
+
 def usable_cores() -> int:
     """Cores this process may run on (cpuset / taskset aware, unlike os.cpu_count())."""
     try:

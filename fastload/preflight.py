@@ -34,6 +34,7 @@ from fastload.host import (
     auto_num_workers,
     fs_type,
     shm_bytes,
+    slurm_task_per_gpu,
     total_ram,
     usable_cores,
 )
@@ -395,10 +396,12 @@ def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     msg = f"{len(facts.gpus)} x {gpus}"
     if device == "cpu":  # the GPUs are not used: neither the rank count nor NVML matters
         return Check(name, OK, f"{msg}, unused: trainer.device=cpu")
-    if a.ranks > len(facts.gpus):  # whether NVML is there or not
+    own_gpu = len(facts.gpus) == 1 and slurm_task_per_gpu()  # srun --gpus-per-task=1
+    if a.ranks > len(facts.gpus) and not own_gpu:  # whether NVML is there or not
         return Check(name, FATAL, f"{msg}, {facts.nvml or 'no NVML'}; {a.ranks} local ranks "
                      f"need one GPU each",
-                     f"torchrun --nproc_per_node={len(facts.gpus)}, or trainer.device=cpu.")  # fmt: skip
+                     f"torchrun --nproc_per_node={len(facts.gpus)} (Slurm: --ntasks-per-node="
+                     f"{len(facts.gpus)}, or --gpus-per-task=1), or trainer.device=cpu.")  # fmt: skip
     if facts.nvml is None:
         return Check(name, WARN, f"{msg}; NVML unavailable ({facts.nvml_error or 'no driver'}): "
                      "GPU utilisation will not be recorded",

@@ -132,7 +132,7 @@ def test_pillow_simd_without_avx2_warns_and_on_arm_is_fatal():
     assert checks(["backend=pil"], cpu_flags=no_avx2)["CPU flags"].status == "ok"
 
 
-def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
+def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(monkeypatch):
     no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
     dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
     assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
@@ -173,6 +173,13 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix():
     # too many ranks is said without NVML too (not only its warning)
     ranks = checks(["trainer.device=auto"], ranks=2, gpus=["NVIDIA H100"], nvml=None)["GPU"]
     assert ranks.status == "fatal" and "no NVML; 2 local ranks need one GPU each" in ranks.message
+    # srun --gpus-per-task=1: each of the node's tasks sees a GPU of its own
+    for key, value in (("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    own = checks(["trainer.device=auto"], ranks=2, gpus=["NVIDIA H100"], nvml="driver 550")["GPU"]
+    assert own.status == "ok", own
+    monkeypatch.delenv("SLURM_PROCID")
     # trainer.device=cpu on a GPU box (gloo DDP, the CPU tests): the GPUs do not count
     cpu = checks(["trainer.device=cpu"], ranks=2, gpus=["NVIDIA H100"], nvml=None)["GPU"]
     assert cpu.status == "ok" and "unused" in cpu.message

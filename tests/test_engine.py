@@ -210,6 +210,67 @@ def test_more_local_ranks_than_gpus_is_one_clear_error(monkeypatch):
     assert "--nproc_per_node=1" in msg and "trainer.device=cpu" in msg
 
 
+def test_a_slurm_task_bound_to_its_own_gpu_uses_it(monkeypatch):
+    """srun --gpus-per-task=1: each of a node's 4 tasks sees one GPU (its own
+    CUDA_VISIBLE_DEVICES) and uses it as device 0; under torchrun (its ranks share what they
+    see) or as the only task, 4 local ranks on 1 visible GPU stay an error."""
+    from fastload import dist
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for key in ("SLURM_PROCID", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError, match="--gpus-per-task=1"):
+        dist.gpu_index(3, 4)
+    monkeypatch.setenv("SLURM_PROCID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert dist.gpu_index(3, 4) == 0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # torchrun inside an allocation
+    with pytest.raises(ConfigError, match="4 ranks on this node but 1 GPU"):
+        dist.gpu_index(3, 4)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert dist.gpu_index(3, 4) == 3  # one GPU per local rank: its own index
+
+
+def test_ranks_of_a_node_on_one_gpu_are_one_clear_error_each(monkeypatch):
+    """Each rank publishes its GPU's UUID in the rendezvous store: distinct ones pass; two
+    local ranks bound to the same GPU each raise one error naming the ranks, the GPU and
+    the Slurm options, before NCCL would fail; another node's keys are its own."""
+    import threading
+
+    import torch.distributed as tdist
+
+    from fastload import dist
+
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    monkeypatch.setenv("SLURM_NODEID", "0")
+
+    def ranks(uuids, store):
+        errors = {}
+
+        def one(i):
+            try:
+                dist.check_distinct_gpus(store, "node-a", i, len(uuids), uuids[i])
+            except ConfigError as exc:
+                errors[i] = exc.user_message
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(uuids))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        return errors
+
+    assert ranks(["GPU-a", "GPU-b", "GPU-c"], tdist.HashStore()) == {}
+    errors = ranks(["GPU-a", "GPU-b", "GPU-a"], tdist.HashStore())
+    assert sorted(errors) == [0, 2]
+    assert "local ranks 0, 2 on node-a all run on GPU GPU-a" in errors[0]
+    assert "--gpus-per-task=1" in errors[2] and "trainer.device=cpu" in errors[2]
+    store = tdist.HashStore()
+    assert ranks(["GPU-a"], store) == {}
+    monkeypatch.setenv("SLURM_NODEID", "1")  # a second node of the same name: its own keys
+    assert ranks(["GPU-a"], store) == {}
+
+
 @pytest.mark.parametrize(
     "env, want",
     [
