@@ -163,7 +163,7 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
             totals = sums if totals is None else totals + sums
             timer.add_samples(len(batch["target"]))
         else:  # every sample skipped as corrupt: under DDP the rank still joins the step
-            step.train_empty(batch.get("skipped_files", ()))
+            step.train_empty(batch.get("skipped_files", ()), getattr(loader, "spare_batch", None))
         step.after_step()
         steps += 1
         if after_step is not None:

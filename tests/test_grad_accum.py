@@ -174,13 +174,28 @@ def _ddp_rank(rank: int, world: int, init: str, tmp_path, out) -> None:
             step.after_step()
         flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
         out.put((rank, "empty", step.state.scheduler.last_epoch, flat.tolist()))
+        # rank 1's first batch was all corrupt: no batch to take two samples from yet, so it
+        # trains on the loader's spare ones (spare_batch) at weight 0, and nothing waits
+        state, step = make_step(tmp_path / "first", 1, 4, steps_per_epoch=3, ctx=ctx)
+        step.train_mode()
+        step.begin(3)
+        for i, batch in enumerate(batches(3, 4, seed=30 + rank)):
+            if (rank, i) == (1, 0):
+                step.train_empty(["a.jpg"], spare=lambda: batches(1, 4, seed=99)[0])
+            else:
+                step.train(batch)
+            step.after_step()
+        flat = torch.cat([p.detach().flatten() for p in state.model.parameters()])
+        out.put((rank, "first", step.state.scheduler.last_epoch, flat.tolist()))
     finally:
         torch_dist.destroy_process_group()
 
 
 def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
+    """Also with a rank whose batch held no decodable sample: a zero-weight pass on two
+    samples of its first batch, or before it has one, on the loader's spare ones."""
     world = 2
-    results = run_gloo_ranks(_ddp_rank, tmp_path, world, messages=3)
+    results = run_gloo_ranks(_ddp_rank, tmp_path, world, messages=4)
     by = {(rank, accum): (calls, torch.tensor(flat)) for rank, accum, calls, flat in results}
     # 4 batches: 4 all-reduce rounds without accumulation, 2 with groups of 2 (no_sync)
     assert by[0, 1][0] == by[1, 1][0] == 2 * by[0, 2][0] == 2 * by[1, 2][0]
@@ -188,6 +203,8 @@ def test_ddp_all_reduces_once_per_group_and_ranks_stay_equal(tmp_path):
     torch.testing.assert_close(by[0, 2][1], by[1, 2][1], rtol=0, atol=0)  # in sync
     assert by[0, "empty"][0] == by[1, "empty"][0] == 2
     torch.testing.assert_close(by[0, "empty"][1], by[1, "empty"][1], rtol=0, atol=0)
+    assert by[0, "first"][0] == by[1, "first"][0] == 3
+    torch.testing.assert_close(by[0, "first"][1], by[1, "first"][1], rtol=0, atol=0)
     # and the update is the one the same samples make on one process in batches of 16
     state, step = make_step(tmp_path / "one", 1, 16, steps_per_epoch=2)  # the same schedule
     per_rank = [batches(4, 4, seed=10 + r) for r in range(world)]

@@ -1049,3 +1049,31 @@ def test_loaders_time_their_wait_for_the_gpus_queue_where_their_copy_waits_for_i
         loader.device_prep = real
         loader.close()
     assert drains == [False, False]
+
+
+@pytest.mark.parametrize("loader", ["baseline", "prefetch"])
+def test_spare_batch_is_the_first_decodable_samples_as_the_step_takes_them(tmp_path, loader):
+    """A DDP rank whose first batch held no decodable sample trains at weight 0 on two spare
+    samples: the dataset's first decodable ones (the corrupt ones before them passed over),
+    collated and through device prep like any batch; None when none is decodable."""
+    root = make_image_folder(tmp_path / "d", per_split=(3, 1))  # 9 training images
+    over = [f"loader={loader}", "dataset.skip_corrupt=true", "loader.num_workers=2"]
+    loader_ = build_test_loader(*over, folder=root)
+    reader = loader_.dataset.reader
+    for index in (0, 1, 2):
+        Path(reader.describe(index)).write_bytes(b"not an image")
+    try:
+        spare = loader_.spare_batch()
+        assert spare["image"].shape == (2, 3, 24, 24) and spare["image"].dtype == torch.float32
+        want = [int(loader_.dataset.labels[i]) for i in (3, 4)]
+        assert spare["target"].tolist() == want and spare["skipped"] == 0
+        assert abs(float(spare["image"].mean())) < 3  # normalised, not 0..255
+    finally:
+        loader_.close()
+    for index in range(len(reader)):
+        Path(reader.describe(index)).write_bytes(b"not an image")
+    loader_ = build_test_loader(*over, folder=root)
+    try:
+        assert loader_.spare_batch() is None
+    finally:
+        loader_.close()

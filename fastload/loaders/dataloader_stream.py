@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fastload.data import elastic
-from fastload.data.batch import PART, collate
+from fastload.data.batch import PART, Skipped, collate
 from fastload.data.sampling import EpochBatches
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
@@ -58,6 +58,7 @@ from fastload.loaders.workers import (
 from fastload.torch_internals import shutdown_workers, stop_persistent_workers
 
 log = logging.getLogger(__name__)
+SPARE_SCAN = 1000  # samples spare_batch reads at most for two decodable ones
 
 
 def accelerator_available() -> bool:
@@ -236,6 +237,28 @@ class DataLoaderStream:
         t = time.perf_counter()
         torch.cuda.current_stream(self.device_prep.device).synchronize()
         self.device_drain_s += time.perf_counter() - t
+
+    def spare_batch(self, n: int = 2, scan: int = SPARE_SCAN) -> dict | None:
+        """`n` decodable samples of this loader's dataset (the first by index, epoch 0's
+        draw), collated and put on the device as the step takes a batch, or None where the
+        first `scan` hold none or the storage cannot read by index: what a DDP rank whose
+        first batch held no decodable sample trains on at weight 0 (Step.train_empty).
+        Decoded here, in the main process: it happens once, if ever."""
+        found = []
+        try:
+            for index in range(min(len(self.dataset), scan)):
+                sample = self.dataset[(0, index)]
+                if not isinstance(sample, Skipped):
+                    found.append(sample)
+                if len(found) == n:
+                    break
+        except Exception as exc:  # a streaming storage, a dataset that takes no such key
+            log.warning("no spare samples for the step: %s", exc)
+            return None
+        if not found:
+            return None
+        inner = self.collate.collate if isinstance(self.collate, SlotCollate) else self.collate
+        return self.device_prep(inner(found))  # fresh tensors: no worker's reused slot
 
     def _plan(self, epoch: int, skip: int) -> list[tuple[int, int, int]]:
         last = self.last_epoch if self.last_epoch is not None else epoch

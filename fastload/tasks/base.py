@@ -244,7 +244,7 @@ class TrainStep(abc.ABC):
         self.backwards += 1
         return sums
 
-    def train_empty(self, skipped_files=()) -> None:
+    def train_empty(self, skipped_files=(), spare=None) -> None:
         """Under DDP every rank's forward broadcasts buffers and its backward all-reduces the
         gradients, in step with the other ranks': a rank that skipped both would leave them
         waiting (a hang until the process group's timeout) or pair its next step's
@@ -252,16 +252,24 @@ class TrainStep(abc.ABC):
         batch with the loss weighted 0 (nothing learnt from them) and its buffers
         (BatchNorm's running statistics) put back after. DDP averages over all ranks, so that
         update's gradient is the other ranks' scaled by their share of the world; every rank
-        makes the same update, as it must to stay in step."""
+        makes the same update, as it must to stay in step. Before a first batch with a
+        decodable sample, the two come from `spare()` (the loader's `spare_batch`: the
+        dataset's first decodable samples), so that this rank does not stop alone while the
+        others wait for it."""
         if not self.distributed:
             return
+        if self.spare is None and spare is not None:
+            batch = spare()
+            if batch is not None and batch.get(IMAGE) is not None:
+                self.spare = {k: first_two(batch[k]) for k in (IMAGE, TARGET)}
         if self.spare is None:
             shown = ", ".join(map(str, list(skipped_files)[:4])) or "not named"
             raise DatasetError(
                 f"rank {self.rank}: its first training batch held no decodable sample (every "
-                f"one was skipped as corrupt; files: {shown}), so it has nothing to take part "
-                f"in the other ranks' step with. Fix or remove those files, or run with "
-                f"dataset.skip_corrupt=false to stop at the first one with its error."
+                f"one was skipped as corrupt; files: {shown}), and neither did the first "
+                f"samples of its dataset, so it has nothing to take part in the other ranks' "
+                f"step with. Fix or remove those files, or run with dataset.skip_corrupt=false "
+                f"to stop at the first one with its error."
             )
         kept = [b.detach().clone() for b in self.state.model.buffers()]
         self.train(self.spare, weight=0.0)
