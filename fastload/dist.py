@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fastload.checkpoint import rng_state
 from fastload.errors import ConfigError, FastloadError
-from fastload.host import slurm_task_per_gpu
+from fastload.host import gpus_suffice
 from fastload.telemetry.sampler import torch_device_identity
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,8 @@ def gpu_index(local_rank: int, local_ranks: int) -> int:
     CUDA_VISIBLE_DEVICES; `check_distinct_gpus` then makes sure no two tasks of a node got
     the same one); else one clear error."""
     gpus = torch.cuda.device_count()
-    if local_ranks <= gpus:
-        return local_rank
-    if gpus == 1 and slurm_task_per_gpu():
-        return 0
+    if gpus_suffice(local_ranks, gpus):
+        return local_rank if local_ranks <= gpus else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     raise ConfigError(

@@ -43,13 +43,17 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
 
 
-def slurm_task_per_gpu() -> bool:
-    """Started by srun as one of several tasks, not by torchrun (whose ranks share one
-    CUDA_VISIBLE_DEVICES): such a task may see a single GPU of its own (srun
-    --gpus-per-task=1, --gpu-bind)."""
+def gpus_suffice(local_ranks: int, gpus: int) -> bool:
+    """Whether `gpus` visible GPUs give each of a node's `local_ranks` ranks its own: one per
+    local rank, or a single one where this process is one of several srun tasks, not
+    torchrun's (whose ranks share one CUDA_VISIBLE_DEVICES): srun --gpus-per-task=1 or
+    --gpu-bind give each task a GPU of its own (fastload.dist checks that they differ)."""
+    if local_ranks <= gpus:
+        return True
     env = os.environ
     return (
-        "SLURM_PROCID" in env
+        gpus == 1
+        and "SLURM_PROCID" in env
         and int(env.get("SLURM_NTASKS", "1")) > 1
         and "TORCHELASTIC_RUN_ID" not in env
     )

@@ -33,8 +33,8 @@ from fastload.host import (
     SHM,
     auto_num_workers,
     fs_type,
+    gpus_suffice,
     shm_bytes,
-    slurm_task_per_gpu,
     total_ram,
     usable_cores,
 )
@@ -396,8 +396,7 @@ def check_gpu(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     msg = f"{len(facts.gpus)} x {gpus}"
     if device == "cpu":  # the GPUs are not used: neither the rank count nor NVML matters
         return Check(name, OK, f"{msg}, unused: trainer.device=cpu")
-    own_gpu = len(facts.gpus) == 1 and slurm_task_per_gpu()  # srun --gpus-per-task=1
-    if a.ranks > len(facts.gpus) and not own_gpu:  # whether NVML is there or not
+    if not gpus_suffice(a.ranks, len(facts.gpus)):  # whether NVML is there or not
         return Check(name, FATAL, f"{msg}, {facts.nvml or 'no NVML'}; {a.ranks} local ranks "
                      f"need one GPU each",
                      f"torchrun --nproc_per_node={len(facts.gpus)} (Slurm: --ntasks-per-node="
