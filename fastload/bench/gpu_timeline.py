@@ -88,8 +88,9 @@ def summarize(trace: dict) -> dict:
             args = e.get("args") or {}
             key = args.get("stream", e.get("tid"))
             s = streams.setdefault(key, {"kernels_ms": 0.0, "copies_ms": 0.0, "spans": [],
-                                         "by_name": {}})  # fmt: skip
+                                         "by_name": {}, "ops": []})  # fmt: skip
             s[GPU_WORK[cat]] += dur / 1000
+            s["ops"].append(e)
             s["spans"].append((start, start + dur))
             everything.append((start, start + dur))
             if cat == "kernel":
@@ -113,25 +114,22 @@ def summarize(trace: dict) -> dict:
             }
         )
     rows.sort(key=lambda r: -(r["kernels_ms"] + r["copies_ms"]))
+    model = rows[0]["stream"] if rows else None  # the heaviest stream: the model's
     return {
         "window_ms": window / 1000,
         "gpu_busy_share": union_us(everything) / window if everything and window else None,
         "streams": rows,
         "blocking": sorted(calls.values(), key=lambda c: -c["total_ms"]),
-        "idle": idle(trace["traceEvents"], rows[0]["stream"]) if rows else None,  # the model's
+        "idle": idle(trace["traceEvents"], model, streams[model]["ops"]) if rows else None,
     }
 
 
-def idle(events: list, stream) -> dict:
+def idle(events: list, stream, ops: list) -> dict:
     """{"stream", "span_ms", "idle_ms", "host_ms", "waiting_ms", "host_by_thread"} of one
-    stream: the gaps between its GPU operations from its first to its last, charged to the
-    host when the operation after the gap was launched by a call that returned after the gap
-    began (per launching thread, by name), else to waiting."""
-    ops = sorted(
-        (e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK
-         and (e.get("args") or {}).get("stream", e.get("tid")) == stream),
-        key=lambda e: float(e["ts"]),
-    )  # fmt: skip
+    stream, whose GPU operations (trace events) are `ops`: the gaps between them from its
+    first to its last, charged to the host when the operation after the gap was launched by a
+    call that returned after the gap began (per launching thread, by name), else to waiting."""
+    ops = sorted(ops, key=lambda e: float(e["ts"]))
     launches = {
         e["args"]["correlation"]: e
         for e in events
