@@ -8,7 +8,7 @@ ARGS   ?=
 
 .PHONY: setup train test test-all lint format bench clean
 
-$(STAMP): pyproject.toml fastload/decode/_jpeg_region.c
+$(STAMP): pyproject.toml setup.py fastload/decode/_jpeg_region.c fastload/decode/_nvimgcodec_batch.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev]"

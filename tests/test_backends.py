@@ -184,11 +184,11 @@ def make_backend(name, monkeypatch):
 
         monkeypatch.setitem(sys.modules, "accimage", FakeAccimage())
         return AccimageBackend()
-    if name == "nvjpeg-on-cpu":
+    if name.startswith("nvjpeg-on-cpu"):  # -python: through nvImageCodec's Python binding
         from fastload.decode.nvjpeg import NvjpegBackend
 
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        return NvjpegBackend()
+        return NvjpegBackend(binding="python" if name.endswith("-python") else "auto")
     raise AssertionError(name)
 
 
@@ -735,27 +735,31 @@ def test_nvjpeg_decoders_phases_show_on_its_thread_in_bench_trains_profile(kinds
     spans = [e for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
              if e.get("ph") == "X"]  # fmt: skip
     phases = {e["name"]: e["tid"] for e in spans if e["name"].startswith("nvjpeg.")}
-    assert set(phases) == {"nvjpeg.wait_for_canvas", "nvjpeg.code_streams", "nvjpeg.decode",
-                           "nvjpeg.crop_resize"}  # fmt: skip
+    # the C call makes the code streams inside its decode: no phase of their own
+    assert set(phases) == {"nvjpeg.wait_for_canvas", "nvjpeg.decode", "nvjpeg.crop_resize"}
     assert len(set(phases.values())) == 1
     main = {e["tid"] for e in spans if e["name"] == "test.starting_thread"}
     assert len(main) == 1 and phases["nvjpeg.decode"] not in main
 
 
-def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, caplog):
-    """An image nvImageCodec refuses in a batch (None in its results) is decoded by PIL into its
-    slot instead: the same pixels as when it is not refused, logged and counted."""
-    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(64)
+@pytest.mark.parametrize("binding", ["c", "python"])
+def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, caplog, binding):
+    """An image nvImageCodec refuses in a batch (a non-zero code from the C call, None from the
+    Python binding) is decoded by PIL into its slot instead: the same pixels as when it is not
+    refused, logged and counted."""
+    backend = make_backend("nvjpeg-on-cpu" + ("-python" if binding == "python" else ""),
+                           monkeypatch)  # fmt: skip
+    t = RandomResizedCropFlip(64)
     datas = {k: kinds[k] for k in ("baseline", "grayscale")}
     want = gpu_batch(backend, datas, t, "cpu")
     state = backend.device_decoder.state(torch.device("cpu"))
+    assert state.native == (binding == "c")
     dec = state.decoder
-    real = type(dec).decode
 
     class RefusesTheFirst:
-        def decode(self, streams, **kwargs):
-            got = real(dec, streams, **kwargs)
-            return [None, *got[1:]]
+        def decode(self, *args, **kwargs):
+            got = dec.decode(*args, **kwargs)
+            return (b"\x03" + got[1:]) if state.native else [None, *got[1:]]
 
     state.decoder = RefusesTheFirst()
     got = gpu_batch(backend, datas, t, "cpu")
@@ -766,9 +770,9 @@ def test_nvjpeg_decoder_decodes_refused_images_on_the_host(kinds, monkeypatch, c
 
 def test_nvjpeg_decoder_reuses_its_canvases_in_turn_and_their_image_objects(kinds, monkeypatch):
     """The decoder's targets: two canvases per stream used in turn (a decode never writes the
-    canvas whose crops were just queued), each with its nvImageCodec image objects made once
-    per slot layout; batch after batch, the pixels stay those of a fresh decoder."""
-    backend, t = make_backend("nvjpeg-on-cpu", monkeypatch), RandomResizedCropFlip(48)
+    canvas whose crops were just queued), each with the Python binding's image objects made
+    once per slot layout; batch after batch, the pixels stay those of a fresh decoder."""
+    backend, t = make_backend("nvjpeg-on-cpu-python", monkeypatch), RandomResizedCropFlip(48)
     datas = {k: kinds[k] for k in ("baseline", "grayscale", "png_rgba")}
     first = gpu_batch(backend, datas, t, "cpu")
     state = backend.device_decoder.state(torch.device("cpu"))
@@ -783,6 +787,80 @@ def test_nvjpeg_decoder_reuses_its_canvases_in_turn_and_their_image_objects(kind
     for kind in datas:
         assert np.array_equal(first[kind], second[kind]), kind
         assert np.array_equal(first[kind], third[kind]), kind
+
+
+def test_nvjpeg_c_call_gives_the_bindings_pixels_batch_after_batch(kinds, monkeypatch):
+    """backend.binding=auto takes fastload's C call (built with the project), =python
+    nvImageCodec's binding: the same pixels for every kind, batch after batch with other images
+    in each slot (the C call reuses its code streams and image objects per slot)."""
+    t = RandomResizedCropFlip(64)
+    c = make_backend("nvjpeg-on-cpu", monkeypatch)
+    py = make_backend("nvjpeg-on-cpu-python", monkeypatch)
+    names = list(kinds)
+    for order in (names, names[::-1], names[2:] + names[:2]):
+        datas = {k: kinds[k] for k in order}
+        want, got = gpu_batch(py, datas, t, "cpu"), gpu_batch(c, datas, t, "cpu")
+        for kind in order:
+            assert np.array_equal(got[kind], want[kind]), kind
+    assert c.device_decoder.state(torch.device("cpu")).native
+    assert not py.device_decoder.state(torch.device("cpu")).native
+    assert "C batch call" in c.info()["decoder"] and "Python binding" in py.info()["decoder"]
+
+
+def test_c_batch_call_codes_each_refusal_and_checks_its_arguments(kinds):
+    """The C call's contract: one code per image (0 decoded into the top-left of its slot, 1
+    unparsable, 2 larger than its slot); offsets and slot sizes that would read or write out
+    of bounds are refused before any decode."""
+    from fastload.decode import nvimgcodec_batch as nb
+
+    ext = nb.choose("c")
+    dec = ext.Decoder(nb.DEVICE_CPU_ONLY, 1, [(nb.CPU_ONLY, 1.0)], "")
+    good, gray = kinds["baseline"], kinds["grayscale"]
+    w, h = Image.open(io.BytesIO(good)).size
+    items = [good, b"not a jpeg at all", gray]
+    data = np.frombuffer(b"".join(items), dtype=np.uint8)
+    offsets = np.cumsum([0] + [len(x) for x in items]).astype(np.int64)
+    rows, cols = h + 3, w + 5  # padded slots: pixels at the top-left, the rest untouched
+    canvas = np.full((3, rows, cols, 3), 7, dtype=np.uint8)
+
+    def decode(offs=offsets, slot=rows * cols * 3, stride=cols * 3, r=rows, c=cols):
+        return dec.decode(data, offs, canvas.ctypes.data, slot, stride, r, c, 0)
+
+    assert list(decode()) == [0, 1, 0]
+    for k, name in ((0, "baseline"), (2, "grayscale")):
+        want = np.array(open_rgb(kinds[name]))
+        assert psnr(canvas[k, :h, :w], want) >= 45.0, name
+        assert (canvas[k, h:] == 7).all() and (canvas[k, :, w:] == 7).all()
+    assert (canvas[1] == 7).all()
+    assert list(decode(r=h - 1, slot=(h - 1) * cols * 3)) == [2, 1, 2]
+    for bad in (offsets[::-1].copy(), offsets + 1, offsets.astype(np.int32)):
+        with pytest.raises(ValueError, match="offsets"):
+            decode(offs=bad)
+    with pytest.raises(ValueError, match="slot"):
+        decode(slot=rows * cols * 3 - 1)
+
+
+def test_nvjpeg_binding_option_is_checked_and_its_fallback_named(monkeypatch):
+    """backend.binding: a value it does not take is refused; =c where the C call does not load
+    is refused with how to build it; =auto there warns before the run (doctor / pre-flight)
+    and goes on through the Python binding."""
+    from fastload.decode import nvimgcodec_batch as nb
+    from fastload.decode.nvjpeg import NvjpegBackend, NvjpegDecoder
+
+    with pytest.raises(ConfigError, match="backend.binding='fast'.*auto.*c or python"):
+        NvjpegDecoder(binding="fast")
+    monkeypatch.setattr(nb, "_LOADED", True)
+    monkeypatch.setattr(nb, "_EXT", None)
+    monkeypatch.setattr(nb, "UNAVAILABLE_REASON", nb.BUILD_HINT)
+    with pytest.raises(ConfigError, match="binding=c: .*_nvimgcodec_batch.c.*C compiler"):
+        nb.choose("c")
+    assert nb.choose("auto") is None and nb.choose("python") is None
+    monkeypatch.setattr(nb, "built", lambda: False)
+    (need,) = NvjpegBackend.needs({"binding": "auto"}, None, on_cuda=True)
+    assert need.status == "warn" and "Python binding" in need.message and "pip install" in need.fix
+    (need,) = NvjpegBackend.needs({"binding": "c"}, None, on_cuda=True)
+    assert need.status == "fatal"
+    assert NvjpegBackend.needs({"binding": "python"}, None, on_cuda=True) == []
 
 
 def test_canvas_chunks_bound_the_padded_canvas():

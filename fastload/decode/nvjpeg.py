@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from fastload.decode import nvimgcodec_batch
 from fastload.decode.base import DeferredSample, JpegOnlyBackend, Need, open_rgb
 from fastload.decode.batched_crop import plan, resize_regions
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
@@ -173,7 +174,8 @@ class NvjpegDecoder:
     the training loader's prep thread and an evaluation loader each get their own."""
 
     def __init__(self, hw_load: float = 0.9, cpu_threads: int | None = None,
-                 fancy_upsampling: bool = True, preallocate: bool = False):  # fmt: skip
+                 fancy_upsampling: bool = True, preallocate: bool = False,
+                 binding: str = "auto"):  # fmt: skip
         if not 0.0 <= float(hw_load) <= 1.0:
             raise ConfigError(
                 f"backend.hw_load={hw_load!r}: the share of each batch for the GPU's hardware "
@@ -192,6 +194,12 @@ class NvjpegDecoder:
         self.hw_load = float(hw_load)
         self.cpu_threads, self.fancy_upsampling = cpu_threads, fancy_upsampling
         self.preallocate = preallocate
+        if binding not in nvimgcodec_batch.BINDINGS:
+            raise ConfigError(
+                f"backend.binding={binding!r}: use auto (fastload's C call where it is built), "
+                "c or python (nvImageCodec's Python binding)."
+            )
+        self.binding = binding  # the decoders are made (and the C call loaded) on first use
         self.refused = 0  # images the device decoder refused, decoded on the host instead
         self._streams: dict = {}  # (device, stream) -> _StreamState
         self._lock = threading.Lock()
@@ -199,7 +207,8 @@ class NvjpegDecoder:
 
     def __getstate__(self):
         return {"hw_load": self.hw_load, "cpu_threads": self.cpu_threads,
-                "fancy_upsampling": self.fancy_upsampling, "preallocate": self.preallocate}  # fmt: skip
+                "fancy_upsampling": self.fancy_upsampling, "preallocate": self.preallocate,
+                "binding": self.binding}  # fmt: skip
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -220,21 +229,27 @@ class NvjpegDecoder:
         return " ".join(out)
 
     def _new_decoder(self, device: torch.device, shapes: list):
+        """(a decoder for `device`, whether it is the C call's): the C call's where
+        backend.binding lets it, else the Python binding's. On a GPU the hardware decoder
+        first (where hw_load > 0), then the CUDA decoders."""
         nv = self._nv = load_nvimgcodec()
-        kind = nv.BackendKind
-        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
+        batch, native = nvimgcodec_batch, nvimgcodec_batch.choose(self.binding)
         if device.type == "cuda":
-            backends = [nv.Backend(kind.GPU_ONLY), nv.Backend(kind.HYBRID_CPU_GPU)]
+            kinds = [(batch.GPU_ONLY, 1.0), (batch.HYBRID_CPU_GPU, 1.0)]
             if self.hw_load > 0:
-                backends.insert(0, nv.Backend(kind.HW_GPU_ONLY, load_hint=self.hw_load))
-            return nv.Decoder(device_id=device.index, max_num_cpu_threads=self.cpu_threads or 0,
-                              backends=backends, options=self.options(shapes))  # fmt: skip
-        return nv.Decoder(
-            device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
-            max_num_cpu_threads=1,
-            backends=[nv.Backend(kind.CPU_ONLY)],
-            options=self.options(shapes),
-        )
+                kinds.insert(0, (batch.HW_GPU_ONLY, self.hw_load))
+            device_id, threads = device.index, self.cpu_threads or 0
+        else:
+            kinds, device_id, threads = [(batch.CPU_ONLY, 1.0)], batch.DEVICE_CPU_ONLY, 1
+        if native is not None:
+            return native.Decoder(device_id, threads, kinds, self.options(shapes)), True
+        self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
+        by_number = {batch.CPU_ONLY: nv.BackendKind.CPU_ONLY, batch.GPU_ONLY: nv.BackendKind.GPU_ONLY,
+                     batch.HYBRID_CPU_GPU: nv.BackendKind.HYBRID_CPU_GPU,
+                     batch.HW_GPU_ONLY: nv.BackendKind.HW_GPU_ONLY}  # fmt: skip
+        backends = [nv.Backend(by_number[k], load_hint=hint) for k, hint in kinds]
+        return nv.Decoder(device_id=device_id, max_num_cpu_threads=threads, backends=backends,
+                          options=self.options(shapes)), False  # fmt: skip
 
     def state(self, device: torch.device, shapes: list = ()) -> _StreamState:
         """The decoder and canvas of `device`'s current stream (made on first use, for
@@ -243,9 +258,8 @@ class NvjpegDecoder:
         key = (str(device), stream)
         with self._lock:
             if key not in self._streams:
-                self._streams[key] = _StreamState(
-                    self._new_decoder(device, list(shapes)), self._nv, device, stream
-                )
+                decoder, native = self._new_decoder(device, list(shapes))
+                self._streams[key] = _StreamState(decoder, self._nv, device, stream, native)
             return self._streams[key]
 
     def __call__(self, image: torch.Tensor | None, encoded: dict, device) -> torch.Tensor:
@@ -281,21 +295,32 @@ class NvjpegDecoder:
     def _decode(self, state: _StreamState, encoded: dict, a: int, b: int, shapes: list):
         """Samples a..b decoded whole, each into its slot of one of the stream's canvases (at
         the slot's top-left), in one batched nvImageCodec call: (the canvas, its pixels)."""
-        nv = self._nv
-        data, offsets = encoded["data"].numpy(), encoded["offsets"].tolist()
+        data, offsets = encoded["data"].numpy(), encoded["offsets"]
         hmax, wmax = max(h for _, h in shapes[a:b]), max(w for w, _ in shapes[a:b])
         with phase("nvjpeg.wait_for_canvas"):
             target = state.next_canvas()
-        canvas, slots = target.view(b - a, hmax, wmax)
-        with phase("nvjpeg.code_streams"):
-            streams = [nv.CodeStream(data[offsets[k] : offsets[k + 1]]) for k in range(a, b)]
-        with phase("nvjpeg.decode"):
-            got = state.decoder.decode(
-                streams, images=slots, params=self.params, cuda_stream=state.stream
-            )
+        canvas, slots = target.view(b - a, hmax, wmax, with_images=not state.native)
+        if state.native:  # one C call: code streams, decode and statuses, the GIL released
+            with phase("nvjpeg.decode"):
+                _, rows, cols, _ = canvas.shape
+                codes = state.decoder.decode(
+                    data, offsets[a : b + 1].numpy(), canvas.data_ptr(), rows * cols * 3,
+                    cols * 3, rows, cols, state.stream,
+                )  # fmt: skip
+            refused = [k for k, code in enumerate(codes) if code]
+        else:
+            offsets = offsets.tolist()
+            with phase("nvjpeg.code_streams"):
+                streams = [self._nv.CodeStream(data[offsets[k] : offsets[k + 1]])
+                           for k in range(a, b)]  # fmt: skip
+            with phase("nvjpeg.decode"):
+                got = state.decoder.decode(
+                    streams, images=slots, params=self.params, cuda_stream=state.stream
+                )
+            refused = [k for k, g in enumerate(got) if g is None]
         target.host_bytes = encoded["data"]  # kept while the canvas's readers may run
-        refused = [k for k, g in enumerate(got) if g is None]
         if refused:
+            offsets = encoded["offsets"].tolist()
             self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b])
         return target, canvas
 
@@ -330,8 +355,8 @@ class _StreamState:
     before the previous one, long done in a steady pipeline. The other direction needs nothing: the call returns once the batch is decoded,
     so crops queued after it read the decoded pixels."""
 
-    def __init__(self, decoder, nv, device: torch.device, stream: int):
-        self.decoder, self.device, self.stream = decoder, device, stream
+    def __init__(self, decoder, nv, device: torch.device, stream: int, native: bool):
+        self.decoder, self.device, self.stream, self.native = decoder, device, stream, native
         self.canvases = [_Canvas(nv, device, stream) for _ in range(CANVASES)]
         self.turn = 0
         self.lock = threading.Lock()
@@ -372,8 +397,9 @@ class _Canvas:
             self.readers = torch.cuda.Event()
             self.readers.record(torch.cuda.current_stream(self.device))
 
-    def view(self, n: int, height: int, width: int):
-        """(n, H, W, 3) slots for images up to height x width, and their image objects."""
+    def view(self, n: int, height: int, width: int, with_images: bool = True):
+        """(n, H, W, 3) slots for images up to height x width, and their image objects (the
+        Python binding's; None without `with_images`: the C call makes its own)."""
         rows, cols = slot_side(height), slot_side(width)
         slot = rows * cols * 3
         if self.buffer is None or self.buffer.numel() < n * slot:
@@ -381,6 +407,8 @@ class _Canvas:
             self.layouts.clear()  # their images point into the old buffer
         room = self.buffer.numel() // slot
         whole = self.buffer[: room * slot].view(room, rows, cols, 3)
+        if not with_images:
+            return whole[:n], None
         images = self.layouts.setdefault((rows, cols), [])
         while len(images) < n:
             view = whole[len(images)]
@@ -416,13 +444,20 @@ class NvjpegBackend(JpegOnlyBackend):
 
     @classmethod
     def needs(cls, options: dict, facts, on_cuda: bool) -> list[Need]:
-        if on_cuda:
+        if not on_cuda:
+            return [Need("decoders", "fatal", "backend=nvjpeg decodes on the GPU, and none is "
+                         "used here", "Run on a GPU machine, or backend=turbo.")]  # fmt: skip
+        binding = str(options.get("binding", "auto"))
+        if binding == "python" or nvimgcodec_batch.built():
             return []
-        return [Need("decoders", "fatal", "backend=nvjpeg decodes on the GPU, and none is used "
-                     "here", "Run on a GPU machine, or backend=turbo.")]  # fmt: skip
+        return [Need("decoders", "fatal" if binding == "c" else "warn",
+                     "backend=nvjpeg decodes through nvImageCodec's Python binding, whose GIL "
+                     "hand-offs (one per image) delay a launch-bound training step",
+                     f"{nvimgcodec_batch.BUILD_HINT}.")]  # fmt: skip
 
     def __init__(self, hw_load: float = 0.9, cpu_threads: int | None = None,
-                 fancy_upsampling: bool = True, preallocate: bool = False):  # fmt: skip
+                 fancy_upsampling: bool = True, preallocate: bool = False,
+                 binding: str = "auto"):  # fmt: skip
         if not torch.cuda.is_available():
             raise ConfigError(
                 "backend=nvjpeg decodes JPEGs on the GPU with nvImageCodec, but CUDA is not "
@@ -430,7 +465,9 @@ class NvjpegBackend(JpegOnlyBackend):
                 "(fastest here), backend=pil or backend=pillow-simd."
             )
         self.counts = Counts(*(f"decode_fallback_{r}" for r in NVJPEG_FALLBACK_REASONS))
-        self.device_decoder = NvjpegDecoder(hw_load, cpu_threads, fancy_upsampling, preallocate)
+        self.device_decoder = NvjpegDecoder(
+            hw_load, cpu_threads, fancy_upsampling, preallocate, binding
+        )
 
     def info(self) -> dict:
         from fastload.decode import roi_nvimgcodec
@@ -441,8 +478,11 @@ class NvjpegBackend(JpegOnlyBackend):
         hw += f"{d.cpu_threads} host threads, " if d.cpu_threads else ""
         hw += "" if d.fancy_upsampling else "simple upsampling, "
         hw += "preallocated, " if d.preallocate else ""
+        native = d.binding != "python" and nvimgcodec_batch.built()
+        call = "fastload's C batch call" if native else "its Python binding"
         return {
-            "decoder": f"nvjpeg (nvimgcodec-{version}, {hw}whole images, batched crop)",
+            "decoder": f"nvjpeg (nvimgcodec-{version} through {call}, {hw}whole images, "
+            "batched crop)",
             "decoder_fallback": pillow_name(),
         }
 
