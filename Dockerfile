@@ -101,10 +101,13 @@ dirs = [cfg['package-dir'].get(p, p.replace('.', '/')) for p in cfg['packages']]
 #    fastload` is /app/fastload from any folder, and fastload.config.conf_dir() finds /app/conf
 #    beside it. No dependency is touched (--no-deps). The check runs isolated (-I: the current
 #    folder is not on sys.path), so it sees what an import from elsewhere sees.
-#    The editable install compiles backend=turbo's region decoder (fastload/decode/
-#    _jpeg_region.c) in place; its compiler and headers (gcc, libjpeg 6.2 headers, Python.h
-#    where the base lacks it) are removed again in the same layer, and the check below fails
-#    the build if the decoder did not build or bind to Pillow's libjpeg-turbo. Not pinned
+#    The editable install compiles fastload's C extensions in place (setup.py): backend=turbo's
+#    region decoder (fastload/decode/_jpeg_region.c) and backend=nvjpeg's batched decode call
+#    (_nvimgcodec_batch.c, against the header of the nvImageCodec wheel that pip fetches as a
+#    build requirement); their compiler and headers (gcc, libjpeg 6.2 headers, Python.h where
+#    the base lacks it) are removed again in the same layer, and the checks below fail the
+#    build if either did not build or bind to its library (nvImageCodec's CPU decoder loads
+#    without a GPU). Not pinned
 #    (DL3008), for the reason given in step 1.
 COPY . .
 # hadolint ignore=DL3008
@@ -119,6 +122,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Pyth
     apt-get purge -y --auto-remove "$@"; \
     rm -rf /var/lib/apt/lists/*; \
     python -c "from fastload.decode import roi_decoders as r; s = r.status(); assert not s['libjpeg'], s"; \
+    python -c "from fastload.decode import nvimgcodec_batch as n; assert n.choose('c')"; \
     install -m 0755 docker/entrypoint.sh /usr/local/bin/fastload-entrypoint \
     && rm -rf build ./*.egg-info docker \
     && useradd --uid 1000 --user-group --create-home --shell /usr/sbin/nologin fastload \

@@ -26,12 +26,16 @@ images decode at full speed; the crop reads the region out of the canvas instead
 
 nvImageCodec's backends, in order: the hardware decoder (NVJPG engines on A100, H100, H200,
 B200 and some others; not on consumer GPUs) takes `hw_load` of each batch, the CUDA decoders
-the rest and whatever the hardware refuses. What it costs the model is host time more than GPU
-time: on an H200 a compiled ResNet-50's kernels ran as long as on a resident batch, while the
-prep thread's Python (this module's per-batch bookkeeping, nvImageCodec's code streams and
-call) delayed the training and autograd threads' launches by ~9 ms a step (that step is
-launch-bound; `bench train --profile` shows it). Use it when the CPUs cannot keep up (few cores
-per GPU); BENCHMARKS.md has the measured cost.
+the rest and whatever the hardware refuses. The batch's decode is one call of fastload's C
+extension (fastload/decode/nvimgcodec_batch.py, `backend.binding`) with the GIL released from
+the first code stream to the last status; through nvImageCodec's Python binding, which takes
+the GIL back once per image, the same H200 runs reached 0.78-0.82 of the ceiling, through the C
+call 0.85-0.86. What it costs the model is host time more than GPU time: a compiled
+ResNet-50's kernels ran as long as on a resident batch, while the training and autograd
+threads' launches came later (that step is launch-bound; `bench train --profile` shows it),
+now mostly beside the hardware decoder's own CUDA calls (a copy, a kernel, an event record and
+a wait per image), which contend with them in the driver. Use it when the CPUs cannot keep up
+(few cores per GPU); BENCHMARKS.md has the measured cost.
 
 Files the GPU path does not take (not JPEG, CMYK/YCCK, EXIF-rotated, progressive) are decoded
 in the worker with PIL (the same box), counted as decode_fallback_*, and merged back into
@@ -39,7 +43,8 @@ their batch positions on the device. An image nvImageCodec refuses on the device
 on the host with PIL instead (the same box), logged and counted in `NvjpegDecoder.refused`.
 
 Under `bench train --profile` the decoder's phases show in the trace as nvjpeg.* ranges on the
-prep thread (waiting for a canvas, making the code streams, the decode call, the crop).
+prep thread (waiting for a canvas, the decode call, the crop; through the Python binding also
+making the code streams).
 """
 
 from __future__ import annotations
