@@ -15,6 +15,7 @@ the same pixels (tests/test_backends.py compares them).
 from __future__ import annotations
 
 import os
+import threading
 
 from fastload.errors import ConfigError
 
@@ -33,9 +34,10 @@ REFUSALS = {1: "unparsable", 2: "larger than its slot", 3: "refused by the decod
 UNAVAILABLE_REASON = ""
 _EXT = None
 _LOADED = False
+_LOCK = threading.Lock()  # the prep thread and an evaluation loader may both ask first
 
 
-def load():
+def _load():
     """The bound extension module, or None (the reason in UNAVAILABLE_REASON). Needs
     nvidia.nvimgcodec loaded first (roi_nvimgcodec.load(): its extensions and nvJPEG)."""
     global _EXT, _LOADED, UNAVAILABLE_REASON
@@ -72,8 +74,9 @@ def choose(binding: str):
         return None
     from fastload.decode import roi_nvimgcodec
 
-    roi_nvimgcodec.load()  # the library, its extensions and nvJPEG, as the binding sets them up
-    ext = load()
+    with _LOCK:
+        roi_nvimgcodec.load()  # the library, its extensions and nvJPEG, as the binding has them
+        ext = _load()
     if ext is None and binding == "c":
         raise ConfigError(f"backend.binding=c: {UNAVAILABLE_REASON}; or backend.binding=auto.")
     return ext

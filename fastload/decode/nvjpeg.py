@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from contextlib import nullcontext
 
 import numpy as np
@@ -313,6 +314,7 @@ class NvjpegDecoder:
                     cols * 3, rows, cols, state.stream,
                 )  # fmt: skip
             refused = [k for k, code in enumerate(codes) if code]
+            why = Counter(nvimgcodec_batch.REFUSALS[code] for code in codes if code)
         else:
             offsets = offsets.tolist()
             with phase("nvjpeg.code_streams"):
@@ -323,19 +325,21 @@ class NvjpegDecoder:
                     streams, images=slots, params=self.params, cuda_stream=state.stream
                 )
             refused = [k for k, g in enumerate(got) if g is None]
+            why = Counter({"refused by the decoder": len(refused)})
         target.host_bytes = encoded["data"]  # kept while the canvas's readers may run
         if refused:
             offsets = encoded["offsets"].tolist()
-            self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b])
+            self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b], why)
         return target, canvas
 
-    def _decode_on_host(self, canvas, refused, data, offsets, shapes) -> None:
+    def _decode_on_host(self, canvas, refused, data, offsets, shapes, why: Counter) -> None:
         """PIL decodes the images the device decoder refused into their canvas slots."""
         self.refused += len(refused)
         log.warning(
-            "backend=nvjpeg: nvImageCodec refused %d of %d JPEGs of a batch on %s; decoded "
-            "on the host with PIL instead (%d so far)",
-            len(refused), len(shapes), canvas.device, self.refused,
+            "backend=nvjpeg: nvImageCodec refused %d of %d JPEGs of a batch on %s (%s); "
+            "decoded on the host with PIL instead (%d so far)",
+            len(refused), len(shapes), canvas.device,
+            ", ".join(f"{n} {reason}" for reason, n in why.items()), self.refused,
         )  # fmt: skip
         for k in refused:
             w, h = shapes[k]
