@@ -273,6 +273,8 @@ def build_loader(
         channels_last,
         plan.input_dtype,
         decoder=getattr(backend, "device_decoder", None),
+        skip_corrupt=bool(getattr(dataset, "skip_corrupt", False)),
+        describe=getattr(getattr(dataset, "reader", None), "describe", None),
     )
     return instantiate(plan.loader)(
         dataset,

@@ -528,6 +528,33 @@ def test_nvjpeg_path_through_loader_and_device_prep(kinds, monkeypatch):
         build_test_loader("loader.normalize_on=cpu", **common)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_nvjpeg_sample_that_no_decoder_reads_is_named_and_skipped_or_stops(kinds, monkeypatch,
+                                                                            skip):  # fmt: skip
+    """A JPEG whose header is sound but whose data is cut short passes the workers (they read
+    headers only); nvImageCodec refuses it and PIL cannot decode it either. Device prep then
+    does what a worker does with a corrupt file: with dataset.skip_corrupt the batch goes on
+    without it, counted and named in skipped_files; without, the error names the file and
+    the fix. No row of unknown pixels is trained on."""
+    from fastload.errors import CorruptImageError
+
+    backend = make_backend("nvjpeg-on-cpu", monkeypatch)
+    good = kinds["baseline"]
+    items = [("a.jpg", good), ("cut.jpg", good[: len(good) // 2]), ("b.jpg", good)]
+    ds = ImageDataset(BytesStorage(items), backend, RandomResizedCropFlip(40), seed=0,
+                      skip_corrupt=skip)  # fmt: skip
+    loader = build_test_loader("loader.num_workers=0", dataset=ds, backend=backend,
+                               split="val", batch_size=3)  # fmt: skip
+    loader.set_epoch(0)
+    if not skip:
+        with pytest.raises(CorruptImageError, match=r"mem://cut\.jpg .*skip_corrupt=true"):
+            next(iter(loader))
+        return
+    batch = next(iter(loader))
+    assert batch["image"].shape == (2, 3, 40, 40) and batch["target"].tolist() == [0, 2]
+    assert batch["skipped"] == 1 and batch["skipped_files"] == ["mem://cut.jpg"]
+
+
 def gpu_batch(backend, datas: dict, t, device: str):
     """Every file of `datas` through backend.load (seed = its position) and collate, then the
     device decoder: {name: HWC uint8 numpy} in the batch's order."""

@@ -162,3 +162,53 @@ def test_mutated_jpegs_decode_or_name_the_file_and_nothing_crashes(tmp_path, roi
     assert decoded > 100 and failed > 20, (decoded, failed)
     assert counts["decode_roi"] > 100 and counts["decode_dct_scaled"] > 50, counts
     assert child.stderr.strip() == "", child.stderr[-3000:]  # no native library noise
+
+
+# The child for backend=nvjpeg's C batch call (nvImageCodec's CPU decoder here, the same calls
+# as on a GPU): batches of 32 files into 640 x 640 slots of one canvas with guard bytes after
+# it; one JSON line per batch: its codes, whether the guard and every unparsed or oversized
+# image's slot stayed untouched.
+BATCH_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    from fastload.decode import nvimgcodec_batch as nb
+
+    ext = nb.choose("c")
+    dec = ext.Decoder(nb.DEVICE_CPU_ONLY, 1, [(nb.CPU_ONLY, 1.0)], "")
+    datas = [open(p, "rb").read() for p in sys.argv[1:]]
+    side, guard = 640, 4096
+    slot = side * side * 3
+    for start in range(0, len(datas), 32):
+        chunk = datas[start : start + 32]
+        data = np.frombuffer(b"".join(chunk), dtype=np.uint8)
+        offsets = np.cumsum([0] + [len(d) for d in chunk]).astype(np.int64)
+        canvas = np.full(len(chunk) * slot + guard, 7, dtype=np.uint8)
+        codes = list(dec.decode(data, offsets, canvas.ctypes.data, slot, side * 3, side, side, 0))
+        slots = canvas[: len(chunk) * slot].reshape(len(chunk), slot)
+        untouched = all((slots[k] == 7).all() for k, c in enumerate(codes) if c in (1, 2))
+        print(json.dumps([codes, bool((canvas[-guard:] == 7).all()), bool(untouched)]))
+    """
+)
+
+
+def test_mutated_jpegs_through_the_c_batch_call_stay_in_their_slots(tmp_path):
+    """backend=nvjpeg's C call over the same kind of damaged files: every image gets a code,
+    nothing is written past the canvas or into the slot of an image it refused before
+    decoding, and the process survives (a crash is a failed test: it runs in a child)."""
+    rng = np.random.default_rng(7)
+    paths = []
+    for s, data in enumerate(sources()):
+        for m, mutated in enumerate([data, *mutations(data, rng, 30)]):
+            path = tmp_path / f"src{s}-mut{m}.jpg"
+            path.write_bytes(mutated)
+            paths.append(str(path))
+    child = subprocess.run([sys.executable, "-c", BATCH_CHILD, *paths], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert child.returncode == 0, (child.returncode, child.stderr[-3000:])
+    batches = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("[")]
+    codes = [c for batch, _, _ in batches for c in batch]
+    assert len(codes) == len(paths) and set(codes) <= {0, 1, 2, 3}
+    assert all(guard and untouched for _, guard, untouched in batches), batches
+    # the undamaged sources that fit a slot decode; the mutations reach the other outcomes
+    assert codes.count(0) > 50 and len(codes) - codes.count(0) > 10, codes

@@ -120,8 +120,10 @@ class ImageDataset(torch.utils.data.Dataset):
                 image = self.normalize(image)
         else:
             # Deferred decode (backend=nvjpeg): the sample stays encoded; collate batches it
-            # under "encoded" and the backend's device decoder finishes it in device prep.
+            # under "encoded" and the backend's device decoder finishes it in device prep,
+            # which names the file and applies skip_corrupt if that cannot decode it either.
             image = pixels
+            image.index = index
         return (image, target, counts) if counts else (image, target)
 
 

@@ -48,7 +48,11 @@ from fastload.host import Need  # noqa: F401  (backends import it from here)
 class DeferredSample(abc.ABC):
     """A sample a backend leaves encoded for device prep to decode (backend=nvjpeg). The
     worker's collate batches a batch's deferred samples with their class's `collate`, under
-    the batch key "encoded" (fastload/data/batch.py)."""
+    the batch key "encoded" (fastload/data/batch.py). The dataset sets its `index` on it:
+    a sample the device cannot decode either is then named by the dataset's reader, and
+    skipped and counted or stopping the run (dataset.skip_corrupt), as in a worker."""
+
+    index: int
 
     @staticmethod
     @abc.abstractmethod
@@ -56,7 +60,10 @@ class DeferredSample(abc.ABC):
         """The batch form of `samples`, which sit at `positions` within their batch."""
 
 
-DeviceDecoder = Callable[..., "object"]  # (cpu_images | None, encoded: dict, device) -> NCHW
+# (cpu_images | None, encoded: dict, device) -> NCHW; device prep calls its `decode` where it
+# has one: the same arguments -> (NCHW, {batch position: (dataset index, why)} of the samples
+# it could not decode)
+DeviceDecoder = Callable[..., "object"]
 
 
 class DecodeBackend(abc.ABC):

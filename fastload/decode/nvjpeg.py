@@ -40,7 +40,10 @@ a wait per image), which contend with them in the driver. Use it when the CPUs c
 Files the GPU path does not take (not JPEG, CMYK/YCCK, EXIF-rotated, progressive) are decoded
 in the worker with PIL (the same box), counted as decode_fallback_*, and merged back into
 their batch positions on the device. An image nvImageCodec refuses on the device is decoded
-on the host with PIL instead (the same box), logged and counted in `NvjpegDecoder.refused`.
+on the host with PIL instead (the same box), logged and counted in `NvjpegDecoder.refused`;
+one that PIL cannot decode either (damaged data behind a sound header: the workers read
+headers only) is skipped and counted with dataset.skip_corrupt, else stops the run with the
+file's name, as a corrupt file does in the workers (fastload/loaders/device_prep.py).
 
 Under `bench train --profile` the decoder's phases show in the trace as nvjpeg.* ranges on the
 prep thread (waiting for a canvas, the decode call, the crop; through the Python binding also
@@ -63,7 +66,7 @@ from fastload.decode.base import DeferredSample, JpegOnlyBackend, Need, open_rgb
 from fastload.decode.batched_crop import plan, resize_regions
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
 from fastload.decode.pil import pillow_name
-from fastload.errors import ConfigError
+from fastload.errors import ConfigError, CorruptImageError
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +77,10 @@ INSTALL = "pip install 'nvidia-nvimgcodec-cu13[nvjpeg]'"
 class EncodedJpeg(DeferredSample):
     """A deferred sample: the JPEG bytes, the crop box and flip, and the box's decode plan."""
 
-    __slots__ = ("data", "box", "flip", "size", "shape", "factors", "region", "local")
+    __slots__ = ("data", "box", "flip", "size", "shape", "factors", "region", "local", "index")
 
     def __init__(self, data: bytes, box, flip: bool, size: int, width: int, height: int):
+        self.index = -1  # the dataset's index of the sample, set by ImageDataset
         self.data = np.frombuffer(data, np.uint8)
         self.box, self.flip, self.size = tuple(int(v) for v in box), bool(flip), int(size)
         self.shape = (int(width), int(height))
@@ -100,6 +104,9 @@ class EncodedJpeg(DeferredSample):
             "flip": torch.tensor([s.flip for s in samples], dtype=torch.bool),
             "size": samples[0].size,
             "position": torch.tensor(positions, dtype=torch.int64),
+            # the samples' dataset indices (-1: none), which name a sample that neither the
+            # device nor PIL can decode (device prep asks the dataset's reader)
+            "index": torch.tensor([s.index for s in samples], dtype=torch.int64),
         }
 
 
@@ -269,6 +276,18 @@ class NvjpegDecoder:
             return self._streams[key]
 
     def __call__(self, image: torch.Tensor | None, encoded: dict, device) -> torch.Tensor:
+        """The batch's images; CorruptImageError naming a sample that neither nvImageCodec nor
+        PIL can decode (device prep calls `decode`, which leaves those to the dataset's
+        skip_corrupt)."""
+        full, lost = self.decode(image, encoded, device)
+        if lost:
+            raise CorruptImageError(undecodable_message(lost))
+        return full
+
+    def decode(self, image: torch.Tensor | None, encoded: dict, device):
+        """(the batch's uint8 NCHW images, {batch position: (dataset index or -1, why)} of the
+        samples that neither the device decoder nor PIL could decode: their rows hold no
+        image)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -276,10 +295,12 @@ class NvjpegDecoder:
         size = int(encoded["size"])
         state = self.state(device, shapes)
         out = torch.empty((len(shapes), size, size, 3), dtype=torch.uint8, device=device)
+        lost: dict[int, str] = {}  # index among the encoded samples -> why
         with state.lock:  # a second thread on this stream waits for this batch's crops
             for a, b in canvas_chunks(shapes):
                 part = {k: v[a:b] for k, v in encoded.items() if k in PER_SAMPLE}
-                target, canvas = self._decode(state, encoded, a, b, shapes)
+                target, canvas, failed = self._decode(state, encoded, a, b, shapes)
+                lost.update({a + k: why for k, why in failed.items()})
                 with phase("nvjpeg.crop_resize"):
                     resize_regions(
                         canvas, part["region"], part["factor"], part["local"], part["flip"],
@@ -287,8 +308,10 @@ class NvjpegDecoder:
                     )  # fmt: skip
                 target.read_by_queued_work()
         out = out.permute(0, 3, 1, 2)
+        positions, index = encoded["position"].tolist(), encoded["index"].tolist()
+        lost = {positions[k]: (index[k], why) for k, why in lost.items()}
         if image is None:
-            return out
+            return out, lost
         n = len(shapes) + image.shape[0]
         full = torch.empty((n, *out.shape[1:]), dtype=out.dtype, device=out.device)
         on_device = torch.zeros(n, dtype=torch.bool, device=out.device)
@@ -296,11 +319,12 @@ class NvjpegDecoder:
         on_device[pos] = True
         full[pos] = out
         full[~on_device] = image.to(out.device)
-        return full
+        return full, lost
 
     def _decode(self, state: _StreamState, encoded: dict, a: int, b: int, shapes: list):
         """Samples a..b decoded whole, each into its slot of one of the stream's canvases (at
-        the slot's top-left), in one batched nvImageCodec call: (the canvas, its pixels)."""
+        the slot's top-left), in one batched nvImageCodec call: (the canvas, its pixels,
+        {index from a: why} of the samples PIL could not decode either)."""
         data, offsets = encoded["data"].numpy(), encoded["offsets"]
         hmax, wmax = max(h for _, h in shapes[a:b]), max(w for w, _ in shapes[a:b])
         with phase("nvjpeg.wait_for_canvas"):
@@ -327,13 +351,15 @@ class NvjpegDecoder:
             refused = [k for k, g in enumerate(got) if g is None]
             why = Counter({"refused by the decoder": len(refused)})
         target.host_bytes = encoded["data"]  # kept while the canvas's readers may run
+        failed = {}
         if refused:
             offsets = encoded["offsets"].tolist()
-            self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b], why)
-        return target, canvas
+            failed = self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b], why)
+        return target, canvas, failed
 
-    def _decode_on_host(self, canvas, refused, data, offsets, shapes, why: Counter) -> None:
-        """PIL decodes the images the device decoder refused into their canvas slots."""
+    def _decode_on_host(self, canvas, refused, data, offsets, shapes, why: Counter) -> dict:
+        """PIL decodes the images the device decoder refused into their canvas slots:
+        {index: why} of those it cannot decode either (damaged data behind a sound header)."""
         self.refused += len(refused)
         log.warning(
             "backend=nvjpeg: nvImageCodec refused %d of %d JPEGs of a batch on %s (%s); "
@@ -341,10 +367,33 @@ class NvjpegDecoder:
             len(refused), len(shapes), canvas.device,
             ", ".join(f"{n} {reason}" for reason, n in why.items()), self.refused,
         )  # fmt: skip
+        failed = {}
         for k in refused:
             w, h = shapes[k]
-            pixels = np.array(open_rgb(bytes(data[offsets[k] : offsets[k + 1]])))
-            canvas[k, :h, :w] = torch.from_numpy(pixels)
+            try:
+                pixels = np.array(open_rgb(bytes(data[offsets[k] : offsets[k + 1]])))
+                canvas[k, :h, :w] = torch.from_numpy(pixels)
+            except Exception as exc:  # PIL's error on damaged data, or a size it disagrees on
+                failed[k] = f"{type(exc).__name__}: {exc}"
+        return failed
+
+
+def undecodable_where(lost: dict, describe=None) -> list[str]:
+    """What names each of `lost` ({batch position: (dataset index, why)}): the reader's
+    `describe` of its index, else its place in the batch."""
+    return [describe(i) if describe and i >= 0 else f"sample {pos} of the batch"
+            for pos, (i, _) in lost.items()]  # fmt: skip
+
+
+def undecodable_message(lost: dict, describe=None) -> str:
+    """The error for samples that neither the device decoder nor PIL could decode, naming
+    the first, with the fix (as the workers' CPU decoders say it)."""
+    where, (_, why) = undecodable_where(lost, describe)[0], next(iter(lost.values()))
+    others = f" and {len(lost) - 1} more in the batch" if len(lost) > 1 else ""
+    return (
+        f"cannot decode image {where} ({why}) on the GPU or with PIL{others}. Remove or "
+        "replace the file, or set dataset.skip_corrupt=true to skip and count such files."
+    )
 
 
 def slot_side(pixels: int) -> int:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from fastload.data.batch import ENCODED, IMAGE
-from fastload.errors import ConfigError
+from fastload.data.batch import ENCODED, IMAGE, SKIPPED, SKIPPED_FILES, TARGET
+from fastload.errors import ConfigError, CorruptImageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,6 +43,25 @@ def iter_tensors(obj):
             yield from iter_tensors(v)
 
 
+def drop_undecodable(batch: dict, lost: dict, skip: bool, describe=None) -> dict:
+    """The batch without the samples the device decoder could not decode (nor PIL after it),
+    skipped and counted as the workers skip a corrupt file (`skip`: dataset.skip_corrupt), or
+    the error that names the file (`describe`: the dataset reader's)."""
+    from fastload.decode.nvjpeg import undecodable_message, undecodable_where
+
+    image, target = batch[IMAGE], batch[TARGET]
+    if not skip or not torch.is_tensor(target) or len(target) != len(image):
+        raise CorruptImageError(undecodable_message(lost, describe))
+    keep = torch.ones(len(image), dtype=torch.bool)
+    keep[list(lost)] = False
+    out = {**batch, SKIPPED: batch[SKIPPED] + len(lost)}
+    out[SKIPPED_FILES] = [*batch.get(SKIPPED_FILES, ()), *undecodable_where(lost, describe)]
+    if not keep.any():  # as collate gives a batch whose every sample was skipped
+        return {**out, IMAGE: None, TARGET: None}
+    out[IMAGE], out[TARGET] = image[keep.to(image.device)], target[keep.to(target.device)]
+    return out
+
+
 class DevicePrep:
     def __init__(
         self,
@@ -51,6 +70,8 @@ class DevicePrep:
         channels_last: bool = False,
         dtype: torch.dtype = torch.float32,
         decoder=None,
+        skip_corrupt: bool = False,
+        describe=None,
     ):
         self.device = torch.device(device)
         # a fastload.data.dataset.Normalize, or None (done on CPU); its mean/std are moved to
@@ -59,6 +80,9 @@ class DevicePrep:
         self.channels_last = channels_last
         self.dtype = dtype
         self.decoder = decoder  # backend.device_decoder (backend=nvjpeg), else None
+        # A sample the device decoder cannot decode either: skipped and counted, or the error
+        # naming it (describe: the dataset reader's, index -> where the sample lives).
+        self.skip_corrupt, self.describe = skip_corrupt, describe
 
     def transfer(self, batch):
         """Copy every tensor of the (nested) batch to the device; non_blocking only for
@@ -78,8 +102,12 @@ class DevicePrep:
                 "device prep no decoder: build DevicePrep(..., decoder=backend.device_decoder)."
             )
         rest = {k: v for k, v in batch.items() if k != ENCODED}
-        rest[IMAGE] = self.decoder(batch[IMAGE], batch[ENCODED], self.device)
-        return rest
+        decode = getattr(self.decoder, "decode", None)
+        if decode is None:
+            rest[IMAGE] = self.decoder(batch[IMAGE], batch[ENCODED], self.device)
+            return rest
+        rest[IMAGE], lost = decode(batch[IMAGE], batch[ENCODED], self.device)
+        return drop_undecodable(rest, lost, self.skip_corrupt, self.describe) if lost else rest
 
     def _convert_image(self, image: torch.Tensor) -> torch.Tensor:
         if image.dim() == 4:
