@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -870,7 +871,7 @@ def test_c_batch_call_codes_each_refusal_and_checks_its_arguments(kinds):
         decode(slot=rows * cols * 3 - 1)
 
 
-def test_nvjpeg_binding_option_is_checked_and_its_fallback_named(monkeypatch):
+def test_nvjpeg_binding_option_is_checked_and_its_fallback_named(monkeypatch, caplog):
     """backend.binding: a value it does not take is refused; =c where the C call does not load
     is refused with how to build it; =auto there warns before the run (doctor / pre-flight)
     and goes on through the Python binding."""
@@ -885,6 +886,10 @@ def test_nvjpeg_binding_option_is_checked_and_its_fallback_named(monkeypatch):
     with pytest.raises(ConfigError, match="binding=c: .*_nvimgcodec_batch.c.*C compiler"):
         nb.choose("c")
     assert nb.choose("auto") is None and nb.choose("python") is None
+    with caplog.at_level(logging.WARNING, logger="fastload"):  # auto goes on, saying why
+        decoder = NvjpegDecoder()
+        assert not decoder.state(torch.device("cpu")).native
+    assert "Python binding" in caplog.text and "_nvimgcodec_batch.c" in caplog.text
     monkeypatch.setattr(nb, "built", lambda: False)
     (need,) = NvjpegBackend.needs({"binding": "auto"}, None, on_cuda=True)
     assert need.status == "warn" and "Python binding" in need.message and "pip install" in need.fix

@@ -345,11 +345,14 @@ def tune_folder(tmp_path, monkeypatch):
 
 
 def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, caplog):
-    # 20 ms of CPU per image, a 30 ms step: in the main thread every batch costs 80 + 30 ms;
-    # with workers the loading overlaps the step (2 cores here: 2 workers are the known best)
+    # 20 ms of CPU per image, an 80 ms step (a sleep): in the main thread every batch costs
+    # 80 + 80 ms; with workers the loading overlaps the step (2 cores here: 2 workers are the
+    # known best). Under xdist a neighbouring test may take a core: a step as long as a
+    # batch's loading keeps the workers ahead even on the core that is left (a 30 ms step
+    # once measured 32 against 34 img/s on a loaded machine).
     extra = (
         "dataset.task.item_cost_ms=20",
-        "loader.auto.step_ms=30",
+        "loader.auto.step_ms=80",
         "loader.auto.workers=[0,1,2]",
     )
     tuned, trials, hits = tune_with(tune_folder, caplog, *extra)

@@ -256,6 +256,9 @@ class NvjpegDecoder:
             kinds, device_id, threads = [(batch.CPU_ONLY, 1.0)], batch.DEVICE_CPU_ONLY, 1
         if native is not None:
             return native.Decoder(device_id, threads, kinds, self.options(shapes)), True
+        if self.binding == "auto":  # built but not loading: say so, not only in the results
+            log.warning("backend=nvjpeg decodes through nvImageCodec's Python binding (slower "
+                        "beside a launch-bound step): %s", nvimgcodec_batch.UNAVAILABLE_REASON)  # fmt: skip
         self.params = nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB)
         by_number = {batch.CPU_ONLY: nv.BackendKind.CPU_ONLY, batch.GPU_ONLY: nv.BackendKind.GPU_ONLY,
                      batch.HYBRID_CPU_GPU: nv.BackendKind.HYBRID_CPU_GPU,
