@@ -66,6 +66,24 @@ class DeferredSample(abc.ABC):
 DeviceDecoder = Callable[..., "object"]
 
 
+def undecodable_where(lost: dict, describe=None) -> list[str]:
+    """What names each of `lost` ({batch position: (dataset index, why)}): the reader's
+    `describe` of its index, else its place in the batch."""
+    return [describe(i) if describe and i >= 0 else f"sample {pos} of the batch"
+            for pos, (i, _) in lost.items()]  # fmt: skip
+
+
+def undecodable_message(lost: dict, describe=None) -> str:
+    """The error for samples that neither the device decoder nor PIL could decode, naming
+    the first, with the fix (as the workers' CPU decoders say it)."""
+    where, (_, why) = undecodable_where(lost, describe)[0], next(iter(lost.values()))
+    others = f" and {len(lost) - 1} more in the batch" if len(lost) > 1 else ""
+    return (
+        f"cannot decode image {where} ({why}) by the device decoder or PIL{others}. Remove or "
+        "replace the file, or set dataset.skip_corrupt=true to skip and count such files."
+    )
+
+
 class DecodeBackend(abc.ABC):
     name: str
     device_decoder: DeviceDecoder | None = None

@@ -62,7 +62,13 @@ import torch
 from torch.profiler import record_function
 
 from fastload.decode import nvimgcodec_batch
-from fastload.decode.base import DeferredSample, JpegOnlyBackend, Need, open_rgb
+from fastload.decode.base import (
+    DeferredSample,
+    JpegOnlyBackend,
+    Need,
+    open_rgb,
+    undecodable_message,
+)
 from fastload.decode.batched_crop import plan, resize_regions
 from fastload.decode.jpeg_header import FALLBACK_REASONS, Counts, fallback_reason, jpeg_info
 from fastload.decode.pil import pillow_name
@@ -298,12 +304,12 @@ class NvjpegDecoder:
         size = int(encoded["size"])
         state = self.state(device, shapes)
         out = torch.empty((len(shapes), size, size, 3), dtype=torch.uint8, device=device)
-        lost: dict[int, str] = {}  # index among the encoded samples -> why
+        failures: dict[int, str] = {}  # index among the encoded samples -> why
         with state.lock:  # a second thread on this stream waits for this batch's crops
             for a, b in canvas_chunks(shapes):
                 part = {k: v[a:b] for k, v in encoded.items() if k in PER_SAMPLE}
                 target, canvas, failed = self._decode(state, encoded, a, b, shapes)
-                lost.update({a + k: why for k, why in failed.items()})
+                failures.update({a + k: why for k, why in failed.items()})
                 with phase("nvjpeg.crop_resize"):
                     resize_regions(
                         canvas, part["region"], part["factor"], part["local"], part["flip"],
@@ -311,8 +317,10 @@ class NvjpegDecoder:
                     )  # fmt: skip
                 target.read_by_queued_work()
         out = out.permute(0, 3, 1, 2)
-        positions, index = encoded["position"].tolist(), encoded["index"].tolist()
-        lost = {positions[k]: (index[k], why) for k, why in lost.items()}
+        lost = {}  # by batch position, with the dataset's index (rare: no lists made otherwise)
+        if failures:
+            positions, index = encoded["position"].tolist(), encoded["index"].tolist()
+            lost = {positions[k]: (index[k], why) for k, why in failures.items()}
         if image is None:
             return out, lost
         n = len(shapes) + image.shape[0]
@@ -379,24 +387,6 @@ class NvjpegDecoder:
             except Exception as exc:  # PIL's error on damaged data, or a size it disagrees on
                 failed[k] = f"{type(exc).__name__}: {exc}"
         return failed
-
-
-def undecodable_where(lost: dict, describe=None) -> list[str]:
-    """What names each of `lost` ({batch position: (dataset index, why)}): the reader's
-    `describe` of its index, else its place in the batch."""
-    return [describe(i) if describe and i >= 0 else f"sample {pos} of the batch"
-            for pos, (i, _) in lost.items()]  # fmt: skip
-
-
-def undecodable_message(lost: dict, describe=None) -> str:
-    """The error for samples that neither the device decoder nor PIL could decode, naming
-    the first, with the fix (as the workers' CPU decoders say it)."""
-    where, (_, why) = undecodable_where(lost, describe)[0], next(iter(lost.values()))
-    others = f" and {len(lost) - 1} more in the batch" if len(lost) > 1 else ""
-    return (
-        f"cannot decode image {where} ({why}) on the GPU or with PIL{others}. Remove or "
-        "replace the file, or set dataset.skip_corrupt=true to skip and count such files."
-    )
 
 
 def slot_side(pixels: int) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from fastload.data.batch import ENCODED, IMAGE, SKIPPED, SKIPPED_FILES, TARGET
+from fastload.decode.base import undecodable_message, undecodable_where
 from fastload.errors import ConfigError, CorruptImageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,8 +48,6 @@ def drop_undecodable(batch: dict, lost: dict, skip: bool, describe=None) -> dict
     """The batch without the samples the device decoder could not decode (nor PIL after it),
     skipped and counted as the workers skip a corrupt file (`skip`: dataset.skip_corrupt), or
     the error that names the file (`describe`: the dataset reader's)."""
-    from fastload.decode.nvjpeg import undecodable_message, undecodable_where
-
     image, target = batch[IMAGE], batch[TARGET]
     if not skip or not torch.is_tensor(target) or len(target) != len(image):
         raise CorruptImageError(undecodable_message(lost, describe))
