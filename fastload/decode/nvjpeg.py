@@ -348,8 +348,9 @@ class NvjpegDecoder:
                     data, offsets[a : b + 1].numpy(), canvas.data_ptr(), rows * cols * 3,
                     cols * 3, rows, cols, state.stream,
                 )  # fmt: skip
-            refused = [k for k, code in enumerate(codes) if code]
-            why = Counter(nvimgcodec_batch.REFUSALS[code] for code in codes if code)
+            # the usual batch has no refusal: one C-speed count, no Python loop over it
+            refused = [] if codes.count(0) == len(codes) else [k for k, c in enumerate(codes) if c]
+            reasons = [nvimgcodec_batch.REFUSALS[codes[k]] for k in refused]
         else:
             offsets = offsets.tolist()
             with phase("nvjpeg.code_streams"):
@@ -360,15 +361,16 @@ class NvjpegDecoder:
                     streams, images=slots, params=self.params, cuda_stream=state.stream
                 )
             refused = [k for k, g in enumerate(got) if g is None]
-            why = Counter({"refused by the decoder": len(refused)})
+            reasons = ["refused by the decoder"] * len(refused)
         target.host_bytes = encoded["data"]  # kept while the canvas's readers may run
         failed = {}
         if refused:
             offsets = encoded["offsets"].tolist()
-            failed = self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b], why)
+            failed = self._decode_on_host(canvas, refused, data, offsets[a:], shapes[a:b],
+                                          reasons)  # fmt: skip
         return target, canvas, failed
 
-    def _decode_on_host(self, canvas, refused, data, offsets, shapes, why: Counter) -> dict:
+    def _decode_on_host(self, canvas, refused, data, offsets, shapes, reasons: list) -> dict:
         """PIL decodes the images the device decoder refused into their canvas slots:
         {index: why} of those it cannot decode either (damaged data behind a sound header)."""
         self.refused += len(refused)
@@ -376,7 +378,7 @@ class NvjpegDecoder:
             "backend=nvjpeg: nvImageCodec refused %d of %d JPEGs of a batch on %s (%s); "
             "decoded on the host with PIL instead (%d so far)",
             len(refused), len(shapes), canvas.device,
-            ", ".join(f"{n} {reason}" for reason, n in why.items()), self.refused,
+            ", ".join(f"{n} {reason}" for reason, n in Counter(reasons).items()), self.refused,
         )  # fmt: skip
         failed = {}
         for k in refused:
