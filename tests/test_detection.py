@@ -4,12 +4,14 @@ targets, COCO mAP, the bad-input errors, and train.py end to end on the CPU."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 import torch
 from conftest import compose_config, run_train
+from PIL import Image
 
 from fastload.data.batch import IMAGE, SKIPPED, TARGET
 from fastload.data.dataset import Normalize
@@ -458,3 +460,117 @@ def test_a_broken_annotation_file_is_named_not_trained_on(coco_root, tmp_path, c
     with pytest.raises(DatasetError) as err:
         CocoSource(path, coco_root / "train")
     assert str(path) in str(err.value) and needle in str(err.value)
+
+
+def keep(pixels, boxes, rng):
+    """A transform that keeps the decoded image and its boxes as they are."""
+    return pixels, boxes
+
+
+def turned_coco(coco_root, tmp_path):
+    """A copy of the synthetic COCO whose train split holds two photos with EXIF orientation
+    6 (turn 90 degrees clockwise to show): `stored` keeps the pixels its boxes were drawn on
+    as stored (the file's width/height are the stored size), `shown` is stored turned the
+    other way, so the tag shows the annotated pixels (the file's size is the shown one).
+    Returns (root, {name: (image id, file, (width, height), annotated pixels)})."""
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    ann = json.loads((root / "annotations" / "instances_train.json").read_text())
+    with_boxes = {a["image_id"] for a in ann["annotations"] if not a.get("iscrowd")}
+    oblong = [im for im in ann["images"] if im["id"] in with_boxes and im["width"] != im["height"]]
+    picked = {}
+    for name, im in zip(("stored", "shown"), oblong[1:3], strict=True):
+        path = root / "train" / im["file_name"]
+        pixels = Image.open(path).convert("RGB")
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        kept = pixels if name == "stored" else pixels.rotate(90, expand=True)
+        kept.save(path, quality=95, exif=exif)
+        picked[name] = (im["id"], path, (im["width"], im["height"]), np.asarray(pixels))
+    return root, picked
+
+
+def decoded_by_id(dataset):
+    """{image id: (HWC pixels, target, counts)} of every sample of a DetectionDataset."""
+    out = {}
+    for position in range(len(dataset)):
+        image, target, *counts = dataset[position]
+        out[int(target["image_id"])] = (image.permute(1, 2, 0).numpy(), target, *counts)
+    return out
+
+
+def test_boxes_stay_on_their_pixels_in_an_exif_turned_photo(coco_root, tmp_path):
+    """A photo turned by its EXIF tag is decoded in the frame of its boxes, which the
+    annotation file's width and height tell: the stored frame when they are its stored size
+    (as pycocotools and torchvision's CocoDetection read COCO; before, it was decoded turned,
+    its boxes on other pixels), the shown frame when they are its shown size. Counted per
+    epoch; the same on disk and in every pack."""
+    from fastload.decode.base import open_rgb
+
+    root, picked = turned_coco(coco_root, tmp_path)
+    layout = CocoLayout(str(root))
+    disk = DetectionDataset(DiskStorage().open(layout, "train"), PILBackend(), keep, seed=0,
+                            train=True)  # fmt: skip
+    got = decoded_by_id(disk)
+    for name, (image_id, path, (w, h), annotated) in picked.items():
+        pixels, target = got[image_id][:2]
+        assert pixels.shape == (h, w, 3) and target["orig_size"].tolist() == [h, w], name
+        assert got[image_id][2]["stored_frame_images"] == (name == "stored"), name
+        assert np.abs(pixels.astype(int) - annotated).mean() < 3, name  # JPEG's loss only
+        exact = open_rgb(path.read_bytes(), exif=name == "shown")
+        np.testing.assert_array_equal(pixels, np.asarray(exact))
+    assert sum(c["stored_frame_images"] for _, _, c in got.values()) == 1
+    packs = [
+        ShardStorage(path=str(tmp_path / "shards")),  # the files' bytes, re-encoded if turned
+        LmdbStorage(path=str(tmp_path / "lmdb"), kind="raw", size=48),  # pixels, smaller
+    ]
+    for store in packs:
+        store.prepare(layout, ["train"])
+        packed = decoded_by_id(DetectionDataset(store.open(layout, "train"), PILBackend(), keep,
+                                                seed=0, train=True))  # fmt: skip
+        for name, (image_id, _, (w, h), annotated) in picked.items():
+            pixels, target = packed[image_id][:2]
+            ph, pw = pixels.shape[:2]
+            assert (ph < pw) == (h < w), (store, name)  # not turned
+            small = np.asarray(Image.fromarray(annotated).resize((pw, ph), Image.BILINEAR))
+            assert np.abs(pixels.astype(int) - small).mean() < 6, (store, name)
+            scale = torch.tensor([pw / w, ph / h] * 2)
+            want = got[image_id][1]["boxes"] * scale
+            torch.testing.assert_close(target["boxes"], want, atol=0.01, rtol=1e-4)
+
+
+def test_an_image_of_neither_stated_size_is_named_not_trained_on(coco_root, tmp_path):
+    """An image whose size is neither the one the annotation file states nor that turned
+    by its EXIF tag: its boxes would land elsewhere. Reading it and packing it both stop
+    naming the file (not skipped as corrupt, even with skip_corrupt)."""
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    path = root / "annotations" / "instances_train.json"
+    ann = json.loads(path.read_text())
+    ids = {a["image_id"] for a in ann["annotations"]}
+    wrong = next(im for im in ann["images"] if im["id"] in ids)
+    wrong["width"] += 7
+    path.write_text(json.dumps(ann))
+    layout = CocoLayout(str(root))
+    dataset = DetectionDataset(DiskStorage().open(layout, "train"), PILBackend(), keep,
+                               seed=0, train=True, skip_corrupt=True)  # fmt: skip
+    file = str(root / "train" / wrong["file_name"])
+    with pytest.raises(DatasetError, match=rf"annotation file says width {wrong['width']}, "):
+        decoded_by_id(dataset)
+    with pytest.raises(DatasetError, match=re.escape(file)):
+        ShardStorage(path=str(tmp_path / "p")).prepare(layout, ["train"], skip_corrupt=True)
+    assert not (tmp_path / "p" / "train").exists()
+
+
+def test_a_coco_pack_whose_frames_were_not_checked_is_packed_again(coco_root, tmp_path):
+    from fastload.storage.packing import stale_reason
+
+    layout, store = CocoLayout(str(coco_root)), ShardStorage(path=str(tmp_path / "p"))
+    store.prepare(layout, ["val"])
+    sidecar = tmp_path / "p" / "val" / "fastload-pack.json"
+    record = json.loads(sidecar.read_text())
+    assert stale_reason(lambda: layout.source("val"), sidecar.parent, store.pack_options()) is None
+    del record["params"]["frames_checked"]
+    sidecar.write_text(json.dumps(record))
+    reason = stale_reason(lambda: layout.source("val"), sidecar.parent, store.pack_options())
+    assert reason and "without checking them against the sizes" in reason

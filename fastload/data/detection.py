@@ -22,6 +22,8 @@ from PIL import Image
 from fastload.data import rawimage
 from fastload.data.batch import IMAGE, SKIPPED, TARGET, Skipped, put_optional, sum_counts
 from fastload.data.dataset import sample_rng, undecodable
+from fastload.data.frames import in_stored_frame
+from fastload.decode.base import open_rgb
 from fastload.errors import DatasetError
 
 
@@ -91,13 +93,20 @@ class DetectionDataset(torch.utils.data.Dataset):
     ImageDataset. train=True leaves out the images without any box, as torchvision's
     detection reference does (`_coco_remove_images_without_annotations`): they teach nothing
     but cost a step; they are counted in the epoch row (dropped_images_without_boxes).
-    Evaluation keeps every image: detections on an empty image are false positives."""
+    Evaluation keeps every image: detections on an empty image are false positives.
+
+    Where the annotation file is here (disk, tmpfs), each decoded image is checked against
+    the width and height it states, and decoded in its stored frame when that is the frame
+    its boxes are in (fastload/data/frames.py; counted as `stored_frame_images`); a pack made
+    the same check when it was written."""
 
     def __init__(self, reader, backend, transform, *, seed: int, train: bool,
                  skip_corrupt: bool = False, normalize=None):  # fmt: skip
         self.reader, self.backend, self.transform = reader, backend, transform
         self.seed, self.skip_corrupt, self.normalize = int(seed), skip_corrupt, normalize
         self.category_ids = category_ids(reader)
+        # the annotation file's (width, height) per image: None for a pack (checked when made)
+        self.stated = getattr(getattr(reader, "source", None), "sizes", None)
         n = len(reader)
         keep = [i for i in range(n) if self.has_boxes(i)] if train else range(n)
         self.indices = np.asarray(keep, np.int64)  # numpy: no per-worker refcount copies
@@ -124,17 +133,25 @@ class DetectionDataset(torch.utils.data.Dataset):
         return np.searchsorted(self.category_ids, category) + 1
 
     def decode(self, data, index: int):
+        """(uint8 HWC pixels in the frame of the image's boxes, decoded in its stored frame),
+        or a Skipped for undecodable bytes."""
         try:
             if rawimage.is_raw(data):
-                return rawimage.pixels(data)
-            return self.backend.decode_rgb(data)
+                return rawimage.pixels(data), False
+            pixels = self.backend.decode_rgb(data)
         except Exception as exc:  # any decoder's failure on bad bytes
-            return undecodable(self, index, exc)
+            return undecodable(self, index, exc), False
+        if self.stated is None:
+            return pixels, False
+        where = self.reader.describe(index)
+        if not in_stored_frame(data, self.stated[index], where, shown=pixels.shape[1::-1]):
+            return pixels, False
+        return np.asarray(open_rgb(bytes(data), exif=False), dtype=np.uint8), True
 
     def __getitem__(self, key):
         epoch, position = key if isinstance(key, tuple) else (0, key)
         index = int(self.indices[position])
-        pixels = self.decode(self.reader.get(index, "image"), index)
+        pixels, stored_frame = self.decode(self.reader.get(index, "image"), index)
         if isinstance(pixels, Skipped):
             return pixels
         image_id = self.reader.get(index, "image_id")
@@ -154,6 +171,8 @@ class DetectionDataset(torch.utils.data.Dataset):
             "orig_size": torch.tensor([h, w], dtype=torch.int64),
         }
         counts = self.backend.pop_counts()
+        if self.stated is not None:  # on every sample: each batch carries the same keys
+            counts["stored_frame_images"] = int(stored_frame)
         return (image, target, counts) if counts else (image, target)
 
 

@@ -224,7 +224,10 @@ class Schema(tuple):
 class ImageFile:
     """An image field's value in a source: the file, and for a paired image the factor its
     sides are smaller than the record's image by (DIV2K LR: the scale), so packing resizes
-    the pair to max_side / divide and keeps the pair's ratio."""
+    the pair to max_side / divide and keeps the pair's ratio. `stated`: the (width, height)
+    an annotation file gives the image (COCO; 0 where it gives none), which packing checks
+    the image's frame against (fastload/data/frames.py)."""
 
     path: str
     divide: int = 1
+    stated: tuple[int, int] | None = None

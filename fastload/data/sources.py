@@ -29,6 +29,7 @@ keys instead (fastload/data/layouts.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -267,9 +268,20 @@ class CocoSource(Source):
     def _path(self, i: int) -> str:
         return str(self.images / self.files[i])
 
+    def record(self, i: int) -> dict:
+        out = super().record(i)  # the image with the size the file states, to check against
+        out["image"] = dataclasses.replace(out["image"], stated=tuple(map(int, self.sizes[i])))
+        return out
+
     def pack_metadata(self) -> dict:
-        # labels are these category ids; the annotations left out, for the epoch row
-        return {"category_ids": self.category_ids.tolist(), "dropped": dict(self.dropped)}
+        # labels are these category ids; the annotations left out, for the epoch row;
+        # frames_checked: every image was decoded in the frame of its boxes (older packs: not
+        # checked against the file's sizes, fastload/data/frames.py)
+        return {
+            "category_ids": self.category_ids.tolist(),
+            "dropped": dict(self.dropped),
+            "frames_checked": True,
+        }
 
     def boxes(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """Image i's boxes (n, 4) float32 x, y, w, h and their category ids (n,) int64."""

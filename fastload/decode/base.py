@@ -136,12 +136,14 @@ class DecodeBackend(abc.ABC):
         return out
 
 
-def open_rgb(data: bytes) -> Image.Image:
-    """Decode to an RGB image the way real datasets need: EXIF orientation applied,
+def open_rgb(data: bytes, exif: bool = True) -> Image.Image:
+    """Decode to an RGB image the way real datasets need: EXIF orientation applied (unless
+    `exif` is False: the stored frame, for boxes annotated in it, fastload/data/frames.py),
     grayscale (8 or 16 bits) / CMYK / palette / alpha converted to RGB; 32-bit integer and
     float pixels refused (ValueError: their range is unknown)."""
     img = Image.open(io.BytesIO(data))
-    img = ImageOps.exif_transpose(img) if img.getexif().get(0x0112, 1) != 1 else img
+    if exif and img.getexif().get(0x0112, 1) != 1:
+        img = ImageOps.exif_transpose(img)
     if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PPM"):
         # 16-bit grayscale (PNG, TIFF; a PGM with maxval > 255, which Pillow opens as mode I
         # scaled to 0..65535): convert("RGB") clips every value above 255 to white; keep the

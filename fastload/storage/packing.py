@@ -43,6 +43,7 @@ from fastload.atomic import (
     no_space_message,
 )
 from fastload.data import rawimage
+from fastload.data.frames import in_stored_frame
 from fastload.data.layouts import as_layout
 from fastload.data.records import ImageFile, Schema
 from fastload.data.sources import ImageFolderSource
@@ -83,19 +84,24 @@ def _resized(img: Image.Image, max_side: int | None, multiple: int = 1, to=None)
 def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, float, float]:
     """Worker: source file -> (record bytes, height, width, sx, sy) for the requested kind;
     (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them).
-    `multiple`, `to`: as `_resized`'s, for a pair's images."""
-    path, kind, max_side, quality, size = task
+    `multiple`, `to`: as `_resized`'s, for a pair's images. An image whose boxes are in its
+    stored frame (the task's `stated` size, fastload/data/frames.py) is stored so, turned no
+    more by its EXIF orientation (re-encoded at quality 95 where the pack copies files)."""
+    path, kind, max_side, quality, size, stated = task
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
         raise NotRead(f"{type(exc).__name__}: {exc}") from None
-    if kind == "jpeg" and not max_side:
+    stored_frame = bool(stated) and in_stored_frame(data, stated, path)
+    if kind == "jpeg" and not max_side and not stored_frame:
         return data, 0, 0, 1.0, 1.0
     img = Image.open(io.BytesIO(data))
-    if to is None and kind == "jpeg" and img.format == "JPEG" and max(img.size) <= max_side:
+    if (to is None and kind == "jpeg" and img.format == "JPEG" and not stored_frame
+            and max(img.size) <= max_side):  # fmt: skip
         return data, img.height, img.width, 1.0, 1.0
-    img = open_rgb(data)
+    quality = quality if max_side else 95
+    img = open_rgb(data, exif=not stored_frame)
     w0, h0 = img.size
     img = _resized(img, size if kind == "raw" else max_side, multiple, to)
     sx, sy = img.width / w0, img.height / h0
@@ -146,6 +152,8 @@ def make_item(task):
             out[name] = make_record(image_task, multiple=scale if divide == 1 else 1, to=to)
         except NotRead as exc:
             return Unreadable(image_task[0], str(exc), read=False)
+        except DatasetError as exc:  # not the frame its boxes are in: not a corrupt file
+            return exc
         except Exception as exc:  # any decoder's failure on bad bytes
             return Unreadable(image_task[0], f"{type(exc).__name__}: {exc}")
         hr = out[name] if divide == 1 else hr
@@ -166,7 +174,10 @@ def source_digest(records, source) -> tuple[str, int]:
                 except OSError as exc:  # a dangling link, a file removed: the source's fault
                     raise cannot_read(value.path, exc.strerror or exc) from None
                 total += st.st_size
-                h.update(os.fsencode(value.path) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                stated = f"\0{value.stated[0]}x{value.stated[1]}" if value.stated else ""
+                h.update(
+                    os.fsencode(value.path) + f"\0{st.st_size}\0{st.st_mtime_ns}{stated}\n".encode()
+                )
             elif isinstance(value, np.ndarray):
                 h.update(
                     f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
@@ -233,6 +244,7 @@ def _tasks(records, kind, max_side, quality, size) -> list:
                     max_side and max(1, max_side // v.divide),
                     quality,
                     size and max(1, size // v.divide),
+                    v.stated,
                 ),
                 v.divide,
             )  # fmt: skip
@@ -250,6 +262,8 @@ def _write_all(writer: PackWriter, records, results, bar, skip_corrupt: bool, ta
     skipped = []
     for r, result in zip(records, results, strict=True):
         bar.update()
+        if isinstance(result, DatasetError):
+            raise result
         if isinstance(result, Unreadable):
             if not result.read:  # never left out: see NotRead
                 raise cannot_read(result.path, result.error)
@@ -376,6 +390,12 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
     params, resized = record["params"], want.get("size" if want["kind"] == "raw" else "max_side")
     if resized and params.get("pair_scale") and not params.get("pairs_exact"):
         return "an older fastload resized its LR/HR pairs apart (up to a pixel at the far edge)"
+    if "category_ids" in params and not params.get("frames_checked"):
+        return (
+            "an older fastload packed its images without checking them against the sizes the "
+            "annotation file states (a photo turned by its EXIF orientation may be stored in "
+            "another frame than its boxes)"
+        )
     if not callable(make_source):
         src_dir = Path(make_source)
         if not src_dir.is_dir():
