@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -916,6 +917,49 @@ def test_two_ranks_stage_once_per_node(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert record.read_text().split() == ["0"]  # local rank 0 staged, rank 1 waited
     assert not tmpfs.staged_root(root, target).exists()  # storage.cleanup=true
+
+
+_USE_AND_WAIT = """
+import sys, time
+from fastload.storage.tmpfs import TmpfsStorage
+storage = TmpfsStorage(target_dir=sys.argv[2], progress=False)  # a run holds it to its end
+storage.prepare(sys.argv[1], ["train"])
+print("staged", flush=True)
+time.sleep(120)
+"""
+
+
+def test_cleanup_leaves_a_copy_another_run_on_the_node_uses(tmp_path, caplog):
+    """storage.cleanup=true removed the staged copy at the end of a run even while another
+    run on the node was reading it (a second job on a shared node, an evaluation beside a
+    training run): that run then lost its files mid-epoch. The last run to finish removes
+    it; a run that died lets go of it."""
+    root = make_image_folder(tmp_path / "data")
+    target = tmp_path / "shm"
+    final = tmpfs.staged_root(root, target)
+    other = subprocess.Popen(
+        [sys.executable, "-c", _USE_AND_WAIT, str(root), str(target)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout.readline().strip() == "staged"
+        first = tmpfs.TmpfsStorage(target_dir=target, cleanup=True, progress=False)
+        first.prepare(root, ["train"])
+        with caplog.at_level(logging.INFO, logger="fastload"):
+            first.finish(root, ["train"])
+        assert "another run on this node is using it" in caplog.text
+        assert (final / tmpfs.MANIFEST).is_file()
+        reader = tmpfs.TmpfsStorage(target_dir=target).open(root, "train")
+        assert sample(reader, 0) == sample(DiskStorage().open(root, "train"), 0)
+    finally:
+        other.kill()
+        other.wait()
+    last = tmpfs.TmpfsStorage(target_dir=target, cleanup=True, progress=False)
+    last.prepare(root, ["train"])
+    last.finish(root, ["train"])  # the other run is gone: its lock went with it
+    assert not final.exists()
 
 
 # -- COCO and DIV2K sources ------------------------------------------------------------------

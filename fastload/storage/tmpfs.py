@@ -20,12 +20,20 @@
     stage at once, the one that finishes second uses the other's copy if it holds the splits
     it needs (step 2), else stops saying so.
 
+    finish (local rank 0, at the end of the run): storage.cleanup=true removes the copy
+    unless another run on this node is still using it. Each run holds a shared lock on
+    <target_dir>/<name>.users from before staging to its end (flock: released by the kernel
+    when a process dies); cleanup removes the copy only under the exclusive lock, so the last
+    run to finish removes it and no run loses its files mid-epoch to another's cleanup.
+
 The storage itself is storage=disk on the staged folder: identical bytes, order and targets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -33,6 +41,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +75,11 @@ def staged_name(root) -> str:
 
 def staged_root(root, target_dir) -> Path:
     return Path(target_dir) / staged_name(root)
+
+
+def users_lock(final: Path) -> Path:
+    """The file whose flock says which runs on this node use the copy at `final`."""
+    return final.with_name(final.name + ".users")
 
 
 def build_manifest(layout, splits) -> dict:
@@ -390,6 +404,7 @@ class TmpfsStorage(Storage):
         self.cleanup, self.progress, self.cold_cache = bool(cleanup), bool(progress), cold_cache
 
     def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
+        self._use(staged_root(as_layout(root).root, self.target_dir))
         stage(
             root,
             splits,
@@ -411,12 +426,81 @@ class TmpfsStorage(Storage):
             )
         return SourceReader(layout.at(final).source(split), cold_cache=self.cold_cache)
 
+    # this run's lock on <name>.users: a finalizer that closes its descriptor (and so lets
+    # go of the lock) when called, or when the storage object is garbage-collected
+    _users: weakref.finalize | None = None
+
+    def __getstate__(self) -> dict:  # a copy in another process holds no lock of this one's
+        return {k: v for k, v in self.__dict__.items() if k != "_users"}
+
+    def _use(self, final: Path) -> None:
+        """Hold the shared lock that says a run on this node uses the copy at `final`
+        (waiting while another run's cleanup removes it); before staging, so that a copy
+        this run is about to reuse cannot be removed in between."""
+        if self._users is None:
+            with contextlib.suppress(OSError):  # an unwritable target_dir: `stage` says so
+                final.parent.mkdir(parents=True, exist_ok=True)
+                self._lock(final, fcntl.LOCK_SH)
+
+    def _lock(self, final: Path, how: int) -> bool:
+        """Lock <name>.users (`how`: fcntl.LOCK_SH or LOCK_EX | LOCK_NB); False when the
+        exclusive lock is taken. A file unlinked by the run that held it exclusively while
+        this one waited is no lock any more: open the one now at that path."""
+        path = users_lock(final)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, how)
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except FileNotFoundError:
+                current = False
+            if current:
+                self._users = weakref.finalize(self, os.close, fd)
+                return True
+            os.close(fd)
+
+    def _release(self, final: Path, then=None) -> bool:
+        """Let go of this run's lock. When no other run uses the copy: call `then()` (the
+        cleanup) under the exclusive lock, so that a run starting meanwhile waits for it and
+        then stages anew, remove the lock file, and return True; else False."""
+        if self._users is not None:
+            self._users()  # closes the descriptor once
+            self._users = None
+        try:
+            alone = self._lock(final, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # the target_dir is gone or unwritable: no run can be using it
+            alone = None
+        if alone is False:
+            return False
+        try:
+            if then is not None:
+                then()
+            users_lock(final).unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            if alone:
+                self._users()
+                self._users = None
+        return True
+
     def finish(self, root, splits) -> None:
         final = staged_root(as_layout(root).root, self.target_dir)
         if self.cleanup:
-            shutil.rmtree(final, ignore_errors=True)
-            log.info("storage.cleanup=true: removed the staged copy %s", final)
-        elif final.is_dir():
+            if self._release(final, then=lambda: shutil.rmtree(final, ignore_errors=True)):
+                log.info("storage.cleanup=true: removed the staged copy %s", final)
+            else:
+                log.info(
+                    "storage.cleanup=true: the staged copy %s stays: another run on this node "
+                    "is using it (the last one to finish removes it)",
+                    final,
+                )
+            return
+        self._release(final)
+        if final.is_dir():
             log.info(
                 "the staged copy %s stays in RAM for the next run (%.0f MB); remove it with "
                 "rm -rf %s, or set storage.cleanup=true to remove it at the end of each run",
