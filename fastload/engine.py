@@ -511,9 +511,8 @@ class RunRecord:
         every one in the run directory's skipped_files.txt."""
         if not (self.ctx.is_main and files):
             return
-        listing = self.run_dir / "skipped_files.txt"
-        with open(listing, "a", encoding="utf-8") as f:
-            f.writelines(f"epoch {epoch}\t{where}\n" for where in files)
+        self.files.append_skipped(epoch, files)
+        listing = self.files.skipped_path
         shown = ", ".join(files[:3]) + (" ..." if len(files) > 3 else "")
         log.warning(
             "epoch %d: skipped %d image(s) that cannot be decoded (dataset.skip_corrupt=true): "

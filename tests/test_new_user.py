@@ -236,6 +236,28 @@ def test_skip_corrupt_says_which_files_it_skipped(tmp_path):
     assert str(bad) in (run_dir / "skipped_files.txt").read_text()
 
 
+def test_a_restart_in_its_folder_lists_each_skipped_file_once_per_epoch(tmp_path):
+    """A run killed after an epoch's listing but before its checkpoint (a torchrun restart
+    resumes in the same folder) redoes that epoch: its lines of skipped_files.txt were
+    listed twice, as metrics.jsonl's rows are not."""
+    root, bad = truncated_folder(tmp_path)
+    run_dir = tmp_path / "out" / "r"
+    args = ["dataset.num_classes=4", "dataset.skip_corrupt=true", "name=restart",
+            "dataset.max_skipped_share=0.1", "trainer.checkpoint_every=1"]  # fmt: skip
+    out = run_train(tiny_overrides(root, run_dir, *args))
+    assert out.returncode == 0, out.stderr[-3000:]
+    listing = run_dir / "skipped_files.txt"
+    # what the killed attempt's epoch 2 wrote before its checkpoint
+    with open(listing, "a") as f:
+        f.write(f"epoch 2\t{bad}\n")
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 2}\n')
+    out = run_train(tiny_overrides(root, run_dir, *args, "trainer.epochs=3", "resume=auto"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = listing.read_text().splitlines()
+    assert lines == [f"epoch {e}\t{bad}" for e in range(3)], lines
+
+
 # 11. A full disk while checkpointing, packing or staging ------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 ``metrics.jsonl`` holds one JSON object per epoch, each line flushed and fsynced so a
 crash loses at most the epoch being written; ``summary.json`` is replaced atomically so a
-reader never sees half a file.
+reader never sees half a file; ``skipped_files.txt`` lists what dataset.skip_corrupt left out,
+a line per file and epoch. A resumed run in the same folder keeps the lines of the epochs its
+checkpoint's history holds and drops the others: it redoes those epochs and writes them again.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+SKIPPED_FILE = "skipped_files.txt"
 
 
 def to_jsonable(value: Any) -> Any:
@@ -65,9 +68,13 @@ def _fsync_dir(path: Path) -> None:
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
     """Write JSON to `path` via a temporary file in the same folder, fsync, os.replace."""
+    write_text_atomic(path, json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` to `path` via a temporary file in the same folder, fsync, os.replace."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    text = json.dumps(to_jsonable(data), indent=2, allow_nan=False) + "\n"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
@@ -91,6 +98,7 @@ class MetricsFiles:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
         self.summary_path = self.run_dir / SUMMARY_FILE
+        self.skipped_path = self.run_dir / SKIPPED_FILE
         self._checked_tail = False
 
     def append_epoch(self, metrics: Mapping[str, Any]) -> None:
@@ -128,20 +136,23 @@ class MetricsFiles:
         return records
 
     def rewrite_epochs(self, records: list[Mapping[str, Any]]) -> None:
-        """Replace metrics.jsonl atomically, e.g. to drop epochs past a resumed checkpoint."""
-        tmp = self.metrics_path.with_name(f".{METRICS_FILE}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                for r in records:
-                    f.write(json.dumps(to_jsonable(dict(r)), allow_nan=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.metrics_path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.run_dir)
+        """Replace metrics.jsonl atomically, e.g. to drop epochs past a resumed checkpoint,
+        and keep skipped_files.txt's lines of those epochs only."""
+        lines = [json.dumps(to_jsonable(dict(r)), allow_nan=False) + "\n" for r in records]
+        write_text_atomic(self.metrics_path, "".join(lines))
         self._checked_tail = True
+        if self.skipped_path.is_file():
+            epochs = {str(r.get("epoch")) for r in records}
+            listed = self.skipped_path.read_text(encoding="utf-8", errors="replace")
+            listed = listed.splitlines(keepends=True)
+            kept = [line for line in listed if line.split("\t", 1)[0][len("epoch ") :] in epochs]
+            if len(kept) != len(listed):
+                write_text_atomic(self.skipped_path, "".join(kept))
+
+    def append_skipped(self, epoch: int, files: Sequence[str]) -> None:
+        """An epoch's skipped files, a line each: "epoch N<TAB>file"."""
+        with open(self.skipped_path, "a", encoding="utf-8") as f:
+            f.writelines(f"epoch {epoch}\t{where}\n" for where in files)
 
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write summary.json atomically (temporary name, fsync, os.replace)."""
