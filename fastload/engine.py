@@ -251,12 +251,14 @@ def evaluate(step, loader, ctx, ema=None) -> tuple[dict, int, int, list[str]]:
 
 def reduce_timing(timing, resources, ctx) -> dict:
     """Epoch wall = slowest rank; images/s = all ranks' samples / that wall; data wait =
-    mean over ranks; GPU util = mean of each rank's own GPU."""
+    mean over ranks; GPU util = mean of each rank's own GPU; CPU % = mean over the ranks
+    whose sampler measured it (null when none did: an epoch shorter than its interval)."""
     nan = float("nan")
     gpu = [resources.get("gpu_util_mean"), resources.get("gpu_util_p10")]
     gpu = [nan if v is None else float(v) for v in gpu]
-    cpu = resources.get("cpu_percent") or 0.0
-    s = dist.all_reduce([timing.data_wait_s, timing.compute_s, timing.samples, *gpu, cpu], ctx)
+    cpu = resources.get("cpu_percent")
+    cpu = [0.0, 0.0] if cpu is None else [float(cpu), 1.0]  # (value, measured)
+    s = dist.all_reduce([timing.data_wait_s, timing.compute_s, timing.samples, *gpu, *cpu], ctx)
     mem = [resources.get("peak_pss_mib") or 0.0, resources.get("peak_rss_sum_mib") or 0.0]
     m = dist.all_reduce([timing.wall_s, *mem], ctx, op="max")
     w = ctx.world_size
@@ -269,7 +271,7 @@ def reduce_timing(timing, resources, ctx) -> dict:
         "compute_s": s[1] / w,
         "gpu_util_mean": None if math.isnan(s[3]) else s[3] / w,
         "gpu_util_p10": None if math.isnan(s[4]) else s[4] / w,
-        "cpu_percent": s[5] / w,
+        "cpu_percent": s[5] / s[6] if s[6] else None,
         "peak_pss_mib": m[1] or None,  # one rank's process tree, the largest rank's
         "peak_rss_sum_mib": m[2] or None,
     }

@@ -347,3 +347,28 @@ def test_an_epochs_lr_is_the_one_its_last_update_used(tmp_path):
         state.scheduler.step()
     assert state.last_update_lr() == pytest.approx(used)
     assert state.optimizer.param_groups[0]["lr"] > used * 1.05  # the next update's
+
+
+def test_cpu_percent_is_null_when_unmeasured_and_a_mean_over_the_ranks_that_measured(
+    monkeypatch,
+):
+    """The sampler measures CPU % every interval: an epoch shorter than one has no reading.
+    It was reported as 0, and under DDP a rank without a reading halved the others' mean."""
+    from types import SimpleNamespace
+
+    from fastload import engine
+
+    timing = SimpleNamespace(data_wait_s=0.1, compute_s=0.4, samples=8, wall_s=0.5)
+    one = DistContext(device=torch.device("cpu"))
+    assert engine.reduce_timing(timing, {"cpu_percent": None}, one)["cpu_percent"] is None
+    assert engine.reduce_timing(timing, {"cpu_percent": 80.0}, one)["cpu_percent"] == 80.0
+    # rank 1 of two measured 80 %, this rank (0) nothing: the row says 80, not 40
+    other = {"sum": [0.1, 0.4, 8, float("nan"), float("nan"), 80.0, 1.0], "max": [0.5, 0, 0]}
+
+    def two_ranks(values, ctx, op="sum"):
+        return [a + b if op == "sum" else max(a, b) for a, b in zip(values, other[op], strict=True)]
+
+    monkeypatch.setattr(engine.dist, "all_reduce", two_ranks)
+    two = SimpleNamespace(world_size=2, distributed=True)
+    row = engine.reduce_timing(timing, {"cpu_percent": None}, two)
+    assert row["cpu_percent"] == 80.0 and row["train_images"] == 16
