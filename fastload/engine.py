@@ -250,7 +250,8 @@ def evaluate(step, loader, ctx, ema=None) -> tuple[dict, int, int, list[str]]:
 
 
 def reduce_timing(timing, resources, ctx) -> dict:
-    """Epoch wall = slowest rank; images/s = all ranks' samples / that wall; data wait =
+    """Epoch wall = slowest rank (checkpoints written inside the epoch left out, as
+    checkpoint_s); images/s = all ranks' samples / that wall; data wait =
     mean over ranks; GPU util = mean of each rank's own GPU; CPU % = mean over the ranks
     whose sampler measured it (null when none did: an epoch shorter than its interval)."""
     nan = float("nan")
@@ -260,7 +261,7 @@ def reduce_timing(timing, resources, ctx) -> dict:
     cpu = [0.0, 0.0] if cpu is None else [float(cpu), 1.0]  # (value, measured)
     s = dist.all_reduce([timing.data_wait_s, timing.compute_s, timing.samples, *gpu, *cpu], ctx)
     mem = [resources.get("peak_pss_mib") or 0.0, resources.get("peak_rss_sum_mib") or 0.0]
-    m = dist.all_reduce([timing.wall_s, *mem], ctx, op="max")
+    m = dist.all_reduce([timing.wall_s, *mem, timing.outside_s], ctx, op="max")
     w = ctx.world_size
     return {
         "epoch_time_s": m[0],
@@ -274,6 +275,8 @@ def reduce_timing(timing, resources, ctx) -> dict:
         "cpu_percent": s[5] / s[6] if s[6] else None,
         "peak_pss_mib": m[1] or None,  # one rank's process tree, the largest rank's
         "peak_rss_sum_mib": m[2] or None,
+        # trainer.checkpoint_every_steps: writing them, left out of epoch_time_s
+        "checkpoint_s": m[3],
     }
 
 
@@ -571,6 +574,7 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
         "final_" + task.metric: history[-1].get(task.metric) if history else None,
         "final_train_loss": history[-1].get("train_loss") if history else None,
         "decoder": history[-1].get("decoder") if history else None,
+        "world_size": history[-1].get("world_size") if history else None,
         "run_dir": str(run_dir),
     }
 
@@ -752,7 +756,9 @@ class Epochs:
                 if not self.healthy():  # the stop check ends the run; last.pt stays as it was
                     return
                 self.state.epoch, self.state.step = epoch, steps
-                self.record.save(self.state)
+                with self.timer.outside():  # the epoch's timing is of training, not of I/O
+                    self.record.save(self.state)
+                    dist.barrier(self.ctx)  # the other ranks wait for rank 0's write here
 
         return after_step
 

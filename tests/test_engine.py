@@ -358,12 +358,12 @@ def test_cpu_percent_is_null_when_unmeasured_and_a_mean_over_the_ranks_that_meas
 
     from fastload import engine
 
-    timing = SimpleNamespace(data_wait_s=0.1, compute_s=0.4, samples=8, wall_s=0.5)
+    timing = SimpleNamespace(data_wait_s=0.1, compute_s=0.4, samples=8, wall_s=0.5, outside_s=0.0)
     one = DistContext(device=torch.device("cpu"))
     assert engine.reduce_timing(timing, {"cpu_percent": None}, one)["cpu_percent"] is None
     assert engine.reduce_timing(timing, {"cpu_percent": 80.0}, one)["cpu_percent"] == 80.0
     # rank 1 of two measured 80 %, this rank (0) nothing: the row says 80, not 40
-    other = {"sum": [0.1, 0.4, 8, float("nan"), float("nan"), 80.0, 1.0], "max": [0.5, 0, 0]}
+    other = {"sum": [0.1, 0.4, 8, float("nan"), float("nan"), 80.0, 1.0], "max": [0.5, 0, 0, 0]}
 
     def two_ranks(values, ctx, op="sum"):
         return [a + b if op == "sum" else max(a, b) for a, b in zip(values, other[op], strict=True)]

@@ -66,6 +66,23 @@ def test_step_timer_splits_data_wait_from_compute():
     assert all(isinstance(v, float) for v in d.values())
 
 
+def test_step_timer_leaves_a_checkpoint_inside_the_window_out_of_it():
+    """A checkpoint written inside an epoch (trainer.checkpoint_every_steps) was timed as
+    compute: it lowered images/s and diluted the data-wait share. It is counted apart."""
+    timer = StepTimer()
+    timer.start()
+    for i in timer.iter(SlowLoader(4, delay_s=0.02)):
+        time.sleep(0.02)
+        timer.add_samples(8)
+        if i == 1:
+            with timer.outside():
+                time.sleep(0.3)  # the checkpoint's write
+    t = timer.stop()
+    assert t.outside_s >= 0.3 and t.wall_s < 0.3  # 4 x (20 + 20) ms, give or take
+    assert t.compute_s == pytest.approx(t.wall_s - t.data_wait_s)
+    assert 0.3 <= t.data_wait_share <= 0.7
+
+
 def test_step_timer_counts_loader_startup_and_survives_early_break():
     # iter() on a DataLoader starts workers: the GPU waits for that, so it is data wait.
     if torch.cuda.is_available():
@@ -631,6 +648,20 @@ def test_format_summary_table_renders_values_and_na():
 
     empty = format_summary_table({})
     assert all(line.split()[-1] == "n/a" for line in empty.splitlines())
+
+
+def test_the_summary_table_says_peak_memory_is_one_ranks_under_ddp():
+    """Each rank samples its own process tree and the row keeps the largest: under DDP the
+    table showed it as the job's peak memory."""
+    memory = {"peak_pss_mib": 562.2, "peak_rss_sum_mib": 1539.0}
+
+    def peak(**more):
+        (line,) = [x for x in format_summary_table({**memory, **more}).splitlines()
+                   if x.startswith("peak memory")]  # fmt: skip
+        return line.split("  ", 1)[1].strip()
+
+    assert peak(world_size=1) == peak() == "562 MiB PSS (summed RSS 1,539 MiB)"
+    assert peak(world_size=2) == "562 MiB PSS of the largest rank (summed RSS 1,539 MiB)"
 
 
 def test_the_summary_leaves_out_each_processs_start_up_and_the_partial_epoch(tmp_path):

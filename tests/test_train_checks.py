@@ -3,6 +3,7 @@ non-finite loss, too many undecodable samples skipped, options that cannot train
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import warnings
@@ -74,6 +75,17 @@ def test_a_checkpoint_inside_the_epoch_never_keeps_non_finite_weights(tmp_path):
         )
     else:
         assert not last.exists()
+
+
+def test_checkpoints_inside_the_epoch_are_timed_apart_from_it(tmp_path):
+    root = make_image_folder(tmp_path / "d")
+    run_dir = tmp_path / "run"
+    out = run_train(tiny_overrides(root, run_dir, "trainer.epochs=1",
+                                   "trainer.checkpoint_every_steps=1"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["checkpoint_s"] > 0
+    assert row["compute_s"] + row["data_wait_s"] == pytest.approx(row["epoch_time_s"])
 
 
 def test_the_fp16_scaler_skipped_steps_are_counted(tmp_path):

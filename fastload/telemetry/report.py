@@ -130,7 +130,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
       ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (steady-state mean),
       ``data_wait_share`` (fraction 0..1), ``gpu_util_mean`` (percent 0..100),
       ``peak_pss_mib`` / ``peak_rss_sum_mib`` (MiB, process tree: PSS summed, RSS
-      summed), ``best_metric`` (the task's validation metric at its best) with
+      summed; one rank's tree, the largest, when ``world_size`` > 1), ``best_metric`` (the task's validation metric at its best) with
       ``metric_label`` / ``metric_unit`` (default: top-1, percent; ``best_acc1`` also read),
       ``best_ema_metric`` (the same for the EMA of the weights, a row only when present),
       ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
@@ -150,13 +150,17 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
 
     def memory() -> str:
         pss, rss = _num(summary.get("peak_pss_mib")), _num(summary.get("peak_rss_sum_mib"))
+        # each rank samples its own process tree: the row holds the largest rank's
+        per_rank = " of the largest rank" if (_num(summary.get("world_size")) or 1) > 1 else ""
         if pss is None:
             return (
                 "n/a"
                 if rss is None
-                else f"{rss:,.0f} MiB summed RSS (shared pages counted per process)"
+                else f"{rss:,.0f} MiB summed RSS{per_rank} (shared pages counted per process)"
             )
-        return f"{pss:,.0f} MiB PSS" + ("" if rss is None else f" (summed RSS {rss:,.0f} MiB)")
+        return f"{pss:,.0f} MiB PSS{per_rank}" + (
+            "" if rss is None else f" (summed RSS {rss:,.0f} MiB)"
+        )
 
     epochs = summary.get("epochs")
     rows = [

@@ -24,6 +24,7 @@ class EpochTiming:
     compute_s: float
     samples: int
     steps: int
+    outside_s: float = 0.0  # left out of wall_s: work neither data nor training (`outside`)
 
     @property
     def images_per_s(self) -> float:
@@ -42,6 +43,7 @@ class EpochTiming:
             "compute_s": float(self.compute_s),
             "samples": float(self.samples),
             "steps": float(self.steps),
+            "outside_s": float(self.outside_s),
             "images_per_s": float(self.images_per_s),
             "data_wait_share": float(self.data_wait_share),
         }
@@ -69,12 +71,14 @@ class StepTimer:
         self.cuda_sync = cuda_sync
         self._t0: float | None = None
         self._data_wait_s = 0.0
+        self._outside_s = 0.0
         self._samples = 0
         self._steps = 0
 
     def start(self) -> None:
         """Start a new window; clears the counters."""
         self._data_wait_s = 0.0
+        self._outside_s = 0.0
         self._samples = 0
         self._steps = 0
         self._t0 = time.perf_counter()
@@ -114,11 +118,33 @@ class StepTimer:
         finally:
             self._data_wait_s += time.perf_counter() - t
 
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Time the loop spends on what is neither data nor training (a checkpoint written
+        inside the epoch): left out of the window's wall time, so that it lowers neither
+        images/s nor the data-wait share, and counted apart (`outside_s`). With cuda_sync
+        the GPU's queued work is waited for first, inside the window: it is the steps'."""
+        self._sync()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._outside_s += time.perf_counter() - t
+
     def add_samples(self, n: int) -> None:
         self._samples += int(n)
 
+    def _sync(self) -> None:
+        if self.cuda_sync:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
     def _elapsed(self) -> float:
-        return time.perf_counter() - self._t0 if self._t0 is not None else 0.0
+        if self._t0 is None:
+            return 0.0
+        return time.perf_counter() - self._t0 - self._outside_s
 
     @property
     def images_per_s(self) -> float:
@@ -134,11 +160,7 @@ class StepTimer:
 
     def stop(self) -> EpochTiming:
         """End the window and return its timing. Safe after an early ``break`` from ``iter()``."""
-        if self.cuda_sync:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+        self._sync()
         wall_s = self._elapsed()
         data_wait_s = min(self._data_wait_s, wall_s)
         timing = EpochTiming(
@@ -147,6 +169,7 @@ class StepTimer:
             compute_s=max(0.0, wall_s - data_wait_s),
             samples=self._samples,
             steps=self._steps,
+            outside_s=self._outside_s,
         )
         self._t0 = None
         return timing
