@@ -68,6 +68,25 @@ def test_report_normalises_medians_to_the_baseline_and_keeps_the_spread(tmp_path
         assert f"({png})" in table
 
 
+def test_a_repeat_finished_with_resume_is_a_repeat_timed_for_whole_epochs(tmp_path):
+    """A repeat killed inside epoch 1 and finished with resume=auto (what the report's own
+    error advises) was its own, faster variant: its epoch 1 row times only the steps after
+    the resume. It is a repeat of its variant, that epoch counted whole at its own speed."""
+    runs = [fake_run(tmp_path, 0, ["loader=bg", "+repeat=0"], [5, 5, 5])]
+    resumed = fake_run(tmp_path, 1, ["loader=bg", "+repeat=1", "resume=auto"], [5, 5, 5])
+    rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["train_images"] = 24
+    rows[1].update(epoch_time_s=2.0, train_images=12, resumed_at_step=3)  # half of epoch 1
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs.append(resumed)
+    runs.append(fake_run(tmp_path, 2, ["loader=baseline", "+repeat=0"], [10, 10, 10]))
+    report = build_report(runs, tmp_path / "report", baseline="loader=baseline", title="t")
+    bg, base = report["rows"]
+    assert (bg["variant"], bg["runs"], base["variant"]) == ("loader=bg", 2, "loader=baseline")
+    assert (bg["train_s_min"], bg["train_s_max"]) == (14, 15)  # 5 + 2 x 24 / 12 + 5
+
+
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):
     empty = tmp_path / "not-a-run"
     empty.mkdir()

@@ -1,10 +1,13 @@
 """Compare runs: `python -m fastload.report RUN_DIR... [--out DIR] [--baseline loader=baseline]`.
 
 Each run directory (what train.py writes: metrics.jsonl, summary.json, .hydra/overrides.yaml)
-becomes one run; runs whose overrides differ only in `+repeat=` are repeats of one variant.
+becomes one run; runs whose overrides differ only in `+repeat=` or `resume=` (a repeat that
+was interrupted and finished with resume=auto) are repeats of one variant.
 The variant's name is the overrides that differ between the variants (so `loader=bg`, not the
 30 overrides every run shares). Per variant: the median of the runs' training time (every
-epoch's `epoch_time_s`, summed) with its spread (min..max over repeats), that time normalised
+epoch's `epoch_time_s`, summed; an epoch resumed inside of timed for the images it trained
+only, so counted as a whole epoch at its own speed: time x images of a whole epoch / images
+it trained) with its spread (min..max over repeats), that time normalised
 to the baseline variant's median, and the steady-state epoch time, images/s, data-wait share
 and GPU utilisation. Written as report.md (the table), report.json and PNG charts
 (fastload/report/charts.py); the table is printed.
@@ -22,7 +25,8 @@ from omegaconf import OmegaConf
 from fastload.errors import FastloadError
 from fastload.telemetry.report import steady_epochs
 
-REPEAT_KEYS = ("+repeat", "repeat")
+# overrides that make a repeat, not a variant: its number; resume=auto finishing it
+REPEAT_KEYS = ("+repeat", "repeat", "resume", "+resume")
 
 
 class ReportError(FastloadError):
@@ -38,7 +42,18 @@ class Run:
 
     @property
     def train_s(self) -> float:
-        return sum(float(r["epoch_time_s"]) for r in self.epochs)
+        """The epochs' times summed, an epoch resumed inside of (`resumed_at_step`: its time
+        covers the steps after the resume) scaled to the images of a whole epoch."""
+        whole = [r.get("train_images") for r in self.epochs if "resumed_at_step" not in r]
+        whole = [n for n in whole if n]
+        full = statistics.median(whole) if whole else None
+        total = 0.0
+        for r in self.epochs:
+            t, n = float(r["epoch_time_s"]), r.get("train_images")
+            if "resumed_at_step" in r and full and n:
+                t *= full / n
+            total += t
+        return total
 
     def steady(self, key: str) -> float | None:
         """The mean over the epochs without a process's start-up (the first, and the first
