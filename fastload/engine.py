@@ -703,7 +703,7 @@ class Epochs:
                                                     "ema", epoch)  # fmt: skip
             self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
-        row.update(world_size=ctx.world_size, **data.epoch_stats(ctx))
+        row.update(world_size=ctx.world_size, **data.epoch_stats(ctx, epoch))
         state.history.append(row)
         self.record.epoch(row)
         self.record.skipped(epoch, done.skipped_files)

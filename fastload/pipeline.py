@@ -55,14 +55,19 @@ class DataPath:
         self.train.close()
         self.val.close()
 
-    def before_epoch(self) -> None:
-        """Reset the storage's read counters (cold_cache: evict its files first)."""
-        self.train_reader.before_epoch()
+    counting: bool = False  # the read counters were reset before this process's first epoch
 
-    def epoch_stats(self, ctx) -> dict:
-        """Bytes the storage read this epoch (all ranks), the read bandwidth one reader saw,
-        and what decoded (the backend's own report)."""
-        s = self.train_reader.epoch_stats()
+    def before_epoch(self) -> None:
+        """Reset the storage's read counters before the first epoch (what loader=auto's
+        trials read is no epoch's), keep them after: the workers may have begun this epoch
+        (cold_cache: evict its files first)."""
+        self.train_reader.before_epoch(reset=not self.counting)
+        self.counting = True
+
+    def epoch_stats(self, ctx, epoch: int) -> dict:
+        """Bytes the storage read for `epoch`'s samples (all ranks), the read bandwidth one
+        reader saw, and what decoded (the backend's own report)."""
+        s = self.train_reader.epoch_stats(epoch)
         nbytes, seconds = dist.all_reduce([s["read_mb"], s["read_s"]], ctx)
         return {
             **self.backend.info(),

@@ -265,6 +265,21 @@ def test_readers_under_fork_and_spawn_workers(tiny_folder, packs, kind, context)
     assert stats["read_mb"] > 0 and stats["read_s"] > 0
 
 
+def test_each_epoch_row_counts_the_reads_of_its_own_samples(tmp_path):
+    """loader.cross_epoch (the default) has the workers read the next epoch's first batches
+    while this one ends and evaluates: they were counted in this epoch's read_mb (then
+    reset), so the first epoch read more than the split and the last less."""
+    root = make_image_folder(tmp_path / "d")
+    run_dir = tmp_path / "out" / "run"
+    out = run_train(tiny_overrides(root, run_dir, "trainer.epochs=3", "loader.num_workers=1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    split_mb = sum(p.stat().st_size for p in (root / "train").rglob("*.jpg")) / 1e6
+    first = rows[0]["read_mb"]  # the samples each epoch trains (whole batches of the split)
+    assert 0.5 * split_mb < first <= split_mb
+    assert [r["read_mb"] for r in rows] == pytest.approx([first] * 3, rel=0.1)  # was 3:2:1
+
+
 def test_corrupt_shard_byte_names_file_and_record(tiny_folder, packs, tmp_path):
     import shutil
 

@@ -120,7 +120,7 @@ class ResidentData:
     def before_epoch(self) -> None:
         pass
 
-    def epoch_stats(self, ctx) -> dict:
+    def epoch_stats(self, ctx, epoch: int) -> dict:
         return {}
 
     def close(self) -> None:

@@ -90,6 +90,7 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _load(self, key, pending: bool, rng=None):
         epoch, index = key if isinstance(key, tuple) else (0, key)
+        self.reader.epoch = epoch  # its reads count in this epoch's row
         data, target = self.reader.get(index, self.IMAGE), int(self.labels[index])
         if rng is None:
             rng = sample_rng(self.seed, epoch, index)

@@ -151,6 +151,7 @@ class DetectionDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, position = key if isinstance(key, tuple) else (0, key)
         index = int(self.indices[position])
+        self.reader.epoch = epoch  # its reads count in this epoch's row
         pixels, stored_frame = self.decode(self.reader.get(index, "image"), index)
         if isinstance(pixels, Skipped):
             return pixels

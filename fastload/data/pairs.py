@@ -125,6 +125,7 @@ class PairDataset(torch.utils.data.Dataset):
     def __getitem__(self, key):
         epoch, index = key if isinstance(key, tuple) else (0, key)
         i = index // self.repeat
+        self.reader.epoch = epoch  # its reads count in this epoch's row
         hr_data = self.reader.get(i, "image")
         lr_data = self.reader.get(i, "lr") if self.paired else None
         try:

@@ -65,9 +65,15 @@ class Reader(abc.ABC):
     cold-cache eviction for the engine (`before_epoch()` / `epoch_stats()`).
 
     A subclass sets `schema`, calls `_init_stats()` in its constructor, sets `cold_cache`,
-    and wraps its reads in `self._account(nbytes, t0)`."""
+    and wraps its reads in `self._account(nbytes, t0)`.
+
+    Reads are counted per epoch: a dataset sets `epoch` to the epoch of the samples it
+    reads (the loader's keys carry it), so that the next epoch's first batches, which the
+    workers read while this epoch ends and evaluates (loader.cross_epoch), count in the next
+    epoch's row (`epoch_stats(epoch)`), not in this one's."""
 
     cold_cache: bool = False
+    epoch: int = 0  # the epoch of the samples being read (set by the dataset)
     schema: Schema
     _unpicklable: tuple[str, ...] = ()
 
@@ -125,7 +131,8 @@ class Reader(abc.ABC):
     def _init_stats(self) -> None:
         import torch  # here, not at the top: packing's pool workers import this module
 
-        self._stats = torch.zeros(_SLOTS, 2, dtype=torch.float64).share_memory_()
+        # [reading process, epoch parity, (bytes, seconds)]: two epochs in flight at most
+        self._stats = torch.zeros(_SLOTS, 2, 2, dtype=torch.float64).share_memory_()
         self._stats_np = None
 
     def _account(self, nbytes: int, t0: float) -> None:
@@ -135,15 +142,17 @@ class Reader(abc.ABC):
             info = torch.utils.data.get_worker_info()
             slot = 0 if info is None else (info.id + 1) % _SLOTS
             self._stats_np = self._stats.numpy()[slot]
-        row = self._stats_np
+        row = self._stats_np[self.epoch & 1]
         row[0] += nbytes
         row[1] += time.perf_counter() - t0
 
-    def before_epoch(self) -> None:
-        """Reset the read counters; with cold_cache, evict the split's files first."""
+    def before_epoch(self, reset: bool = True) -> None:
+        """Reset the read counters (reset=False: keep them; the reads of an epoch the
+        workers began early stay its own); with cold_cache, evict the split's files first."""
         if self.cold_cache:
             self._evict()
-        self._stats.zero_()
+        if reset:
+            self._stats.zero_()
 
     def _evict(self) -> None:
         root = self.store_root()
@@ -167,10 +176,15 @@ class Reader(abc.ABC):
             time.perf_counter() - t0,
         )
 
-    def epoch_stats(self) -> dict:
+    def epoch_stats(self, epoch: int | None = None) -> dict:
         """Bytes read since `before_epoch()` and the time spent inside reads (summed over
-        workers): read_mb_per_s is the bandwidth one reader saw."""
-        nbytes, seconds = self._stats.sum(0).tolist()
+        workers): read_mb_per_s is the bandwidth one reader saw. `epoch`: that epoch's reads
+        only, whose counters are then cleared for the epoch after next."""
+        if epoch is None:
+            nbytes, seconds = self._stats.sum((0, 1)).tolist()
+        else:
+            nbytes, seconds = self._stats[:, epoch & 1].sum(0).tolist()
+            self._stats[:, epoch & 1].zero_()
         return {
             "read_mb": nbytes / 1e6,
             "read_s": seconds,
