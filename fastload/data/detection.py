@@ -23,7 +23,6 @@ from fastload.data import rawimage
 from fastload.data.batch import IMAGE, SKIPPED, TARGET, Skipped, put_optional, sum_counts
 from fastload.data.dataset import sample_rng, undecodable
 from fastload.data.frames import in_stored_frame
-from fastload.decode.base import open_rgb
 from fastload.errors import DatasetError
 
 
@@ -146,7 +145,7 @@ class DetectionDataset(torch.utils.data.Dataset):
         where = self.reader.describe(index)
         if not in_stored_frame(data, self.stated[index], where, shown=pixels.shape[1::-1]):
             return pixels, False
-        return np.asarray(open_rgb(bytes(data), exif=False), dtype=np.uint8), True
+        return self.backend.decode_rgb(data, exif=False), True
 
     def __getitem__(self, key):
         epoch, position = key if isinstance(key, tuple) else (0, key)

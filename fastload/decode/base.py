@@ -11,7 +11,7 @@ A backend (one module + one conf/backend/<name>.yaml) is a `DecodeBackend`:
                                   ({"decoder": "simplejpeg-1.8", "decoder_fallback": ...});
     pop_counts()                  optional: per-sample counters since the last call
                                   ({"decode_fallback_cmyk": 1, ...}), summed per batch;
-    decode_rgb(data)              optional: encoded bytes -> the whole image, uint8 HWC RGB,
+    decode_rgb(data, exif=True)   optional: encoded bytes -> the whole image, uint8 HWC RGB,
                                   for tasks that transform whole images themselves
                                   (detection, super-resolution); default: `open_rgb`;
     load_pixels(pixels, transform, rng)
@@ -115,9 +115,10 @@ class DecodeBackend(abc.ABC):
     def pop_counts(self) -> dict:
         return {}
 
-    def decode_rgb(self, data) -> np.ndarray:
-        """The whole image as uint8 HWC RGB (EXIF orientation applied): the reference decode."""
-        return np.asarray(open_rgb(bytes(data)), dtype=np.uint8)
+    def decode_rgb(self, data, exif: bool = True) -> np.ndarray:
+        """The whole image as uint8 HWC RGB (EXIF orientation applied unless `exif` is
+        False: the stored frame, fastload/data/frames.py): the reference decode."""
+        return np.asarray(open_rgb(bytes(data), exif=exif), dtype=np.uint8)
 
     def load_pixels(self, pixels: np.ndarray, transform, rng: np.random.Generator) -> np.ndarray:
         """Decoded HWC uint8 pixels -> the transform's crop, the way backend=pil crops."""
@@ -209,9 +210,12 @@ class JpegOnlyBackend(DecodeBackend):
         box, flip = transform.sample(info.width, info.height, rng)
         return load_jpeg(data, info, box, flip, transform)
 
-    def decode_rgb(self, data) -> np.ndarray:
+    def decode_rgb(self, data, exif: bool = True) -> np.ndarray:
         """Whole-image decode: the subclass's `decode_jpeg_rgb` for the JPEGs it handles,
-        the reference decode (counted) for the rest."""
+        the reference decode (counted) for the rest; exif=False (an image whose boxes are in
+        its stored frame, rare): the reference decode, not counted."""
+        if not exif:
+            return super().decode_rgb(data, exif=False)
         info = jpeg_info(data)
         reason = fallback_reason(info)
         if reason is None:
