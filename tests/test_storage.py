@@ -937,8 +937,8 @@ def test_two_ranks_stage_once_per_node(tmp_path):
 _USE_AND_WAIT = """
 import sys, time
 from fastload.storage.tmpfs import TmpfsStorage
-storage = TmpfsStorage(target_dir=sys.argv[2], progress=False)  # a run holds it to its end
-storage.prepare(sys.argv[1], ["train"])
+storage = TmpfsStorage(target_dir=sys.argv[2], progress=False, reserve_gb=0)  # held to its end
+storage.prepare(sys.argv[1], sys.argv[3:] or ["train"])
 print("staged", flush=True)
 time.sleep(120)
 """
@@ -975,6 +975,46 @@ def test_cleanup_leaves_a_copy_another_run_on_the_node_uses(tmp_path, caplog):
     last.prepare(root, ["train"])
     last.finish(root, ["train"])  # the other run is gone: its lock went with it
     assert not final.exists()
+
+
+def test_a_copy_another_run_reads_is_not_removed_to_make_room(tmp_path, monkeypatch):
+    """A run needing a split the copy lacks, with no room for a new copy beside it, removed
+    the copy first, and a run on the node reading it failed. While another run holds it, the
+    staging is refused, naming the way out; once that run is gone, it goes ahead."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.staged_root(root, target)
+    need = sum(
+        -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
+        for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", _USE_AND_WAIT, str(root), str(target), "val"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert other.stdout.readline().strip() == "staged"
+        monkeypatch.setattr(
+            tmpfs,
+            "room",
+            lambda d: {
+                "free space": need - 1 if final.exists() else need,  # room for one copy
+                "available RAM": None,
+                "container memory limit headroom": None,
+            },
+        )
+        store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
+        with pytest.raises(StorageError, match="another run on this node is reading it"):
+            store.prepare(root, ["train"])
+        assert json.loads((final / tmpfs.MANIFEST).read_text())["splits"] == ["val"]
+    finally:
+        other.kill()
+        other.wait()
+    store.prepare(root, ["train"])  # the reader is gone: removed first, then re-staged
+    assert sorted(json.loads((final / tmpfs.MANIFEST).read_text())["splits"]) == ["train", "val"]
+    store.finish(root, ["train"])
 
 
 # -- COCO and DIV2K sources ------------------------------------------------------------------

@@ -10,7 +10,8 @@
          refuse with the numbers and the fix when the dataset does not fit. A copy already
          there (outdated, damaged, or without a requested split) is replaced by one holding
          its splits too, built beside it when both fit, so that a run reading it keeps its
-         files; else it is removed first, and a run on this node reading it fails;
+         files; else it is removed first, unless another run on this node uses it (see
+         finish below: then the staging is refused, saying so);
       4. copy in parallel (threads: the copy is I/O and syscalls, the GIL is released) into
          a temporary sibling folder (fastload/atomic.py), with a progress bar;
       5. verify the copy against the manifest, write the manifest, rename into place (over
@@ -253,10 +254,18 @@ def copy_files(
 
 
 def stage(
-    root, splits, target_dir="/dev/shm/fastload", threads=8, reserve_gb=1.0, progress=True
+    root,
+    splits,
+    target_dir="/dev/shm/fastload",
+    threads=8,
+    reserve_gb=1.0,
+    progress=True,
+    alone=None,
 ) -> Path:
     """Stage the splits of `root` (a layout, or an ImageFolder root) into target_dir
-    (atomically) unless a complete copy is there; returns the copy's root."""
+    (atomically) unless a complete copy is there; returns the copy's root. `alone()`: True
+    when no other run on this node uses the copy there (TmpfsStorage's lock), asked before
+    a copy without room for its replacement beside it is removed; None: not known."""
     layout = as_layout(root)
     root = Path(layout.root).absolute()
     target_dir = Path(target_dir)
@@ -276,7 +285,7 @@ def stage(
     # A staging killed on this host (SIGKILL, OOM) left its partial copy in RAM: remove it
     # before measuring the room, or it alone could make the new copy "not fit".
     remove_stale(final.absolute())
-    manifest, need, replacing = _make_room(final, layout, manifest, int(reserve_gb * 2**30))
+    manifest, need, replacing = _make_room(final, layout, manifest, int(reserve_gb * 2**30), alone)
     t0 = time.perf_counter()
     try:
         with building(final, replacing) as tmp:
@@ -321,12 +330,12 @@ def stage(
     return final
 
 
-def _make_room(final: Path, layout, manifest: dict, reserve: int):
+def _make_room(final: Path, layout, manifest: dict, reserve: int, alone=None):
     """(the manifest to stage, its bytes in pages, the folder_id of the copy at `final` it
     replaces or None) once the room is checked (refused with the numbers when it does not
     fit). A copy at `final` (outdated, damaged, or without a split this run needs) is
     replaced by one that holds its splits too, built beside it when both fit; else it is
-    removed first."""
+    removed first, unless `alone()` says another run on this node uses it (refused)."""
     target_dir, root = final.parent, Path(layout.root).absolute()
     replacing = None
     if final.exists():
@@ -346,11 +355,20 @@ def _make_room(final: Path, layout, manifest: dict, reserve: int):
     else:
         pages = (-(-f.stat().st_size // PAGE) * PAGE for f in final.rglob("*") if f.is_file())
         check_room(target_dir, max(0, need - sum(pages)), reserve, root)
+        if alone is not None and not alone():
+            raise StorageError(
+                f"storage=tmpfs: {final} does not match {root} (changed, incomplete, or "
+                f"without a split this run needs: {', '.join(manifest['splits'])}), there is no "
+                f"room for a new copy beside it ({size_text(need)}), and another run on this "
+                f"node is reading it: removing it would end that run. Let that run finish, "
+                f"free room in {target_dir}, or give this run another storage.target_dir."
+            )
         log.warning(
             "storage=tmpfs: %s does not match %s (changed, incomplete, or without a split this "
-            "run needs), and there is no room for a new copy beside it: removing it first (a "
-            "run on this node reading it fails) and re-staging %s",
-            final, root, ", ".join(manifest["splits"]),
+            "run needs), and there is no room for a new copy beside it: removing it first (%s) "
+            "and re-staging %s",
+            final, root, "a run on this node reading it fails" if alone is None
+            else "no other run on this node uses it", ", ".join(manifest["splits"]),
         )  # fmt: skip
         _remove(final, replacing)
         replacing = None
@@ -405,14 +423,18 @@ class TmpfsStorage(Storage):
 
     def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
         self._use(staged_root(as_layout(root).root, self.target_dir))
-        stage(
-            root,
-            splits,
-            self.target_dir,
-            threads=self.threads,
-            reserve_gb=self.reserve_gb,
-            progress=self.progress,
-        )
+        try:
+            stage(
+                root,
+                splits,
+                self.target_dir,
+                threads=self.threads,
+                reserve_gb=self.reserve_gb,
+                progress=self.progress,
+                alone=self._exclusive,
+            )
+        finally:
+            self._shared()
 
     def open(self, root, split: str) -> SourceReader:
         layout = as_layout(root)
@@ -461,6 +483,24 @@ class TmpfsStorage(Storage):
                 self._users = weakref.finalize(self, os.close, fd)
                 return True
             os.close(fd)
+
+    def _exclusive(self) -> bool:
+        """Trade this run's shared lock for the exclusive one if no other run holds it:
+        True when none does (this run then holds it alone until `_shared`, so that no run
+        starts reading the copy it is about to remove)."""
+        if self._users is None:
+            return True  # no lock file (an unwritable target_dir): nothing to go by
+        fd = self._users.peek()[2][0]
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # a refused conversion may have let go of it
+            return False
+
+    def _shared(self) -> None:
+        if self._users is not None:
+            fcntl.flock(self._users.peek()[2][0], fcntl.LOCK_SH)
 
     def _release(self, final: Path, then=None) -> bool:
         """Let go of this run's lock. When no other run uses the copy: call `then()` (the
