@@ -702,14 +702,9 @@ def test_a_copy_holding_more_splits_is_reused_and_one_lacking_a_split_replaced(
     assert len(calls) == 3 and not list(target.glob(".*"))
 
 
-def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
-    tmp_path, monkeypatch, caplog
-):
-    """Where the old copy and its replacement do not fit together, the old one goes first
-    (a run reading it would fail, and the warning says so) rather than refusing the run."""
-    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
-    target = tmp_path / "shm"
-    final = tmpfs.stage(root, ["val"], target, progress=False, reserve_gb=0)
+def room_for_one_copy(monkeypatch, root, final) -> None:
+    """Make the tmpfs hold one copy of both splits of `root`, not the copy at `final` and a
+    new one beside it."""
     need = sum(
         -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
         for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
@@ -718,11 +713,22 @@ def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
         tmpfs,
         "room",
         lambda d: {
-            "free space": need - 1 if final.exists() else need,  # room for one copy
+            "free space": need - 1 if final.exists() else need,
             "available RAM": None,
             "container memory limit headroom": None,
         },
     )
+
+
+def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
+    tmp_path, monkeypatch, caplog
+):
+    """Where the old copy and its replacement do not fit together, the old one goes first
+    (a run reading it would fail, and the warning says so) rather than refusing the run."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["val"], target, progress=False, reserve_gb=0)
+    room_for_one_copy(monkeypatch, root, final)
     with caplog.at_level("WARNING", logger="fastload"):
         tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
     assert "removing it first (a run on this node reading it fails)" in caplog.text
@@ -984,10 +990,6 @@ def test_a_copy_another_run_reads_is_not_removed_to_make_room(tmp_path, monkeypa
     root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
     target = tmp_path / "shm"
     final = tmpfs.staged_root(root, target)
-    need = sum(
-        -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
-        for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
-    )
     other = subprocess.Popen(
         [sys.executable, "-c", _USE_AND_WAIT, str(root), str(target), "val"],
         cwd=REPO,
@@ -996,15 +998,7 @@ def test_a_copy_another_run_reads_is_not_removed_to_make_room(tmp_path, monkeypa
     )
     try:
         assert other.stdout.readline().strip() == "staged"
-        monkeypatch.setattr(
-            tmpfs,
-            "room",
-            lambda d: {
-                "free space": need - 1 if final.exists() else need,  # room for one copy
-                "available RAM": None,
-                "container memory limit headroom": None,
-            },
-        )
+        room_for_one_copy(monkeypatch, root, final)
         store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
         with pytest.raises(StorageError, match="another run on this node is reading it"):
             store.prepare(root, ["train"])
