@@ -142,6 +142,18 @@ def test_every_rank_gets_the_same_count_and_every_sample_once(world, remainder):
     assert other != shard_stream_order(sizes, seed=3, epoch=1, rank=0, world_size=1, window=5)[0]
 
 
+def test_fewer_samples_than_half_the_ranks_still_give_every_rank_its_part():
+    """The pad repeated the stream's first samples once only: with 3 samples on 8 ranks
+    the last two ranks got none, raised alone, and the others waited for them at DDP's
+    first all-reduce. The stream now repeats as often as it takes, as DistributedSampler
+    pads, and a rank's part is the same as before where once was enough."""
+    for n, world in [(3, 8), (2, 5), (1, 4)]:
+        parts = [shard_stream_order([1] * n, seed=0, epoch=0, rank=r, world_size=world,
+                                    window=1)[0] for r in range(world)]  # fmt: skip
+        assert [len(p) for p in parts] == [1] * world, (n, world)
+        assert {i for p in parts for i in p} == set(range(n))
+
+
 def adjacent_same(classes) -> float:
     c = np.asarray(classes)
     return float(np.mean(c[1:] == c[:-1]))

@@ -215,8 +215,8 @@ def shard_stream_order(
     2. the stream is cut into `world_size` contiguous, EQUAL parts: every rank gets the same
        number of samples (so the same number of batches: no rank waits for another at an
        all-reduce), whatever the number of shards, also fewer shards than ranks. The
-       N % world_size samples left over are handled explicitly: `pad` repeats the stream's
-       first ones (every sample at least once, like DistributedSampler), `drop` leaves the
+       N % world_size samples left over are handled explicitly: `pad` repeats the stream
+       from its start (every sample at least once, like DistributedSampler), `drop` leaves the
        stream's last ones out this epoch (a different few each epoch);
     3. a rank's part is shuffled block-wise: it is cut into equal blocks of at most `window`
        consecutive samples, each permuted uniformly (seed, epoch, rank). A worker so needs at most the shards
@@ -235,8 +235,10 @@ def shard_stream_order(
     n = len(stream)
     per_rank = -(-n // world_size) if remainder == "pad" else n // world_size
     extra = per_rank * world_size - n
-    if extra > 0:
-        stream = np.concatenate([stream, stream[:extra]])
+    if extra > 0 and n:
+        # cyclically, as DistributedSampler pads: fewer samples than ranks need the stream
+        # more than twice (the same as stream + stream[:extra] whenever extra <= n)
+        stream = np.resize(stream, per_rank * world_size)
     part = stream[rank * per_rank : (rank + 1) * per_rank].copy()
     window = max(1, int(window))
     if window > 1 and len(part):
