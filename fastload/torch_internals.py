@@ -18,6 +18,10 @@ decision, not an accident.
     GradScaler._scale                  the fp16 loss scale as a device tensor: steps skipped
                                        for overflowing gradients are counted without a host
                                        sync (else: not counted, reported as unknown)
+    DistributedDataParallel.require_forward_param_sync
+                                       evaluation's forwards make no collective (else: DDP
+                                       broadcasts the buffers in the first one, and a rank
+                                       with no validation batch leaves the others waiting)
 """
 
 from __future__ import annotations
@@ -54,8 +58,20 @@ def missing() -> list[str]:
             for name in ("_workers", "_rcvd_idx", "_task_info")
         },
         "GradScaler._scale": "_scale" in torch.amp.GradScaler.__init__.__code__.co_names,
+        "DistributedDataParallel.require_forward_param_sync": "require_forward_param_sync"
+        in torch.nn.parallel.DistributedDataParallel.__init__.__code__.co_names,
     }
     return [name for name, ok in checks.items() if not ok]
+
+
+def skip_next_buffer_sync(ddp) -> bool:
+    """Have native DDP skip the buffer broadcast its next forward would make (it makes one in
+    the first forward after a training one, then clears this flag itself); False where this
+    torch has no such flag (apex's DDP, or a rename)."""
+    if not hasattr(ddp, "require_forward_param_sync"):
+        return False
+    ddp.require_forward_param_sync = False
+    return True
 
 
 def grad_scale(scaler) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose_config, run_torchrun, run_train, tiny_overrides
+from conftest import compose_config, make_image_folder, run_torchrun, run_train, tiny_overrides
 from omegaconf import open_dict
 
 from fastload import checkpoint as ckpt
@@ -118,6 +118,21 @@ def test_evaluate_refuses_before_any_data_work(tmp_path):
         with pytest.raises(FastloadError) as err:
             evaluate_only(cfg, DistContext(), refused)
         assert all(n in err.value.user_message for n in needles), err.value.user_message
+
+
+def test_a_rank_without_a_validation_sample_does_not_hang_the_others(tmp_path):
+    """2 validation images on 3 ranks: the third rank has none and made no forward, while
+    DDP's first forward after training broadcasts the buffers on the others: they waited
+    for it until the process group's timeout. Every rank now broadcasts them before the
+    evaluation, whose forwards make no collective."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(12, 1))
+    out = run_torchrun(root, tmp_path, f"output_root={tmp_path / 'out'}", "name=few",
+                       "dataset.num_classes=2", "trainer.batch_size=2", "trainer.epochs=1",
+                       nproc=3, timeout=240)  # fmt: skip
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    (metrics,) = (tmp_path / "out" / "few").glob("*/metrics.jsonl")
+    (row,) = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert row["val_acc1"] is not None and row["world_size"] == 3
 
 
 def test_evaluate_under_torchrun_gives_the_numbers_of_one_process(tiny_folder, tmp_path):

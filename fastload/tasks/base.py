@@ -65,7 +65,7 @@ from omegaconf import DictConfig, OmegaConf
 from fastload import dist
 from fastload.data.batch import IMAGE, TARGET
 from fastload.errors import ConfigError, DatasetError
-from fastload.torch_internals import grad_scale
+from fastload.torch_internals import grad_scale, skip_next_buffer_sync
 
 # torch's warning when the first scheduler step comes before any optimizer step.
 LR_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
@@ -191,6 +191,8 @@ class TrainStep(abc.ABC):
     def __init__(self, state, cfg: DictConfig, ctx, amp):
         self.state, self.amp, self.device = state, amp, ctx.device
         self.model = dist.wrap_ddp(state.model, cfg, ctx)
+        self.ddp = self.model if self.model is not state.model else None
+        self.ctx = ctx
         # apex's DDP has no no_sync: it all-reduces every backward, which sums the same
         self.no_sync = getattr(self.model, "no_sync", None)
         if cfg.trainer.compile:
@@ -209,7 +211,14 @@ class TrainStep(abc.ABC):
         self.model.train()
 
     def eval_mode(self) -> None:
+        """Before an evaluation, on every rank. Native DDP broadcasts rank 0's buffers
+        (BatchNorm's statistics) in the first forward after training's; a rank with no
+        validation batch (fewer samples than ranks, or all of them skipped as corrupt)
+        makes no forward and left the others waiting in that broadcast until the process
+        group's timeout. So every rank makes it here, and the evaluation's forwards none."""
         self.model.eval()
+        if self.ddp is not None and skip_next_buffer_sync(self.ddp):
+            dist.broadcast_tensors(list(self.state.model.buffers()), self.ctx)
 
     @abc.abstractmethod
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
