@@ -490,17 +490,21 @@ class TmpfsStorage(Storage):
         starts reading the copy it is about to remove)."""
         if self._users is None:
             return True  # no lock file (an unwritable target_dir): nothing to go by
-        fd = self._users.peek()[2][0]
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # a refused conversion may have let go of it
+            fcntl.flock(self._fd, fcntl.LOCK_SH)  # a refused conversion may have let go of it
             return False
 
     def _shared(self) -> None:
         if self._users is not None:
-            fcntl.flock(self._users.peek()[2][0], fcntl.LOCK_SH)
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    @property
+    def _fd(self) -> int:
+        """The descriptor this run's lock is on (the one its finalizer closes)."""
+        return self._users.peek()[2][0]
 
     def _release(self, final: Path, then=None) -> bool:
         """Let go of this run's lock. When no other run uses the copy: call `then()` (the
