@@ -592,10 +592,12 @@ class EvalWarmStart:
     epoch's evaluation took 0.24-0.62 s against 0.10-0.14 s in the epochs after. A lead too
     long costs only the evaluation's batches held early."""
 
-    def __init__(self):
+    def __init__(self, timer: StepTimer):
+        self.timer = timer  # its outside() time (checkpoints) is not the steps'
         self.first_batch_s: float | None = None
         self.step_s: float | None = None
-        self._started: tuple[int, float] | None = None  # (step, time) of this epoch's start
+        # (step, time, timer's outside_s) at the warm start
+        self._started: tuple[int, float, float] | None = None
 
     def at_step(self, span: EpochSpan) -> int:
         lead = 2
@@ -609,15 +611,17 @@ class EvalWarmStart:
 
         def hook():
             start()  # (forking the workers is not a step's time)
-            self._started = (at, time.perf_counter())
+            self._started = (at, time.perf_counter(), self.timer.outside_s)
 
         return {at: hook}
 
-    def trained(self, steps: int) -> None:
-        """Training's end, `steps` done: the steps after the warm start give a step time."""
+    def trained(self, steps: int, timing) -> None:
+        """Training's end, `steps` done (`timing`: the epoch's): the steps after the warm
+        start give a step time, less the checkpoints written among them."""
         if self._started is not None and steps > self._started[0]:
-            at, t = self._started
-            self._keep((time.perf_counter() - t) / (steps - at))
+            at, t, outside = self._started
+            busy = time.perf_counter() - t - (timing.outside_s - outside)
+            self._keep(busy / (steps - at))
         self._started = None
 
     def measured(self, timing, val_loader) -> None:
@@ -640,7 +644,7 @@ class Epochs:
         self.data, self.record = data, record
         self.timer = StepTimer(cuda_sync=ctx.device.type == "cuda")
         self.start_up = True  # the next epoch is this process's first: it carries the start-up
-        self.warm = EvalWarmStart()
+        self.warm = EvalWarmStart(self.timer)
         self.watch = LossWatch(ctx.device)
         epoch_samples = state.steps_per_epoch * cfg.trainer.batch_size * ctx.world_size
         self.budget = SkipBudget(cfg.dataset.max_skipped_share, epoch_samples)
@@ -670,9 +674,9 @@ class Epochs:
         done = train_one_epoch(
             self.step, data.train, ctx, span, stopper=stopper, timer=self.timer,
             progress=cfg.trainer.progress, watch=self.watch, budget=self.budget, hooks=hooks,
-            after_step=self.checkpoint_inside(epoch, span),
+            after_step=self.checkpoint_inside(epoch, span, sampler),
         )  # fmt: skip
-        self.warm.trained(done.steps)
+        self.warm.trained(done.steps, done.timing)
         steps, timing, metrics = done.steps, done.timing, done.metrics
         lr = state.last_update_lr()  # this epoch's last update's, not the next one's
         if done.diverged or not weights_finite(state.model):  # before evaluating or saving
@@ -739,7 +743,7 @@ class Epochs:
             if left else "",
         )  # fmt: skip
 
-    def checkpoint_inside(self, epoch: int, span: EpochSpan):
+    def checkpoint_inside(self, epoch: int, span: EpochSpan, sampler):
         """trainer.checkpoint_every_steps=N: a checkpoint after every N-th step of the epoch
         (a SIGKILL or a lost node, which gives no time for one, then loses fewer than N), or
         at the end of the gradient-accumulation group that step is inside of."""
@@ -756,7 +760,8 @@ class Epochs:
                 if not self.healthy():  # the stop check ends the run; last.pt stays as it was
                     return
                 self.state.epoch, self.state.step = epoch, steps
-                with self.timer.outside():  # the epoch's timing is of training, not of I/O
+                # the epoch's timing and GPU utilisation are of training, not of I/O
+                with self.timer.outside(), sampler.paused():
                     self.record.save(self.state)
                     dist.barrier(self.ctx)  # the other ranks wait for rank 0's write here
 

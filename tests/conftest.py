@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import os
+import queue
 import re
 import select
 import shutil
@@ -307,13 +308,23 @@ def run_gloo_ranks(target, tmp_path: Path, world: int = 2, messages: int = 1) ->
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
+    out = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
     procs = [ctx.Process(target=target, args=(r, world, init, tmp_path, out))
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
-    results = [out.get() for _ in range(messages * world)]
+    results, deadline = [], time.monotonic() + 240
+    while len(results) < messages * world:
+        try:
+            results.append(out.get(timeout=0.5))
+        except queue.Empty:  # a rank that raised puts nothing: fail, do not wait forever
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"rank: exit code {dead}" if dead else "timed out"
+                raise AssertionError(f"gloo ranks failed ({why}); tracebacks in stderr") from None
     for p in procs:
         p.join(60)
         assert p.exitcode == 0

@@ -306,24 +306,26 @@ def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch(
 
     now = [100.0]
     monkeypatch.setattr(engine.time, "perf_counter", lambda: now[0])
-    warm, span = EvalWarmStart(), EpochSpan(epoch=1, first_step=0, max_steps=40)
+    timer = SimpleNamespace(outside_s=0.0)  # no checkpoint inside these epochs
+    done = SimpleNamespace(outside_s=0.0)
+    warm, span = EvalWarmStart(timer), EpochSpan(epoch=1, first_step=0, max_steps=40)
     assert warm.at_step(span) == 38  # nothing measured: two steps
     started = []
     hooks = warm.hooks(span, lambda: started.append(now[0]))
     assert list(hooks) == [38]
     hooks[38]()  # the compile epoch's warm start: two steps of 40 ms each after it
     now[0] += 0.080
-    warm.trained(40)
+    warm.trained(40, done)
     val = SimpleNamespace(first_batch_s=0.5)
     warm.measured(SimpleNamespace(wall_s=46.0, steps=40), val)  # compilation: 1.15 s a step
     assert started and warm.at_step(span) == 40 - (13 + 1)
     # an epoch stopped before its warm start measures nothing from it
-    fresh = EvalWarmStart()
+    fresh = EvalWarmStart(timer)
     fresh.hooks(span, lambda: None)
-    fresh.trained(30)
+    fresh.trained(30, done)
     fresh.measured(SimpleNamespace(wall_s=46.0, steps=30), val)
     assert fresh.step_s == pytest.approx(46.0 / 30) and fresh.at_step(span) == 38
-    warm = EvalWarmStart()
+    warm = EvalWarmStart(timer)
     warm.measured(SimpleNamespace(wall_s=46.0, steps=40), val)  # the mean alone: 1.15 s
     assert warm.at_step(span) == 38
     warm.measured(SimpleNamespace(wall_s=1.6, steps=40), val)  # 40 ms a step
@@ -331,6 +333,27 @@ def test_the_evaluation_loaders_early_start_is_not_shortened_by_a_compile_epoch(
     warm.measured(SimpleNamespace(wall_s=8.0, steps=40), val)  # a slower epoch: kept
     assert warm.at_step(span) == 40 - (13 + 1)
     assert warm.at_step(EpochSpan(epoch=2, first_step=30, max_steps=40)) == 30
+
+
+def test_the_evaluation_loaders_lead_leaves_checkpoints_out_of_the_step_time(monkeypatch):
+    """A checkpoint written among the steps after the warm start (trainer.
+    checkpoint_every_steps) is not their time: counted in, a 3 s write over two 40 ms steps
+    made a step 1.5 s and the next epoch's lead two steps."""
+    from types import SimpleNamespace
+
+    from fastload import engine
+    from fastload.engine import EpochSpan, EvalWarmStart
+
+    now = [100.0]
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: now[0])
+    timer = SimpleNamespace(outside_s=1.0)  # a checkpoint earlier in the epoch
+    warm, span = EvalWarmStart(timer), EpochSpan(epoch=1, first_step=0, max_steps=40)
+    warm.hooks(span, lambda: None)[38]()
+    now[0] += 0.080 + 3.0  # two 40 ms steps and a 3 s checkpoint between them
+    warm.trained(40, SimpleNamespace(outside_s=4.0))
+    assert warm.step_s == pytest.approx(0.040)
+    warm.measured(SimpleNamespace(wall_s=46.0, steps=40), SimpleNamespace(first_batch_s=0.5))
+    assert warm.at_step(span) == 40 - (13 + 1)
 
 
 def test_an_epochs_lr_is_the_one_its_last_update_used(tmp_path):

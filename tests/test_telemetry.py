@@ -251,6 +251,49 @@ def test_snapshot_leaves_memory_sampling_to_the_thread(monkeypatch):
     assert sum(pss for _, pss in callers) >= 2  # once per window, though pss_interval_s=60
 
 
+def test_a_paused_sampler_leaves_what_ran_inside_out_of_the_window(monkeypatch):
+    """A checkpoint written inside an epoch is left out of its time (StepTimer.outside), and
+    of its utilisation too: counted in, a GPU idle for the write lowered the epoch's
+    gpu_util. The tick after the pause spans part of it, so it is dropped as well."""
+    import psutil
+
+    busy = [50.0]
+    monkeypatch.setattr(psutil, "cpu_percent", lambda interval=None: busy[0])
+    with ResourceSampler(gpu_index=None, interval_s=0.02) as sampler:
+        with sampler.paused():
+            sampler.reset()
+            busy[0] = 100.0  # the write's readings
+            time.sleep(0.3)
+            assert sampler.snapshot()["cpu_percent"] is None
+            busy[0] = 10.0  # the readings after it (the next tick's still spans the pause)
+        snap = sampled(sampler, "cpu_percent", samples=3)
+        paused_memory = snap["peak_rss_sum_mib"]
+    assert snap["cpu_percent"] == 10.0
+    assert paused_memory is not None  # memory is sampled all along: its peak is the run's
+
+
+def test_a_checkpoint_inside_the_epoch_pauses_the_sampler_and_the_timer():
+    from types import SimpleNamespace
+
+    from fastload.engine import Epochs, EpochSpan
+
+    seen = []
+    sampler = ResourceSampler(gpu_index=None)
+    timer = StepTimer()
+    timer.start()
+    record = SimpleNamespace(save=lambda state: seen.append((sampler._paused, timer.outside_s)))
+    epochs = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=SimpleNamespace(checkpoint_every_steps=2)),
+        step=SimpleNamespace(settled=True), healthy=lambda: True, state=SimpleNamespace(),
+        record=record, timer=timer, ctx=SimpleNamespace(distributed=False),
+    )  # fmt: skip
+    after_step = Epochs.checkpoint_inside(epochs, 0, EpochSpan(0, 0, 5), sampler)
+    for steps in range(1, 6):
+        after_step(steps)
+    assert [paused for paused, _ in seen] == [True, True]  # after steps 2 and 4
+    assert not sampler._paused and timer.outside_s > 0
+
+
 def test_percentile_matches_numpy():
     xs = [float(x) for x in np.random.default_rng(0).uniform(0, 100, 37)]
     assert percentile(xs, 10) == pytest.approx(float(np.percentile(xs, 10)))

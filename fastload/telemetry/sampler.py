@@ -19,11 +19,13 @@ Memory of the process tree (this process and its DataLoader workers), two figure
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -148,6 +150,10 @@ class ResourceSampler:
         self._device_identity: tuple[str | None, str | None] = (None, None)
         self._rss_last_mb: float | None = None  # the latest samples, for windows without one
         self._pss_last_mb: float | None = None
+        # paused(): what is not the epoch's work (a checkpoint written inside it) is left
+        # out of its utilisation; `_covered` also drops the first tick after a pause, whose
+        # readings (NVML's and psutil's, averaged since the previous tick) span part of it
+        self._paused = self._covered = False
         self._clear_window()
 
     def _clear_window(self) -> None:
@@ -179,6 +185,19 @@ class ResourceSampler:
             self._clear_window()
             self._children_scanned_at = -float("inf")  # new epoch, maybe new workers
             self._pss_at = -float("inf")  # the thread's next tick samples PSS for this window
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the GPU utilisation and CPU % of what runs inside out of the window (a
+        checkpoint written inside an epoch, which StepTimer.outside leaves out of its time).
+        Memory is still sampled: a peak reached then is the run's too."""
+        with self._lock:
+            self._paused = self._covered = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._paused = False
 
     def snapshot(self) -> dict[str, float | None]:
         """Summary of the current window; the thread keeps running. Reads what the thread
@@ -294,6 +313,9 @@ class ResourceSampler:
                         gpu_failed = True
                 self._sample_memory()
                 with self._lock:
+                    if self._covered:  # the tick spans a pause: its readings are not kept
+                        self._covered = self._paused
+                        continue
                     self._samples += 1
                     if cpu is not None:
                         self._cpu.append(cpu)

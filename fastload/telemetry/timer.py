@@ -147,6 +147,11 @@ class StepTimer:
         return time.perf_counter() - self._t0 - self._outside_s
 
     @property
+    def outside_s(self) -> float:
+        """Seconds inside ``outside()`` since ``start()`` (left out of the window)."""
+        return self._outside_s
+
+    @property
     def images_per_s(self) -> float:
         """Live throughput since ``start()`` (no device sync: GPU work may still be queued)."""
         elapsed = self._elapsed()
