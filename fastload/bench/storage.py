@@ -182,7 +182,7 @@ def one_pass(loader, cold: bool, epoch: int) -> dict:
     if cold:
         reader.before_epoch()  # evicts (cold_cache=True) and resets the read counters
     else:
-        reader._stats.zero_()
+        reader.reset_stats()  # a warm pass: counted alone, nothing evicted
     rates = host_epoch(loader, epoch)
     return {**rates, "read_mb_s": reader.epoch_stats()["read_mb_per_s"]}
 

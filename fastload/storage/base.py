@@ -152,7 +152,11 @@ class Reader(abc.ABC):
         if self.cold_cache:
             self._evict()
         if reset:
-            self._stats.zero_()
+            self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Clear the read counters of every epoch (a pass measured on its own)."""
+        self._stats.zero_()
 
     def _evict(self) -> None:
         root = self.store_root()
