@@ -293,7 +293,7 @@ def timed(probe: Probe, loader, t: Trial) -> None:
     # A device decoder's GPU time comes out of the model's: the stand-in step (the GPU idle)
     # would hide it, so it is added to the step.
     got = feed(it, SleepStep(1000 * probe.step_s + t.gpu_ms), max_batches=probe.auto["batches"],
-               budget_s=probe.remaining())  # fmt: skip
+               budget_s=probe.remaining(), loader=loader)  # fmt: skip
     t.batches, t.img_s, t.data_wait = got.batches, got.images_per_s, got.data_wait_share
 
 

@@ -98,13 +98,15 @@ class Feed:
 
 
 def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
-         budget_s: float | None = None, sync=None) -> Feed:  # fmt: skip
+         budget_s: float | None = None, sync=None, loader=None) -> Feed:  # fmt: skip
     """Feed `batches` (a loader or any iterable of batch dicts) to `step.train`, the first
     `warmup` untimed; then time up to `max_batches` (None: to the end) within `budget_s`
     (None: no limit; checked before each batch). `sync` (default: the step's own `sync`)
-    brackets the timed part, so a GPU step's queued work is inside it. Closes the iterator
-    when it has `close`."""
+    brackets the timed part, so a GPU step's queued work is inside it. `loader`: the one
+    whose iterator `batches` is (default: `batches` itself), whose `device_drain_s` is the
+    step's compute. Closes the iterator when it has `close`."""
     sync = sync or step.sync
+    loader = batches if loader is None else loader
     it = iter(batches)
     out = Feed()
     try:
@@ -119,11 +121,11 @@ def feed(batches, step, *, warmup: int = 0, max_batches: int | None = None,
         while max_batches is None or out.batches < max_batches:
             if budget_s is not None and time.perf_counter() - t0 >= budget_s:
                 break
-            w0, d0 = time.perf_counter(), drain_s(batches)
+            w0, d0 = time.perf_counter(), drain_s(loader)
             batch = next(it, None)
             # the end too (a DataLoader joins its workers); less the loader's wait for the
             # GPU's queued work, which is the step's compute
-            out.wait_s += time.perf_counter() - w0 - (drain_s(batches) - d0)
+            out.wait_s += time.perf_counter() - w0 - (drain_s(loader) - d0)
             if batch is None:
                 break
             step.train(batch)

@@ -826,3 +826,36 @@ def test_measure_feed_counts_a_loaders_wait_for_the_gpu_as_compute():
     assert got.batches == 5 and got.wait_s < 0.2 * got.wall_s, got
     slow = feed(PageableCopyLoader(gpu, 5, drains=False), GpuStep())
     assert slow.wait_s > 0.6 * slow.wall_s, slow
+
+
+def test_loader_auto_trials_count_a_loaders_wait_for_the_gpu_as_compute(monkeypatch):
+    """loader=auto's trials feed the loader's iterator, which has no `device_drain_s` of
+    its own: read from it, the loader's wait for the GPU's queue was always 0 and that wait
+    counted as data wait (the trial at 0.8 wait share instead of about 0)."""
+    from types import SimpleNamespace
+
+    from fastload import autotune, measure
+    from fastload.autotune import Trial
+
+    gpu = QueuedGpu()
+
+    class QueueingStep:  # the stand-in step, here queueing 50 ms of GPU work as a decode's
+        def __init__(self, ms, device="cpu"):
+            pass
+
+        def train(self, batch):
+            gpu.queue(0.05)
+
+        def after_step(self):
+            pass
+
+        def sync(self):
+            gpu.synchronize()
+
+    monkeypatch.setattr(measure, "SleepStep", QueueingStep)
+    copies = PageableCopyLoader(gpu, 7, drains=True)
+    copies.set_epoch = lambda epoch: None
+    probe = SimpleNamespace(step_s=0.0, auto={"batches": 5}, remaining=lambda: 30.0)
+    trial = Trial(1, 2, False, "turbo")
+    autotune.timed(probe, copies, trial)
+    assert trial.batches == 5 and trial.data_wait < 0.2, trial
