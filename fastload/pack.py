@@ -43,7 +43,7 @@ from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import DatasetError, FastloadError, StorageError
 from fastload.storage import lmdb_store, shards
 from fastload.storage.lmdb_store import LmdbStorage
-from fastload.storage.packing import pack_split, stale_reason
+from fastload.storage.packing import not_a_pack, pack_split, stale_reason
 from fastload.storage.shards import ShardStorage
 from fastload.storage.webdataset import WebDatasetStorage
 from fastload.storage.webdataset import verify_split as webdataset_verify
@@ -86,6 +86,12 @@ def pack_one(args, src_dir, out, source=None) -> None:
     """Pack one split into `out` with the command line's options; an existing pack is kept
     when it matches its source and options, re-packed (replaced) when it does not."""
     store = make_storage(args)
+    held = not_a_pack(out, store.marker)
+    if held is not None:
+        raise StorageError(
+            f"{out} holds files that are not a pack ({held}); a pack replaces its folder, so "
+            f"they are left as they are. Give an output folder that is new, empty or a pack."
+        )
     replacing = folder_id(out) if out.exists() else None  # the pack judged below
     if replacing is not None:
         # COCO / DIV2K: the source built from the command line, checked like a folder

@@ -544,6 +544,25 @@ def test_a_pack_of_another_format_in_the_folder_is_replaced(tiny_folder, tmp_pat
     assert (tmp_path / "p" / "train" / "data.mdb").is_file()
 
 
+def test_a_folder_holding_other_files_is_not_packed_over(tiny_folder, tmp_path, capsys):
+    """A pack replaces its folder: an output folder or storage.path given by mistake (one
+    holding the user's files) lost them to the pack, said only as "out of date"."""
+    mine = tmp_path / "p" / "train" / "notes.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("kept")
+    assert pack_main(["shards", str(tiny_folder), str(tmp_path / "p"), "--splits", "train"]) == 2
+    err = capsys.readouterr().err
+    assert f"{mine.parent} holds files that are not a pack (notes.txt)" in err
+    with pytest.raises(StorageError, match=r"which holds files that are not a pack \(notes\.txt\)"
+                       r".*storage\.path=<a new or empty folder>"):  # fmt: skip
+        ShardStorage(path=tmp_path / "p").prepare(tiny_folder, ["train"])
+    assert mine.read_text() == "kept" and sorted(mine.parent.iterdir()) == [mine]
+    mine.unlink()  # an empty folder is packed into, as is a pack of any format
+    assert pack_main(["lmdb", str(tiny_folder), str(tmp_path / "p"), "--splits", "train"]) == 0
+    ShardStorage(path=tmp_path / "p").prepare(tiny_folder, ["train"])
+    assert (tmp_path / "p" / "train" / "meta.json").is_file()
+
+
 def test_the_pack_cli_takes_a_root_with_a_flat_test_folder_for_a_root(tmp_path, capsys):
     """ImageNet's test/ holds images, no class folders: the root was packed as one split
     with the classes test, train, val."""

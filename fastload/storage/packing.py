@@ -190,6 +190,20 @@ def source_digest(records, source) -> tuple[str, int]:
 SIDECAR = "fastload-pack.json"  # in every pack folder: what it was made from, and how
 
 
+def not_a_pack(dst: Path, marker: str) -> str | None:
+    """What the folder a split's pack goes to holds when that is neither a pack (of any
+    format: its sidecar; an older one: `marker`) nor nothing: a few of its names. Packing
+    replaces the folder, so such a folder is refused, not overwritten (it may be the
+    user's data: a storage.path or an output folder given by mistake)."""
+    if not dst.is_dir() or (dst / SIDECAR).is_file() or (dst / marker).is_file():
+        return None
+    names = sorted(p.name for p in dst.iterdir())
+    if not names:
+        return None
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
+
+
 def _records(tasks, workers: int):
     copies = all(t[1][1] == "jpeg" and not t[1][2] for t in (tasks[0] if tasks else ()))
     if workers <= 1 or copies:  # the files' bytes as they are: nothing worth a pool
@@ -488,6 +502,14 @@ class PackedStorage(Storage):
         layout = as_layout(root)
         for split in dict.fromkeys(splits):
             dst = self.pack_root(layout) / split
+            held = not_a_pack(dst, self.marker)
+            if held is not None:
+                raise StorageError(
+                    f"storage={self.name} would pack {split} into {dst}, which holds files "
+                    f"that are not a pack ({held}); a pack replaces its folder, so they are "
+                    f"left as they are. Pass storage.path=<a new or empty folder> (now "
+                    f"{self.path or 'null: beside dataset.root'}), or move those files."
+                )
             exists = (dst / self.marker).is_file()
             other = not exists and (dst / SIDECAR).is_file()  # another format's pack is there
             replacing = folder_id(dst) if exists or other else None  # the pack judged below
