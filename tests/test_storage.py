@@ -1338,6 +1338,31 @@ def test_storage_benchmark_cli_smoke(tmp_path, capsys):
     assert (tmp_path / "d.packs" / "shards-raw-256px" / "train" / "meta.json").is_file()
 
 
+def test_the_storage_benchmark_removes_only_what_it_staged(tmp_path, capsys):
+    """--tmpfs-dir was removed whole at the end: given /dev/shm itself (or any folder holding
+    other files), they went with the staged copy."""
+    from fastload.bench.__main__ import main
+
+    root = make_image_folder(tmp_path / "d", per_split=(6, 1))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "theirs.txt").write_text("kept")
+    argv = ["storage", "--root", str(root), "--stores", "tmpfs", "--repeats", "1",
+            "--batch-size", "4", "--crop", "16", "--workers", "1", "--tmpfs-dir", str(shm),
+            "--json", str(tmp_path / "storage.json")]  # fmt: skip
+    assert main(argv) == 0
+    assert [p.name for p in shm.iterdir()] == ["theirs.txt"]  # the staged copy is gone
+    from fastload.bench.storage import removed_after
+
+    made = tmp_path / "made"
+    with removed_after(made):
+        (made / "copy").mkdir(parents=True)
+    assert not made.exists()  # a folder the run made goes whole
+    with removed_after(shm, keep=True):
+        (shm / "copy").mkdir()
+    assert (shm / "copy").is_dir()  # --keep-tmpfs
+
+
 # -- damaged pack files: one message naming the file, never a signal or a traceback ---------
 
 

@@ -143,6 +143,29 @@ def open_store(name: str, root: Path, args):
 
 
 @contextlib.contextmanager
+def removed_after(folder: Path, keep: bool = False):
+    """Remove what the benchmark writes into `folder` (--tmpfs-dir, its -wds-cache) once
+    done: the folder when this run made it, else only the entries it added, so that a
+    --tmpfs-dir of /dev/shm itself, or any folder holding other files, keeps them."""
+    folder = Path(folder)
+    before = {p.name for p in folder.iterdir()} if folder.is_dir() else None
+    try:
+        yield
+    finally:
+        if keep:
+            pass
+        elif before is None:
+            shutil.rmtree(folder, ignore_errors=True)
+        elif folder.is_dir():
+            for path in folder.iterdir():
+                if path.name not in before:
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
 def served_webdataset(root: Path, args):
     """webdataset-http: the split's local webdataset pack (packed now when missing) served
     by Python's threaded http.server in a subprocess on a free port, as a stand-in for a
@@ -156,20 +179,19 @@ def served_webdataset(root: Path, args):
         port = s.getsockname()[1]
     folder = store.pack_root(root)
     cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
-    proc = subprocess.Popen(
-        [*cmd, "--directory", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        for _ in range(200):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
-                break
-            time.sleep(0.05)
-        args.wds_url, args.wds_folder = f"http://127.0.0.1:{port}", folder / args.split
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(f"{args.tmpfs_dir}-wds-cache", ignore_errors=True)
+    with removed_after(Path(f"{args.tmpfs_dir}-wds-cache")):
+        proc = subprocess.Popen([*cmd, "--directory", str(folder)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            for _ in range(200):
+                with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)):
+                    break
+                time.sleep(0.05)
+            args.wds_url, args.wds_folder = f"http://127.0.0.1:{port}", folder / args.split
+            yield
+        finally:
+            proc.terminate()
+            proc.wait(10)
 
 
 def make_loader(cfg, storage, persistent: bool):
@@ -287,8 +309,10 @@ def parse(argv):
     p.add_argument("--quality", type=int, default=90)
     p.add_argument("--raw-size", type=int, default=256, help="shards-raw: stored longer side")
     p.add_argument("--wds-shard-mb", type=int, default=8, help="webdataset: tar shard size")
-    p.add_argument("--tmpfs-dir", default="/dev/shm/fastload-bench")
-    p.add_argument("--keep-tmpfs", action="store_true")
+    p.add_argument("--tmpfs-dir", default="/dev/shm/fastload-bench",
+                   help="where the tmpfs row stages its copy; what this run adds there is "
+                   "removed at the end (the folder too when this run made it)")  # fmt: skip
+    p.add_argument("--keep-tmpfs", action="store_true", help="keep the staged copy")
     p.add_argument(
         "--fresh-workers",
         action="store_true",
@@ -433,14 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.root) if args.root else default_dataset()
     rounds = []
     with contextlib.ExitStack() as stack:
+        if "tmpfs" in args.stores.split(","):
+            stack.enter_context(removed_after(Path(args.tmpfs_dir), keep=args.keep_tmpfs))
         if "webdataset-http" in args.stores.split(","):
             stack.enter_context(served_webdataset(root, args))
         for r in range(args.rounds):
             if args.rounds > 1:
                 print(f"round {r + 1} of {args.rounds}", flush=True)
             rounds.append(round_rows(r, root, args))
-    if not args.keep_tmpfs and "tmpfs" in args.stores:
-        shutil.rmtree(args.tmpfs_dir, ignore_errors=True)
     rows = combine_rounds(rounds)
     print()
     print(
