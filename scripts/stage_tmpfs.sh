@@ -35,6 +35,16 @@ else
   echo "mounted: mount -t tmpfs -o size=$size tmpfs $mnt"
 fi
 
+# The copy is made with rsync --delete over MOUNTPOINT/<name>: a folder there that this script
+# did not stage (no .stage-complete) may be someone's data, and SRC itself must not be it.
+if [[ -e "$mnt/$name" && $(realpath -e "$mnt/$name") == "$src" ]]; then
+  echo "error: $src is already at $mnt/$name: nothing to stage" >&2; exit 2
+fi
+if [[ -e "$mnt/$name" && ! -f "$mnt/$name/.stage-complete" ]]; then
+  echo "error: $mnt/$name exists and is not a copy staged by this script (no .stage-complete in it);" >&2
+  echo "staging would replace it. Move it away, or stage into another MOUNTPOINT." >&2
+  exit 2
+fi
 if [[ -f "$mnt/$name/.stage-complete" ]]; then
   echo "$mnt/$name: complete earlier staging found; rsync updates only what changed"
 fi

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -936,6 +937,42 @@ def test_stage_tmpfs_script_mounts_copies_reuses_and_refuses(tmp_path):
     finally:
         for m in (tmp_path / "ram", tmp_path / "small"):
             subprocess.run(["umount", str(m)], capture_output=True)
+
+
+def test_stage_tmpfs_script_leaves_a_folder_it_did_not_stage(tmp_path):
+    """The copy is an rsync --delete over MOUNTPOINT/<name of SRC>: a folder of that name
+    that the script did not stage was emptied of everything SRC does not hold. /dev/shm is
+    a mounted tmpfs (nothing to mount); a stand-in rsync (the refusal comes before it)."""
+    shm = "/dev/shm"
+    if subprocess.run(["mountpoint", "-q", shm], capture_output=True).returncode:
+        pytest.skip("needs /dev/shm mounted (a tmpfs)")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "rsync").write_text("#!/bin/sh\nexit 9\n")
+    (fake / "rsync").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    script = str(REPO / "scripts" / "stage_tmpfs.sh")
+    src = make_image_folder(tmp_path / f"fastload-test-{os.getpid()}", per_split=(1, 1))
+    theirs = Path(shm) / src.name
+    theirs.mkdir()
+    try:
+        (theirs / "notes.txt").write_text("kept")
+        out = subprocess.run([script, str(src), shm, "1m"], capture_output=True,
+                             text=True, env=env)  # fmt: skip
+        assert out.returncode == 2 and "is not a copy staged by this script" in out.stderr
+        assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+        (theirs / "notes.txt").unlink()
+        theirs.rmdir()
+        theirs.symlink_to(src)  # SRC itself, there already
+        out = subprocess.run([script, str(src), shm, "1m"], capture_output=True,
+                             text=True, env=env)  # fmt: skip
+        assert out.returncode == 2 and "nothing to stage" in out.stderr
+        assert (src / "train").is_dir()
+    finally:
+        if theirs.is_symlink():
+            theirs.unlink()
+        else:
+            shutil.rmtree(theirs, ignore_errors=True)
 
 
 @pytest.mark.slow  # two nodes of two ranks each: tests/test_multinode.py
