@@ -27,6 +27,7 @@ from fastload.data.transforms import RandomResizedCropFlip, resized_crop
 from fastload.decode import roi, roi_decoders, roi_libjpeg, roi_nvimgcodec
 from fastload.decode.base import open_rgb
 from fastload.decode.jpeg_header import dct_scale, jpeg_info
+from fastload.decode.pil import PILBackend
 from fastload.decode.turbo import TurboBackend
 from fastload.errors import ConfigError
 
@@ -188,16 +189,27 @@ def test_roi_error_falls_back_to_the_whole_image_with_the_same_box(kind, layouts
 
 
 def test_truncated_jpeg_fails_as_the_whole_image_path_does(kind, layouts):
-    """A damaged file reaches the dataset's skip_corrupt handling with the same error as
-    without ROI decode (the region decoder's refusal is not taken as a decoded crop)."""
-    data = layouts["420"][: len(layouts["420"]) // 2]
-    roi_on, whole = TurboBackend(roi=kind), TurboBackend(roi="off")
-    with pytest.raises(OSError, match="truncated") as got:
-        roi_on.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, 1))
-    with pytest.raises(OSError) as want:
-        whole.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, 1))
-    assert str(got.value) == str(want.value)
-    assert roi_on.pop_counts()["decode_roi_fallback_error"] == 1
+    """A damaged file reaches the dataset's skip_corrupt handling with PIL's error, for
+    every crop: a region decode stops reading below its box, so crops above the cut decoded
+    (a file cut at 80 %: 9 of 40 draws) and the rest failed, the file trained on now and
+    then or the run stopped epochs in. A file cut short goes to PIL, counted."""
+    for cut in (0.5, 0.8, 0.95):
+        data = layouts["420"][: int(len(layouts["420"]) * cut)]
+        roi_on, reference = TurboBackend(roi=kind), PILBackend()
+        for seed in range(40):
+            with pytest.raises(OSError, match="truncated") as got:
+                roi_on.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, seed))
+            with pytest.raises(OSError) as want:
+                reference.load(data, RandomResizedCropFlip(224), sample_rng(0, 0, seed))
+            assert str(got.value) == str(want.value)
+        with pytest.raises(OSError, match="truncated"):
+            roi_on.decode_rgb(data)  # a whole-image decode (detection) alike
+        assert roi_on.pop_counts()["decode_fallback_unterminated"] == 41
+    padded = layouts["420"] + b"\x00" * 64  # bytes after the end marker are no damage
+    roi_on = TurboBackend(roi=kind)
+    roi_on.load(padded, RandomResizedCropFlip(224), sample_rng(0, 0, 1))
+    counts = roi_on.pop_counts()
+    assert counts["decode_roi"] == 1 and counts["decode_fallback_unterminated"] == 0
 
 
 def test_missing_library_auto_counts_and_on_says_how_to_install(layouts, monkeypatch):

@@ -5,8 +5,8 @@ accimage (github.com/pytorch/accimage, conda-forge only, no wheels) offers `Imag
 file *path* only, while storage hands us bytes (files, LMDB, shards alike), so the bytes are
 written to one scratch file per process on tmpfs (/dev/shm when present): a memory copy of
 ~30-150 KB, small beside the decode. The crop box is sampled on the header's full size (the
-same draw as backend=pil); non-JPEG, CMYK, EXIF-rotated or undecodable files go through
-PIL's `open_rgb` with the same box, counted by reason. Note: accimage's resize takes the
+same draw as backend=pil); non-JPEG, CMYK, EXIF-rotated, cut-short or undecodable files go
+through PIL's `open_rgb` with the same box, counted by reason. Note: accimage's resize takes the
 size tuple as (height, width); the output here is square, so the order cannot bite.
 """
 

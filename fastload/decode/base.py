@@ -189,9 +189,9 @@ def check_pixel_count(info) -> None:
 
 class JpegOnlyBackend(DecodeBackend):
     """The shared front of the JPEG-only decoders (accimage, turbo, nvjpeg): read the header,
-    send what they cannot decode (not a JPEG, CMYK, EXIF-rotated) to PIL and count it, else
-    draw the crop once from the full-size header dimensions (the same box as every other
-    backend for the same RNG draw) and hand over to the subclass's
+    send what they cannot decode (not a JPEG, CMYK, EXIF-rotated, cut short) to PIL and count
+    it, else draw the crop once from the full-size header dimensions (the same box as every
+    other backend for the same RNG draw) and hand over to the subclass's
     `load_jpeg(data, info, box, flip, transform)`."""
 
     counts: Counts
@@ -202,7 +202,7 @@ class JpegOnlyBackend(DecodeBackend):
     def load_with(self, load_jpeg, data: bytes, transform, rng: np.random.Generator):
         """`load`'s front with another `load_jpeg` behind it (turbo's `decode_region`)."""
         info = jpeg_info(data)
-        reason = fallback_reason(info)
+        reason = fallback_reason(info, data)
         if reason is not None:
             self.counts.add(f"decode_fallback_{reason}")
             return reference_load(data, transform, rng)
@@ -217,7 +217,7 @@ class JpegOnlyBackend(DecodeBackend):
         if not exif:
             return super().decode_rgb(data, exif=False)
         info = jpeg_info(data)
-        reason = fallback_reason(info)
+        reason = fallback_reason(info, data)
         if reason is None:
             check_pixel_count(info)
             try:

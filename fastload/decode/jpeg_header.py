@@ -16,7 +16,7 @@ from dataclasses import dataclass
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _PROGRESSIVE = {0xC2, 0xC6, 0xCA, 0xCE}
 
-FALLBACK_REASONS = ("not_jpeg", "cmyk", "exif_rotated", "decode_error")
+FALLBACK_REASONS = ("not_jpeg", "cmyk", "exif_rotated", "unterminated", "decode_error")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,13 @@ class JpegInfo:
     components: int  # 1 grayscale, 3 YCbCr/RGB, 4 CMYK/YCCK
     progressive: bool
     orientation: int  # EXIF orientation, 1 = upright (also when there is no EXIF)
+    scan: int = 0  # offset of the first start-of-scan marker: the entropy-coded data follows
+
+    def terminated(self, data: bytes) -> bool:
+        """Whether an end-of-image marker follows the scan: one cut short has none (byte
+        stuffing keeps FF D9 out of entropy-coded data). Bytes after the marker (padding,
+        an appended second image) are allowed, as every decoder allows them."""
+        return data.rfind(b"\xff\xd9", self.scan) >= 0
 
 
 def jpeg_info(data: bytes) -> JpegInfo | None:
@@ -39,6 +46,7 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
     exif = xmp = frame = None
     exif_seen = False
     i, n = 2, len(data)
+    scan = n
     while i + 4 <= n:
         if data[i] != 0xFF:
             return None
@@ -50,6 +58,7 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
             i += 2
             continue
         if marker == 0xDA:  # start of scan: the header is complete
+            scan = i
             break
         (length,) = struct.unpack_from(">H", data, i + 2)
         seg = i + 4
@@ -70,7 +79,7 @@ def jpeg_info(data: bytes) -> JpegInfo | None:
     if frame is None:  # a scan before any frame header, or none at all
         return None
     orientation = exif if exif is not None else xmp if xmp is not None else 1
-    return JpegInfo(*frame, orientation if 1 <= orientation <= 8 else 1)
+    return JpegInfo(*frame, orientation if 1 <= orientation <= 8 else 1, scan)
 
 
 # Pillow reads an XMP packet's tiff:Orientation when the EXIF has none (Image.getexif), and
@@ -100,14 +109,20 @@ def _exif_orientation(tiff: bytes) -> int | None:
     return None
 
 
-def fallback_reason(info: JpegInfo | None) -> str | None:
-    """Why a libjpeg-style JPEG->RGB decoder cannot produce the reference image, or None."""
+def fallback_reason(info: JpegInfo | None, data: bytes | None = None) -> str | None:
+    """Why a libjpeg-style JPEG->RGB decoder cannot produce the reference image, or None.
+    With `data`, also a file cut short (`unterminated`): a region decode stops reading below
+    its box, so crops above the cut decoded and the others failed (a damaged file trained
+    on now and then, or a run stopped epochs in), and decoders differ in what they make of
+    the missing rows; PIL, the reference, refuses the file, and so it goes there."""
     if info is None:
         return "not_jpeg"
     if info.components not in (1, 3):
         return "cmyk"
     if info.orientation != 1:
         return "exif_rotated"
+    if data is not None and not info.terminated(data):
+        return "unterminated"
     return None
 
 

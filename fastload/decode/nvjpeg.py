@@ -37,13 +37,14 @@ now mostly beside the hardware decoder's own CUDA calls (a copy, a kernel, an ev
 a wait per image), which contend with them in the driver. Use it when the CPUs cannot keep up
 (few cores per GPU); BENCHMARKS.md has the measured cost.
 
-Files the GPU path does not take (not JPEG, CMYK/YCCK, EXIF-rotated, progressive) are decoded
-in the worker with PIL (the same box), counted as decode_fallback_*, and merged back into
-their batch positions on the device. An image nvImageCodec refuses on the device is decoded
-on the host with PIL instead (the same box), logged and counted in `NvjpegDecoder.refused`;
-one that PIL cannot decode either (damaged data behind a sound header: the workers read
-headers only) is skipped and counted with dataset.skip_corrupt, else stops the run with the
-file's name, as a corrupt file does in the workers (fastload/loaders/device_prep.py).
+Files the GPU path does not take (not JPEG, CMYK/YCCK, EXIF-rotated, cut short, progressive)
+are decoded in the worker with PIL (the same box), counted as decode_fallback_*, and merged
+back into their batch positions on the device. An image nvImageCodec refuses on the device is
+decoded on the host with PIL instead (the same box), logged and counted in
+`NvjpegDecoder.refused`; one that PIL cannot decode either (damaged data behind a sound
+header: the workers read headers only) is skipped and counted with dataset.skip_corrupt, else
+stops the run with the file's name, as a corrupt file does in the workers
+(fastload/loaders/device_prep.py).
 
 Under `bench train --profile` the decoder's phases show in the trace as nvjpeg.* ranges on the
 prep thread (waiting for a canvas, the decode call, the crop; through the Python binding also
@@ -118,12 +119,13 @@ class EncodedJpeg(DeferredSample):
 
 def encoded_batch(datas: list[bytes], transform, rngs) -> dict | None:
     """batch["encoded"] of the JPEGs among `datas` that the device decodes (the workers'
-    fallbacks left out: not JPEG, CMYK, EXIF-rotated, progressive), each box drawn with its
-    rng as a worker draws it; None when there is none. For tools that time the device half."""
+    fallbacks left out: not JPEG, CMYK, EXIF-rotated, cut short, progressive), each box drawn
+    with its rng as a worker draws it; None when there is none. For tools that time the device
+    half."""
     samples = []
     for data, rng in zip(datas, rngs, strict=True):
         info = jpeg_info(data)
-        if fallback_reason(info) is not None or info.progressive:
+        if fallback_reason(info, data) is not None or info.progressive:
             continue
         box, flip = transform.sample(info.width, info.height, rng)
         samples.append(EncodedJpeg(data, box, flip, transform.size, info.width, info.height))

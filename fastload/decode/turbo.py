@@ -18,9 +18,9 @@ decodes the whole image too (counted decode_whole_tall). `auto` / `on` take the 
 loads, in that order. Progressive JPEGs, no region decoder and decoder errors take the
 whole-image simplejpeg path, counted as decode_roi_fallback_*.
 
-Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated)
-or fails, the image goes through PIL's `open_rgb` with the same box, and the fallback is
-counted by reason.
+Where simplejpeg cannot give the reference image (not a JPEG, CMYK/YCCK, EXIF-rotated, cut
+short: PIL refuses such a file, where a region above the cut would decode) or fails, the image
+goes through PIL's `open_rgb` with the same box, and the fallback is counted by reason.
 
 `resize` picks the crop+resize+flip of the decoded array:
 
