@@ -89,9 +89,13 @@ def dropped_counts(reader) -> dict:
 
 class DetectionDataset(torch.utils.data.Dataset):
     """A COCO split as (image, target) samples, indexed by (epoch, index) keys like
-    ImageDataset. train=True leaves out the images without any box, as torchvision's
-    detection reference does (`_coco_remove_images_without_annotations`): they teach nothing
+    ImageDataset. train=True leaves out the images without any usable box once crowd and
+    degenerate boxes are dropped (Detectron2 drops crowd-only images too): they teach nothing
     but cost a step; they are counted in the epoch row (dropped_images_without_boxes).
+    torchvision's detection reference (`_coco_remove_images_without_annotations`) differs
+    at the edges: it keeps an image whose only boxes are crowd ones (trained with no box)
+    and leaves out one whose every box is at most 1 px wide or tall (kept here: such boxes
+    are not degenerate).
     Evaluation keeps every image: detections on an empty image are false positives.
 
     Where the annotation file is here (disk, tmpfs), each decoded image is checked against
