@@ -600,7 +600,11 @@ def test_batched_crop_matches_pil_resized_crop(photo, size):
 
     pixels = np.array(photo)
     t, rng = RandomResizedCropFlip(size), np.random.default_rng(size)
-    draws = [t.sample(photo.width, photo.height, rng) for _ in range(24)]
+    draws = [t.sample(photo.width, photo.height, rng) for _ in range(22)]
+    # and evaluation boxes, which lie between pixels (torchvision's Resize + CenterCrop)
+    draws += [ResizeCenterCrop(size, r).sample(photo.width, photo.height, None)
+              for r in (size * 8 // 7, size + 3)]  # fmt: skip
+    assert not float(draws[-1][0][0]).is_integer()
     plans = [plan(box, size, photo.width, photo.height) for box, _ in draws]
     assert size == 224 or len({factors for factors, _, _ in plans}) > 1  # several groups
     canvas = torch.full((24, photo.height + 5, photo.width + 9, 3), 7, dtype=torch.uint8)

@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 Box = tuple[int, int, int, int]  # left, top, width, height
+FloatBox = tuple[float, float, float, float]  # the same, between pixels (the evaluation crop)
 
 
 def random_resized_crop_box(
@@ -49,14 +50,22 @@ def random_resized_crop_box(
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def center_crop_box(width: int, height: int, resize: int, size: int) -> Box:
-    """The box of Resize(resize) (shorter side) + CenterCrop(size), in source pixels."""
-    scale = resize / min(width, height)
-    w = min(width, size / scale)
-    h = min(height, size / scale)
-    left = (width - w) / 2
-    top = (height - h) / 2
-    return round(left), round(top), max(1, round(w)), max(1, round(h))
+def center_crop_box(width: int, height: int, resize: int, size: int) -> FloatBox:
+    """The box of torchvision's Resize(resize) (shorter side) + CenterCrop(size), in source
+    pixels: the resized size as torchvision computes it (the longer side int(resize * long /
+    short)), the crop's offset rounded in resized pixels (int(round((rw - size) / 2))), and
+    both mapped back by that resize's scale per axis. Floats: rounded in source pixels, the
+    box moved by up to half a source pixel at each edge, 0.65 output pixels for a 500x375
+    photo and 1-1.7 for one under `resize` (upscaled); one resample of this box is the two
+    of torchvision's to within their rounding. A crop larger than the resized image takes
+    all of it (torchvision pads it with black)."""
+    short, long = min(width, height), max(width, height)
+    resized_long = int(resize * long / short)
+    rw, rh = (resize, resized_long) if width <= height else (resized_long, resize)
+    cw, ch = min(size, rw), min(size, rh)
+    left, top = int(round((rw - cw) / 2.0)), int(round((rh - ch) / 2.0))
+    sx, sy = width / rw, height / rh
+    return left * sx, top * sy, cw * sx, ch * sy
 
 
 def resized_crop(img: Image.Image, box, size: int, flip: bool = False) -> Image.Image:

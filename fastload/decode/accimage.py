@@ -70,7 +70,7 @@ class AccimageBackend(JpegOnlyBackend):
         return self._scratch
 
     def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
-        left, top, w, h = box
+        left, top, w, h = (round(v) for v in box)  # whole pixels only (the evaluation box is not)
         size = transform.size
         path = self._scratch_path()
         try:

@@ -16,6 +16,8 @@ straight from the canvas; these torch ops are its reference and the CPU path.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -24,11 +26,12 @@ def plan(box, size: int, width: int, height: int):
     ((kx, ky) pre-averaging factors, (x0, y0, rw, rh) the region to decode, a multiple of the
     factors that covers the box, (left, top, w, h) the box in the averaged region's pixels)."""
     left, top, w, h = box
-    kx, ky = max(1, w // size), max(1, h // size)
-    nx, ny = -(-w // kx), -(-h // ky)
+    kx, ky = max(1, int(w // size)), max(1, int(h // size))
+    x0, y0 = math.floor(left), math.floor(top)  # a box between pixels (the evaluation crop)
+    nx, ny = math.ceil((left + w - x0) / kx), math.ceil((top + h - y0) / ky)
     nx, ny = min(nx, width // kx), min(ny, height // ky)
-    x0 = max(0, min(left, width - nx * kx))
-    y0 = max(0, min(top, height - ny * ky))
+    x0 = max(0, min(x0, width - nx * kx))
+    y0 = max(0, min(y0, height - ny * ky))
     local = ((left - x0) / kx, (top - y0) / ky, w / kx, h / ky)
     return (kx, ky), (x0, y0, nx * kx, ny * ky), local
 
