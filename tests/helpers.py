@@ -64,6 +64,35 @@ class SigtermAfterReads(DiskStorage):
         return SigtermReader(as_layout(root).source(split), reads)
 
 
+class SigtermGroupAfterReads(DiskStorage):
+    """storage=disk whose train split, in a DataLoader worker, sends SIGTERM to the whole
+    process group after $SIGTERM_AFTER_READS reads, once (the file $SIGTERM_ONCE marks it):
+    what torchrun (os.killpg), Slurm and `kill -- -PGID` do on a preemption."""
+
+    def open(self, root, split):
+        reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
+        if split != "train" or not reads:
+            return super().open(root, split)
+        return _GroupSigtermReader(as_layout(root).source(split), reads)
+
+
+class _GroupSigtermReader(SourceReader):
+    def __init__(self, source, reads: int):
+        super().__init__(source)
+        self.left = reads
+
+    def get(self, i, name):
+        if name == "image":
+            self.left -= 1
+            if self.left == 0:
+                try:  # one worker sends it, once
+                    os.close(os.open(os.environ["SIGTERM_ONCE"], os.O_CREAT | os.O_EXCL))
+                    os.killpg(os.getpgid(0), signal.SIGTERM)
+                except FileExistsError:
+                    pass
+        return super().get(i, name)
+
+
 class SigkillAfterReads(DiskStorage):
     """storage=disk whose train split SIGKILLs the rank $SIGKILL_RANK after $SIGKILL_AFTER_READS
     reads, in the first launch of a torchrun group only (TORCHELASTIC_RESTART_COUNT 0): a

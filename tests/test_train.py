@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import make_image_folder, run_torchrun, run_train, tiny_overrides
+from conftest import REPO, make_image_folder, run_torchrun, run_train, tiny_overrides
 
 from fastload import checkpoint as ckpt
 from fastload.decode import roi_decoders
@@ -117,6 +120,25 @@ def test_sigterm_in_an_epochs_last_step_writes_the_checkpoint_it_reports(tiny_fo
     assert "stopped by SIGTERM after epoch 0" in out.stdout + out.stderr
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert (state["epoch"], state["step_in_epoch"]) == (1, 0)
+
+
+def test_sigterm_to_the_process_group_writes_the_checkpoint(tiny_folder, tmp_path):
+    """torchrun (os.killpg), Slurm and `kill -- -PGID` send SIGTERM to the whole process
+    group: the DataLoader workers died of it, and the run ended with "worker exited
+    unexpectedly", exit code 2 and no checkpoint of where it stopped."""
+    run_dir = tmp_path / "out" / "g" / "r"
+    args = tiny_overrides(tiny_folder, run_dir, "trainer.epochs=3", "loader.num_workers=2",
+                          "storage._target_=tests.helpers.SigtermGroupAfterReads")  # fmt: skip
+    env = {**os.environ, "SIGTERM_AFTER_READS": "10", "SIGTERM_ONCE": str(tmp_path / "sent"),
+           "WANDB_SILENT": "true"}  # fmt: skip
+    out = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300,
+                         start_new_session=True)  # its own group, as under torchrun  # fmt: skip
+    assert (tmp_path / "sent").exists()
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert "stopped by SIGTERM" in out.stdout + out.stderr
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert state["epoch"] < 3 and "exited unexpectedly" not in out.stderr
 
 
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):

@@ -52,9 +52,14 @@ def worker_init(worker_id: int) -> None:
     torch.set_num_threads(1)
     if "cv2" in sys.modules:
         sys.modules["cv2"].setNumThreads(0)
-    # Ctrl-C is the main process's to handle (it writes a checkpoint, then stops the workers);
-    # a worker dying of SIGINT mid-batch would turn that into "worker exited unexpectedly".
+    # Ctrl-C and SIGTERM are the main process's to handle (it writes a checkpoint, then stops
+    # the workers); a worker dying of one mid-batch turned that into "worker exited
+    # unexpectedly" and no checkpoint. Both reach the workers too: a terminal's Ctrl-C goes
+    # to the foreground process group, and torchrun, Slurm and `kill -- -PGID` send SIGTERM
+    # to the whole group. A worker still goes when its parent does (torch's watchdog), and
+    # with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # The stall watchdog sends SIGUSR1 to a stuck worker: it prints its own Python stacks
     # (from C, so it works even while the worker is blocked in a read or a decoder).
     stream = fault_stream()
