@@ -874,6 +874,7 @@ def fit(cfg: DictConfig) -> dict:
         cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,
         model=model,
     )  # fmt: skip
+    state.data_sizes = {"train": len(data.train.dataset), "val": len(data.val.dataset)}
     if found is not None:
         state.load_state_dict(found[1], found[0], rank=ctx.rank)
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)

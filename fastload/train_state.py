@@ -54,6 +54,9 @@ class TrainState:
     history: list = field(default_factory=list)
     ema: ModelEma | None = None  # trainer.ema: the weights' moving average
     best_ema_metric: float | None = None  # the metric of the EMA at its best
+    # samples of each split ({"train": n, "val": m}), set by the engine: a resume on a
+    # dataset.root whose contents changed is refused (`check_same_data`)
+    data_sizes: dict | None = None
 
     @classmethod
     def create(
@@ -119,6 +122,7 @@ class TrainState:
             "rng_by_rank": rngs,
             "model_config": self.model_config,
             "run_config": self.run_config,
+            "data_sizes": self.data_sizes,
             **ema,
         }
 
@@ -126,6 +130,7 @@ class TrainState:
         """Restore from a checkpoint read by `checkpoint.load`; refuses one written for
         another model, or by a run whose result-shaping config differs, naming the keys."""
         self.check_same_run(state, path)
+        self.check_same_data(state, path)
         have = state.get("model_config", {})
         if have != self.model_config:
             raise CheckpointError(
@@ -231,6 +236,25 @@ class TrainState:
 
     def check_same_run(self, state: dict, path) -> None:
         check_same_run(state, self.run_config, path)
+
+    def check_same_data(self, state: dict, path) -> None:
+        """CheckpointError when the checkpoint's run had another number of samples in a
+        split than this one: the same dataset.root whose contents changed (files added or
+        removed). Resumed inside an epoch, its plan of batches would index other files
+        (some trained twice, others never), and the LR schedule's length follows the
+        epoch's. Checkpoints written before the sizes were kept are not checked."""
+        saved, now = state.get("data_sizes"), self.data_sizes
+        if not saved or not now:
+            return
+        changed = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+        if changed:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a run on another dataset (samples per "
+                f"split, checkpoint -> this run: {'; '.join(changed)}): files were added to or "
+                f"removed from dataset.root since. Resumed on it, the epoch it continues would "
+                f"train some samples twice and others never. Resume with the data as it was, "
+                f"or start a new run: resume=null (or another name=)."
+            )
 
 
 def global_batch(batch_size: int, world_size: int, grad_accum_steps: int) -> int:

@@ -141,6 +141,25 @@ def test_sigterm_to_the_process_group_writes_the_checkpoint(tiny_folder, tmp_pat
     assert state["epoch"] < 3 and "exited unexpectedly" not in out.stderr
 
 
+def test_a_resume_on_a_dataset_whose_files_changed_is_refused(tmp_path):
+    """Files added to dataset.root while a run was stopped mid-epoch: the resumed epoch's
+    plan indexed other files (in the audit's run 10 trained twice, 4 never), silently."""
+    root = make_image_folder(tmp_path / "d")
+    common = ["storage._target_=tests.helpers.SigtermAfterReads", "name=c"]
+    stopped = run_train(tiny_overrides(root, tmp_path / "out" / "c" / "r1", *common),
+                        env={"SIGTERM_AFTER_READS": "6"})  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr
+    shutil.copy(root / "train" / "cat" / "cat_000.jpg", root / "train" / "cat" / "new.jpg")
+    resumed = run_train(tiny_overrides(root, tmp_path / "out" / "c" / "r2", *common,
+                                       "resume=auto"))  # fmt: skip
+    assert_clean_failure(resumed, "was written by a run on another dataset",
+                         "train: 18 -> 19", "resume=null")  # fmt: skip
+    (root / "train" / "cat" / "new.jpg").unlink()  # the data as it was: it goes on
+    again = run_train(tiny_overrides(root, tmp_path / "out" / "c" / "r3", *common,
+                                     "resume=auto"))  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
     # with the EMA of the weights (trainer.ema), which the checkpoint carries too
     common = ["trainer.epochs=3", "loader.num_workers=0", "trainer.ema.decay=0.8"]
