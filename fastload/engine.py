@@ -431,6 +431,8 @@ class RunRecord:
                     "backend": getattr(plan.backend, "name", None),
                 }
             self.sink.start(config=config, run_dir=run_dir)
+            for row in history:  # a resumed run's logger holds every epoch, as metrics.jsonl
+                self.sink.log(row, step=row["epoch"])
 
     @property
     def checkpoint_path(self) -> Path:
@@ -459,6 +461,20 @@ class RunRecord:
             return
         payload = ckpt.weights_payload(model, of, epoch, self.task.metric, value, self.run_identity)
         ckpt.save_atomic(payload, self.checkpoint_path.with_name(BEST_FILE[of] + PENDING))
+
+    def carry_skipped(self, resumed: Path, history: list) -> None:
+        """A run resumed from another folder: that folder's skipped_files.txt lines of the
+        epochs the resumed history holds, carried over (the same folder keeps its own)."""
+        if self.ctx.is_main and resumed.parent.parent.absolute() != self.run_dir.absolute():
+            self.files.keep_skipped(history, resumed.parent.parent / self.files.skipped_path.name)
+
+    def stopped(self) -> None:
+        """A run stopped by a signal (its checkpoint written): the logger is closed, so that
+        its record of the epochs so far is complete (an offline W&B run, its sync command)."""
+        if self.ctx.is_main:
+            sync = self.sink.finish(None)
+            if sync:
+                log.info("W&B (offline) of the epochs so far: %s", sync)
 
     def carry_best(self, resumed: Path, history: list) -> None:
         """A resumed run's best weights so far are in the folder of the run it continues:
@@ -683,13 +699,15 @@ class Epochs:
             raise TrainingDiverged(
                 diverged_message(epoch, done.nonfinite, lr, state.scaler.is_enabled(), cfg)
             )
+        part = steps < span.max_steps or bool(span.first_step) or continued
         self.budget.check(epoch, "training", metrics["skipped_corrupt"], done.trained,
-                          done.skipped_files)  # fmt: skip
+                          done.skipped_files, part=part)  # fmt: skip
         resources = sampler.snapshot()
+        skipped_files = state.epoch_skipped + done.skipped_files  # with a stopped part's
         if stopper.signum is not None and steps < span.max_steps:
-            state.epoch, state.step = epoch, steps
+            state.epoch, state.step, state.epoch_skipped = epoch, steps, skipped_files
             self.stop(stopper, f"at epoch {epoch} step {steps}")
-        state.epoch, state.step, state.stretches = epoch + 1, 0, []
+        state.epoch, state.step, state.stretches, state.epoch_skipped = epoch + 1, 0, [], []
         row = {"epoch": epoch, **metrics, "lr": lr}
         if span.first_step or continued:  # resumed inside it: the numbers cover what is left
             row["resumed_at_step"] = span.first_step
@@ -710,7 +728,7 @@ class Epochs:
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx, epoch))
         state.history.append(row)
         self.record.epoch(row)
-        self.record.skipped(epoch, done.skipped_files)
+        self.record.skipped(epoch, skipped_files)
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
         saved = bool(every and (last or (epoch + 1) % every == 0))
@@ -881,10 +899,14 @@ def fit(cfg: DictConfig) -> dict:
     record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
     if found is not None:
         record.carry_best(found[0], state.history)
+        record.carry_skipped(found[0], state.history)
     try:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket
         raise plain_death(exc, ctx) from None
+    except TrainingInterrupted:
+        record.stopped()
+        raise
     finally:
         data.close()
         if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging

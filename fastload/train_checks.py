@@ -121,12 +121,18 @@ class SkipBudget:
         running the rest of an epoch that cannot pass."""
         return skipped_here > self.limit
 
-    def check(self, epoch: int, what: str, skipped: int, used: int, files: list[str]) -> None:
+    def check(self, epoch: int, what: str, skipped: int, used: int, files: list[str],
+              part: bool = False) -> None:  # fmt: skip
         """An epoch's (or evaluation's) totals over all ranks: TooManySkipped when the share
-        of skipped samples is above the bound."""
+        of skipped samples is above the bound. `part`: the epoch was stopped by a signal or
+        resumed inside: the share of the part seen says little of the whole epoch's (one
+        file in a stopped epoch's first 8 samples is 12.5 %), so only more skips than the
+        whole epoch may have stop it; else a preempted run ended without its checkpoint."""
         seen = skipped + used
-        if not seen or skipped <= self.max_share * seen:
+        over = skipped > self.limit if part else seen and skipped > self.max_share * seen
+        if not over:
             return
+        seen = max(seen, round(self.limit / self.max_share)) if part else seen
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise TooManySkipped(
             f"epoch {epoch}: {skipped} of {seen} {what} samples ({100 * skipped / seen:.1f} "

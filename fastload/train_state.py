@@ -57,6 +57,9 @@ class TrainState:
     # samples of each split ({"train": n, "val": m}), set by the engine: a resume on a
     # dataset.root whose contents changed is refused (`check_same_data`)
     data_sizes: dict | None = None
+    # the files skipped as undecodable in `epoch` before a stop by a signal: listed with the
+    # rest of the epoch's when it ends (a checkpoint inside the epoch does not know them)
+    epoch_skipped: list = field(default_factory=list)
 
     @classmethod
     def create(
@@ -123,6 +126,7 @@ class TrainState:
             "model_config": self.model_config,
             "run_config": self.run_config,
             "data_sizes": self.data_sizes,
+            "epoch_skipped": self.epoch_skipped,
             **ema,
         }
 
@@ -150,6 +154,7 @@ class TrainState:
         self.load_ema(state, path)
         self.epoch, self.step = state["epoch"], state["step_in_epoch"]
         self.stretches = [tuple(x) for x in state.get("epoch_stretches", [])]
+        self.epoch_skipped = list(state.get("epoch_skipped", []))
         # checkpoints written before the detection and super-resolution tasks call it best_acc1
         self.best_metric = state.get("best_metric", state.get("best_acc1"))
         self.history = state["history"]

@@ -258,6 +258,32 @@ def test_a_restart_in_its_folder_lists_each_skipped_file_once_per_epoch(tmp_path
     assert lines == [f"epoch {e}\t{bad}" for e in range(3)], lines
 
 
+def test_a_run_resumed_in_a_new_folder_carries_every_epochs_record(tmp_path):
+    """resume=auto from another folder (a new launch): metrics.jsonl held every epoch, but
+    skipped_files.txt and the logger (W&B) only the epochs trained after the resume."""
+    root, bad = truncated_folder(tmp_path)
+    args = ["dataset.num_classes=4", "dataset.skip_corrupt=true", "name=carry",
+            "dataset.max_skipped_share=0.1", "trainer.epochs=3",
+            "storage._target_=tests.helpers.SigtermAfterReads",
+            "logger._target_=tests.helpers.RecordingSink"]  # fmt: skip
+    first = tmp_path / "out" / "carry" / "r1"
+    out = run_train(tiny_overrides(root, first, *args),  # stopped in epoch 1 (3 steps of 4)
+                    env={"RECORDING_SINK": str(tmp_path / "first.jsonl"),
+                         "SIGTERM_AFTER_READS": "17"})  # fmt: skip
+    assert out.returncode == 143, out.stderr[-3000:]
+    calls = [json.loads(x) for x in (tmp_path / "first.jsonl").read_text().splitlines()]
+    assert calls[-1] == {"call": "finish", "epochs": None}  # closed: its record is complete
+    second = tmp_path / "out" / "carry" / "r2"
+    out = run_train(tiny_overrides(root, second, *args, "resume=auto"),
+                    env={"RECORDING_SINK": str(tmp_path / "second.jsonl")})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = (second / "skipped_files.txt").read_text().splitlines()
+    assert lines == [f"epoch {e}\t{bad}" for e in range(3)], lines
+    calls = [json.loads(x) for x in (tmp_path / "second.jsonl").read_text().splitlines()]
+    assert [c.get("step") for c in calls if c["call"] == "log"] == [0, 1, 2]
+    assert calls[-1] == {"call": "finish", "epochs": 3}
+
+
 # 11. A full disk while checkpointing, packing or staging ------------------------------------
 
 

@@ -259,6 +259,13 @@ def test_the_skip_budget_is_a_share_of_the_epoch():
     with pytest.raises(TooManySkipped, match="2 of 10 validation samples .20.0 %"):
         budget.check(0, "validation", skipped=2, used=8, files=["a.jpg"])
     SkipBudget(0.0, 10).check(0, "training", skipped=0, used=10, files=[])
+    # a part of an epoch (stopped by a signal, or resumed inside): one bad file in its first
+    # 8 samples is 12.5 % of them, which stopped a preempted run without its checkpoint;
+    # only more skips than the whole epoch may have stop it
+    budget.check(1, "training", skipped=1, used=7, files=["a.jpg"], part=True)
+    budget.check(1, "training", skipped=10, used=7, files=["a.jpg"], part=True)
+    with pytest.raises(TooManySkipped, match="11 of 100 training samples .11.0 %"):
+        budget.check(1, "training", skipped=11, used=7, files=["a.jpg"], part=True)
 
 
 @pytest.mark.parametrize("value", ["1.5", "0", "abc"])

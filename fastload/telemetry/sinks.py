@@ -141,13 +141,19 @@ class MetricsFiles:
         lines = [json.dumps(to_jsonable(dict(r)), allow_nan=False) + "\n" for r in records]
         write_text_atomic(self.metrics_path, "".join(lines))
         self._checked_tail = True
-        if self.skipped_path.is_file():
-            epochs = {str(r.get("epoch")) for r in records}
-            listed = self.skipped_path.read_text(encoding="utf-8", errors="replace")
-            listed = listed.splitlines(keepends=True)
-            kept = [line for line in listed if line.split("\t", 1)[0][len("epoch ") :] in epochs]
-            if len(kept) != len(listed):
-                write_text_atomic(self.skipped_path, "".join(kept))
+        self.keep_skipped(records)
+
+    def keep_skipped(self, records: Sequence[Mapping[str, Any]], source: Path | None = None):
+        """skipped_files.txt with the lines of `records`' epochs only, taken from `source` (a
+        resumed run's folder's list; default this folder's)."""
+        source = self.skipped_path if source is None else source
+        if not source.is_file():
+            return
+        epochs = {str(r.get("epoch")) for r in records}
+        listed = source.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        kept = [line for line in listed if line.split("\t", 1)[0][len("epoch ") :] in epochs]
+        if source != self.skipped_path or len(kept) != len(listed):
+            write_text_atomic(self.skipped_path, "".join(kept))
 
     def append_skipped(self, epoch: int, files: Sequence[str]) -> None:
         """An epoch's skipped files, a line each: "epoch N<TAB>file"."""
