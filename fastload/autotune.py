@@ -409,10 +409,14 @@ def with_prep_thread(plan, backend):
 # -- the entry point: fit calls it before building the data path --------------------------------
 
 
-def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp):
+def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp,
+         resumed_backend: str | None = None):  # fmt: skip
     """The run's data plan (fastload/pipeline.py): as it is unless loader=auto, else with the
     tuned loader options and backend (the cached ones when this machine, dataset and config
-    were probed before). The config is not changed: the run records the plan's options."""
+    were probed before). The config is not changed: the run records the plan's options.
+    `resumed_backend`: the backend the checkpoint this run resumes was trained with, kept
+    whatever the probe prefers here (another node may prefer another), since decoders differ
+    in their pixels and a run continues on the same ones."""
     if "auto" not in cfg.loader:
         return plan
     auto = settings(cfg)
@@ -427,6 +431,17 @@ def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp):
     # rank 0 probes; an error there stops every rank instead of leaving them in the broadcast
     choice = dist.agreed(ctx, "probing loader=auto", probe if ctx.is_main else None)
     choice = dist.broadcast_object(choice, ctx)
+    if resumed_backend is not None:
+        chosen = (choice or {}).get("backend", getattr(plan.backend, "name", None))
+        if chosen != resumed_backend:
+            if ctx.is_main:
+                log.warning(
+                    "loader=auto: backend=%s would be faster here, but the checkpoint this run "
+                    "resumes was trained with backend=%s (decoders differ in their pixels): "
+                    "keeping it", chosen, resumed_backend,
+                )  # fmt: skip
+            keep = {k: plan.loader[k] for k in TUNED} if choice is None else choice
+            choice = {**keep, "backend": resumed_backend}
     return apply(plan, cfg, choice)
 
 

@@ -885,7 +885,9 @@ def fit(cfg: DictConfig) -> dict:
         return finished_already(found[0], run_dir, cfg, ctx)
     plan, model, channels_last, amp = set_up(cfg, ctx, splits=("train", "val"))
     # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
-    plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp)
+    resumed_backend = found[1].get("backend") if found is not None else None
+    plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp,
+                resumed_backend=resumed_backend)  # fmt: skip
     data = build_data(plan, ctx, channels_last=channels_last)
     task = plan.task
     state = TrainState.create(
@@ -893,6 +895,7 @@ def fit(cfg: DictConfig) -> dict:
         model=model,
     )  # fmt: skip
     state.data_sizes = {"train": len(data.train.dataset), "val": len(data.val.dataset)}
+    state.backend = getattr(plan.backend, "name", None)
     if found is not None:
         state.load_state_dict(found[1], found[0], rank=ctx.rank)
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)

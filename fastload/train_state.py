@@ -57,6 +57,9 @@ class TrainState:
     # samples of each split ({"train": n, "val": m}), set by the engine: a resume on a
     # dataset.root whose contents changed is refused (`check_same_data`)
     data_sizes: dict | None = None
+    # the decode backend trained with (loader=auto may choose another than backend=): a
+    # resume keeps it (fastload/autotune.py: tune)
+    backend: str | None = None
     # the files skipped as undecodable in `epoch` before a stop by a signal: listed with the
     # rest of the epoch's when it ends (a checkpoint inside the epoch does not know them)
     epoch_skipped: list = field(default_factory=list)
@@ -126,6 +129,7 @@ class TrainState:
             "model_config": self.model_config,
             "run_config": self.run_config,
             "data_sizes": self.data_sizes,
+            "backend": self.backend,
             "epoch_skipped": self.epoch_skipped,
             **ema,
         }

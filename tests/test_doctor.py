@@ -344,6 +344,33 @@ def tune_folder(tmp_path, monkeypatch):
     return make_image_folder(tmp_path / "d", per_split=(16, 2))  # 48 images: 12 batches of 4
 
 
+def test_a_resumed_run_keeps_the_backend_its_checkpoint_was_trained_with(
+    tiny_folder, caplog, monkeypatch
+):
+    """loader=auto's cache is per machine: resumed on another node, whose probe preferred
+    another backend, a run went on with other decoders (their pixels differ): 32 of 38
+    weight tensors off the uninterrupted run's, without a word."""
+    from fastload import autotune
+    from fastload.dist import DistContext
+    from fastload.pipeline import build_plan
+
+    cfg = compose_config([*doctor_overrides(tiny_folder), "loader=auto", "backend=turbo"])
+    here = {"num_workers": 2, "prefetch_factor": 4, "pin_memory": False, "backend": "turbo"}
+    for choice in (here, None):  # None: no trial finished (the configured options)
+        monkeypatch.setattr(autotune, "choose", lambda *a, c=choice: c)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastload"):
+            plan = autotune.tune(build_plan(cfg), cfg, DistContext(), None, channels_last=False,
+                                 amp=None, resumed_backend="pil")  # fmt: skip
+        assert plan.backend.name == "pil", choice  # the probe of the first node chose it
+        assert "trained with backend=pil" in caplog.text and "keeping it" in caplog.text
+        assert plan.loader["num_workers"] == (2 if choice else 1)
+    monkeypatch.setattr(autotune, "choose", lambda *a: dict(here))
+    plan = autotune.tune(build_plan(cfg), cfg, DistContext(), None, channels_last=False,
+                         amp=None)  # fmt: skip
+    assert plan.backend.name == "turbo"  # a fresh run takes the probe's choice
+
+
 def test_loader_auto_picks_workers_over_none_when_items_cost_cpu(tune_folder, caplog):
     # 20 ms of CPU per image, an 80 ms step (a sleep): in the main thread every batch costs
     # 80 + 80 ms; with workers the loading overlaps the step (2 cores here: 2 workers are the

@@ -139,6 +139,8 @@ def test_sigterm_to_the_process_group_writes_the_checkpoint(tiny_folder, tmp_pat
     assert "stopped by SIGTERM" in out.stdout + out.stderr
     state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
     assert state["epoch"] < 3 and "exited unexpectedly" not in out.stderr
+    # what a resume keeps whatever loader=auto prefers, and checks
+    assert state["backend"] == "turbo" and state["data_sizes"] == {"train": 18, "val": 9}
 
 
 def test_a_resume_on_a_dataset_whose_files_changed_is_refused(tmp_path):
