@@ -132,7 +132,6 @@ class SkipBudget:
         over = skipped > self.limit if part else seen and skipped > self.max_share * seen
         if not over:
             return
-        seen = max(seen, round(self.limit / self.max_share)) if part else seen
         shown = ", ".join(files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
         raise TooManySkipped(
             f"epoch {epoch}: {skipped} of {seen} {what} samples ({100 * skipped / seen:.1f} "
