@@ -312,4 +312,6 @@ def build_data(plan: DataPlan, ctx, *, channels_last: bool) -> DataPath:
             f"loader.drop_last=true leaves no batch. Lower trainer.batch_size (<= {per_rank})."
         )
     plan.task.check(train.dataset.reader, val.dataset.reader)
+    if ctx.is_main:
+        plan.task.check_storage(plan.storage)
     return DataPath(train, val, plan.backend, plan.storage, train.dataset.reader, plan.task)

@@ -4,6 +4,7 @@ targets, COCO mAP, the bad-input errors, and train.py end to end on the CPU."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 
@@ -284,6 +285,42 @@ def test_a_flipping_evaluation_transform_is_refused(coco_root):
         task.dataset("val", reader, PILBackend())
     assert len(task.dataset("train", DiskStorage().open(CocoLayout(str(coco_root)), "train"),
                             PILBackend())) > 0  # fmt: skip
+
+
+def test_a_pack_stored_smaller_than_the_training_resize_is_said(coco_root, caplog, tmp_path):
+    """storage=shards storage.kind=raw keeps 256 px by default (an ImageNet size): a COCO
+    run on it upscaled every image 3x or more (min_size 800), without a word."""
+    from fastload.storage.lmdb_store import LmdbStorage
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}",
+                          "dataset.train_transform.min_size=800"])  # fmt: skip
+    task = build_task(cfg)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        task.check_storage(ShardStorage(kind="raw"))
+    assert "(storage.size=256), but dataset.train_transform.min_size=800" in caplog.text
+    assert "upscaled 3.1x or more" in caplog.text and "storage.size=null" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        task.check_storage(LmdbStorage(max_side=320))
+        assert "(storage.max_side=320)" in caplog.text
+        caplog.clear()
+        for fine in (ShardStorage(kind="raw", size=None), ShardStorage(max_side=1333),
+                     ShardStorage(), DiskStorage()):  # fmt: skip
+            task.check_storage(fine)
+    assert caplog.text == ""
+    # said by the run, before any work (the data path it builds)
+    from fastload.dist import DistContext
+    from fastload.pipeline import build_data, build_plan
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}", "dataset.prepare=null",
+                          "storage=shards", "storage.kind=raw", "storage.size=64",
+                          f"storage.path={tmp_path / 'raw'}", "loader.num_workers=0",
+                          "trainer.batch_size=2"])  # fmt: skip
+    plan = build_plan(cfg)
+    plan.storage.prepare(plan.layout, ["train", "val"])
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        build_data(plan, DistContext(), channels_last=False).close()
+    assert "(storage.size=64), but dataset.train_transform.min_size=" in caplog.text
 
 
 def test_evaluation_predicts_in_fp32_under_bf16_training(tmp_path):

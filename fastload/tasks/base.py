@@ -105,6 +105,10 @@ class Task(abc.ABC):
         """What must agree between the settings and the data before training."""
         return None
 
+    def check_storage(self, storage) -> None:
+        """What the task says of how the storage keeps its images (a pack stored smaller)."""
+        return None
+
     def epoch_info(self, reader) -> dict:
         """Extra entries for the epoch row, from the training split's reader."""
         return {}

@@ -88,9 +88,29 @@ class DetectionTask(Task):
                 f"match. Use the annotation files of one dataset for both splits."
             )
 
+    def check_storage(self, storage) -> None:
+        """A pack stored smaller than the training resize's shorter side (storage.kind=raw
+        keeps 256 px by default, an ImageNet size) is upscaled on every image: a blurred
+        training set, said once before any work."""
+        options = getattr(storage, "pack_options", lambda: None)()
+        if not options:
+            return
+        stored = options.get("size") if options.get("kind") == "raw" else options.get("max_side")
+        wanted = self.data.train_transform.get("min_size")
+        if stored and wanted and stored < wanted:
+            key = "size" if options.get("kind") == "raw" else "max_side"
+            log.warning(
+                "storage=%s stores the images at most %d px on their longer side "
+                "(storage.%s=%d), but dataset.train_transform.min_size=%d resizes their shorter "
+                "side to %d: every training image is upscaled %.1fx or more, a blurred set. "
+                "Pack them at full size (storage.%s=null) or at least as large as "
+                "dataset.train_transform.max_size.",
+                storage.name, stored, key, stored, wanted, wanted, wanted / stored, key,
+            )  # fmt: skip
+
     def epoch_info(self, reader) -> dict:
         """What the training split left out: crowd and degenerate annotations, images without
-        any box (torchvision's reference drops those from training, so do we)."""
+        any usable box (fastload/data/detection.py)."""
         return {f"dropped_{k}": int(v) for k, v in dropped_counts(reader).items()}
 
     def step(self, state, cfg: DictConfig, ctx, amp):
