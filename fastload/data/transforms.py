@@ -54,10 +54,10 @@ def center_crop_box(width: int, height: int, resize: int, size: int) -> FloatBox
     """The box of torchvision's Resize(resize) (shorter side) + CenterCrop(size), in source
     pixels: the resized size as torchvision computes it (the longer side int(resize * long /
     short)), the crop's offset rounded in resized pixels (int(round((rw - size) / 2))), and
-    both mapped back by that resize's scale per axis. Floats: rounded in source pixels, the
-    box moved by up to half a source pixel at each edge, 0.65 output pixels for a 500x375
-    photo and 1-1.7 for one under `resize` (upscaled); one resample of this box is the two
-    of torchvision's to within their rounding. A crop larger than the resized image takes
+    both mapped back by that resize's scale per axis. Floats, because rounding to whole
+    source pixels moves the box by up to half a pixel at each edge (0.65 output pixels for a
+    500x375 photo, 1-1.7 for one under `resize`, upscaled); one resample of this box is
+    torchvision's two to within their rounding. A crop larger than the resized image takes
     all of it (torchvision pads it with black)."""
     short, long = min(width, height), max(width, height)
     resized_long = int(resize * long / short)
