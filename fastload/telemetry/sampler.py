@@ -150,10 +150,13 @@ class ResourceSampler:
         self._device_identity: tuple[str | None, str | None] = (None, None)
         self._rss_last_mb: float | None = None  # the latest samples, for windows without one
         self._pss_last_mb: float | None = None
-        # paused(): what is not the epoch's work (a checkpoint written inside it) is left
-        # out of its utilisation; `_covered` also drops the first tick after a pause, whose
-        # readings (NVML's and psutil's, averaged since the previous tick) span part of it
-        self._paused = self._covered = False
+        # A tick's CPU % and GPU utilisation are averages since the tick before (psutil's and
+        # NVML's), so a tick is kept only when no window boundary fell between the two: a
+        # reset() (the last tick of an evaluation counted in the next epoch) or a paused()
+        # one (a checkpoint written inside the epoch, left out of its utilisation). Each
+        # bumps `_marks`; `_resets` counts resets alone (memory is read at an instant).
+        self._paused = False
+        self._marks = self._resets = 0
         self._clear_window()
 
     def _clear_window(self) -> None:
@@ -183,6 +186,8 @@ class ResourceSampler:
         """Start a new measurement window (e.g. at the start of an epoch)."""
         with self._lock:
             self._clear_window()
+            self._marks += 1
+            self._resets += 1
             self._children_scanned_at = -float("inf")  # new epoch, maybe new workers
             self._pss_at = -float("inf")  # the thread's next tick samples PSS for this window
 
@@ -192,12 +197,14 @@ class ResourceSampler:
         checkpoint written inside an epoch, which StepTimer.outside leaves out of its time).
         Memory is still sampled: a peak reached then is the run's too."""
         with self._lock:
-            self._paused = self._covered = True
+            self._paused = True
+            self._marks += 1
         try:
             yield
         finally:
             with self._lock:
                 self._paused = False
+                self._marks += 1
 
     def snapshot(self) -> dict[str, float | None]:
         """Summary of the current window; the thread keeps running. Reads what the thread
@@ -258,6 +265,7 @@ class ResourceSampler:
             return rss, pss_total
 
     def _sample_memory(self, pss: bool = False) -> None:
+        resets = self._resets
         pss = pss or time.monotonic() - self._pss_at >= self.pss_interval_s
         try:
             rss, pss_bytes = self._tree_memory(pss)
@@ -265,6 +273,8 @@ class ResourceSampler:
             log.debug("memory sample failed: %s", exc)
             return
         with self._lock:
+            if resets != self._resets:  # read before a reset(): not the new window's
+                return
             if pss:
                 self._pss_at = time.monotonic()
             self._rss_last_mb = rss / _MB
@@ -297,8 +307,10 @@ class ResourceSampler:
         # psutil keeps cpu_percent's last reading per thread: this first call primes ours.
         psutil.cpu_percent(interval=None)
         gpu_failed = False
+        before = self._marks  # at the tick before: its readings start there
         try:
             while not self._stop.wait(self.interval_s):
+                marks = self._marks
                 try:
                     cpu = psutil.cpu_percent(interval=None)
                 except Exception:
@@ -313,8 +325,8 @@ class ResourceSampler:
                         gpu_failed = True
                 self._sample_memory()
                 with self._lock:
-                    if self._covered:  # the tick spans a pause: its readings are not kept
-                        self._covered = self._paused
+                    spans, before = not before == marks == self._marks, marks
+                    if spans or self._paused:  # the readings span a boundary, or a pause
                         continue
                     self._samples += 1
                     if cpu is not None:
