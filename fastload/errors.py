@@ -31,6 +31,12 @@ class DatasetError(FastloadError):
     """A dataset root is missing, empty or not in the expected layout."""
 
 
+class NotAnImageFolder(DatasetError):
+    """A split folder that is there but does not read as an image folder (no class folders,
+    no images, an unreadable folder): a pack made from it earlier is out of date, not a
+    pack whose source is elsewhere."""
+
+
 class CorruptImageError(FastloadError):
     """An image file could not be decoded; the message names the file."""
 

@@ -31,7 +31,7 @@ from fastload.data.batch import collate
 from fastload.data.dataset import ImageDataset
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend, open_rgb
-from fastload.errors import StorageError
+from fastload.errors import DatasetError, StorageError
 from fastload.pack import main as pack_main
 from fastload.storage import base as storage_base
 from fastload.storage import tmpfs
@@ -543,6 +543,59 @@ def test_a_pack_of_another_format_in_the_folder_is_replaced(tiny_folder, tmp_pat
     assert (tmp_path / "p" / "train" / "meta.json").is_file()
     LmdbStorage(path=tmp_path / "p").prepare(tiny_folder, ["train"])  # and back, by a run
     assert (tmp_path / "p" / "train" / "data.mdb").is_file()
+
+
+def test_a_source_that_is_no_image_folder_now_is_not_trained_from_its_old_pack(tmp_path):
+    """A split folder still there whose images were all deleted (or converted, or its classes
+    reorganised): storage=disk refuses it, but a pack of it was used as "a pack whose source
+    is not here", training on data the source no longer holds."""
+    root = make_image_folder(tmp_path / "d", per_split=(2, 1))
+    store = ShardStorage(path=tmp_path / "p")
+    store.prepare(root, ["train"])
+    for image in (root / "train").rglob("*.jpg"):
+        image.unlink()
+    with pytest.raises(DatasetError, match="has class folders .* but no image files"):
+        store.prepare(root, ["train"])
+    assert len(store.open(root, "train")) == 6  # the old pack is left as it was
+    shutil.rmtree(root / "train")  # a pack whose source is elsewhere is still used
+    store.prepare(root, ["train"])
+
+
+def test_an_unreadable_folder_in_a_split_is_named_not_skipped(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot read without a word: its images (or, for a class
+    folder, the whole class; under storage=tmpfs the class itself) went missing in every
+    storage. (The tests run as root, who reads everything: the refusal is simulated.)"""
+    from fastload.data.folder import index_image_folder
+
+    root = make_image_folder(tmp_path / "d", per_split=(2, 1))
+    more = root / "train" / "dog" / "more"
+    more.mkdir()
+    shutil.copy(root / "train" / "dog" / "dog_000.jpg", more / "x.jpg")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == str(more):
+            raise PermissionError(13, "Permission denied", str(more))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(DatasetError, match=rf"cannot read the folder {more} \(Permission denied"):
+        index_image_folder(root / "train")
+    with pytest.raises(DatasetError, match="chmod -R u\\+rX"):
+        tmpfs.build_manifest(tmpfs.as_layout(root), ["train"])
+
+
+def test_a_shard_of_empty_records_only_is_read_as_undecodable_samples(tmp_path):
+    """Every image of a split a zero-byte file: its shard is an empty file, which mmap
+    refuses; the read raised a bare ValueError naming nothing, where every other storage
+    skips and counts them."""
+    root = make_image_folder(tmp_path / "d", per_split=(1, 1))
+    for image in (root / "val").rglob("*.jpg"):
+        image.write_bytes(b"")
+    store = ShardStorage(path=tmp_path / "p")
+    store.prepare(root, ["val"], skip_corrupt=True)
+    reader = store.open(root, "val")
+    assert [bytes(reader.get(i, "image")) for i in range(len(reader))] == [b""] * 3
 
 
 def test_a_folder_holding_other_files_is_not_packed_over(tiny_folder, tmp_path, capsys):

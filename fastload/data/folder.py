@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fastload.errors import DatasetError
+from fastload.errors import DatasetError, NotAnImageFolder
 
 log = logging.getLogger("fastload")
 
@@ -50,7 +50,15 @@ def walk_once(top, seen: set[str], skipped: list[str]):
     (`ln -s .. class0/loop`) repeats the tree ~40 levels deep until the kernel's ELOOP, and a
     second link to a folder indexes its files twice. The links not followed go to `skipped`."""
     seen.add(os.path.realpath(top))
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+
+    def unreadable(exc: OSError) -> None:  # os.walk skipped such a folder without a word
+        raise NotAnImageFolder(
+            f"cannot read the folder {exc.filename} ({exc.strerror}): its images would be left "
+            f"out of the dataset (or its whole class). Make it readable (chmod -R u+rX) or "
+            f"move it out of the dataset."
+        )
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=unreadable):
         for name in sorted(dirnames):
             real = os.path.realpath(os.path.join(dirpath, name))
             if real in seen:
@@ -84,7 +92,7 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
         )
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
     if not classes:
-        raise DatasetError(
+        raise NotAnImageFolder(
             f"{split_dir} has no class folders. Expected {split_dir}/<class_name>/<image>.jpg "
             f"(torchvision ImageFolder layout); check {CHECK}."
         )
@@ -112,7 +120,7 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
                     paths.append(os.path.join(rel, name))
                     targets.append(idx)
     if not paths:
-        raise DatasetError(
+        raise NotAnImageFolder(
             f"{split_dir} has class folders ({', '.join(classes[:5])}…) but no image files "
             f"with extensions {', '.join(IMG_EXTENSIONS)}; check {CHECK}."
         )

@@ -48,7 +48,7 @@ from fastload.data.layouts import as_layout
 from fastload.data.records import ImageFile, Schema
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
-from fastload.errors import DatasetError, StorageError
+from fastload.errors import DatasetError, NotAnImageFolder, StorageError
 from fastload.host import spawn_pool, usable_cores
 from fastload.storage.base import Reader, Storage
 
@@ -418,6 +418,10 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
         make_source = functools.partial(ImageFolderSource, src_dir)
     try:
         source = make_source()
+    except NotAnImageFolder as exc:
+        # the split folder is there but is no image folder now (its images deleted or
+        # converted, its classes reorganised): storage=disk refuses it, so no pack of it holds
+        return f"its source no longer reads as an image folder: {exc}"
     except DatasetError as exc:
         log.info("%s: its source is not here to compare with (%s); using it", pack_dir, exc)
         return None

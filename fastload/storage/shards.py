@@ -243,7 +243,10 @@ class ShardReader(PackedReader):
         if mm is None:
             self._check_same_pack()
             with open(self.dir / self.meta["shards"][k]["file"], "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                # a shard of zero-byte records only (empty files, skipped as undecodable at
+                # read) is an empty file, which mmap refuses
+                empty = os.fstat(f.fileno()).st_size == 0
+                mm = b"" if empty else mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[k] = mm
         return mm
 
