@@ -703,7 +703,8 @@ class Epochs:
         self.budget.check(epoch, "training", metrics["skipped_corrupt"], done.trained,
                           done.skipped_files, part=part)  # fmt: skip
         resources = sampler.snapshot()
-        skipped_files = state.epoch_skipped + done.skipped_files  # with a stopped part's
+        # with a stopped part's; a file once (DistributedSampler's padding repeats samples)
+        skipped_files = list(dict.fromkeys(state.epoch_skipped + done.skipped_files))
         if stopper.signum is not None and steps < span.max_steps:
             state.epoch, state.step, state.epoch_skipped = epoch, steps, skipped_files
             self.stop(stopper, f"at epoch {epoch} step {steps}")

@@ -135,6 +135,18 @@ def test_the_evaluation_crop_is_torchvisions_resize_and_center_crop(width, heigh
     assert err == 0 or 10 * np.log10(255**2 / err) >= 60, err
 
 
+def test_the_epoch_samplers_padding_is_said(caplog):
+    """DistributedSampler repeats the first samples of an epoch to give every rank as many:
+    they are trained and counted twice (a corrupt one skipped twice), which the stream
+    sampler said and this one did not."""
+    with caplog.at_level("INFO", logger="fastload"):
+        EpochSampler(22, rank=0, world_size=3, shuffle=True, seed=0)
+        EpochSampler(22, rank=1, world_size=3, shuffle=True, seed=0)  # rank 0 says it
+        EpochSampler(21, rank=0, world_size=3, shuffle=True, seed=0)  # none repeated
+    assert caplog.text.count("repeated each epoch") == 1
+    assert "22 samples over 3 ranks: 2 sample(s) repeated each epoch" in caplog.text
+
+
 def test_epoch_sampler_shuffles_per_epoch_partitions_ranks_and_skips():
     s0 = EpochSampler(10, rank=0, world_size=2, shuffle=True, seed=3)
     s1 = EpochSampler(10, rank=1, world_size=2, shuffle=True, seed=3)

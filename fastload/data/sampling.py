@@ -48,6 +48,13 @@ class EpochSampler(torch.utils.data.Sampler):
         self.inner = self._distributed()
         self.epoch = 0
         self.skipped = 0
+        left = length % world_size
+        if left and rank == 0:  # torch's padding, said (the stream sampler says its own)
+            log.info(
+                "%d samples over %d ranks: %d sample(s) repeated each epoch so that every rank "
+                "gets %d (DistributedSampler's padding: they are trained, and counted, twice)",
+                length, world_size, world_size - left, len(self.inner),
+            )  # fmt: skip
 
     def _distributed(self) -> DistributedSampler:
         return DistributedSampler(
