@@ -33,12 +33,13 @@ def targets(reader):
 
 
 class SigtermReader(SourceReader):
-    """Sends SIGTERM (or `signum`) to its own process after `reads` reads: a preemption (or
-    a hard failure) at a known step."""
+    """Sends SIGTERM (or `signum`) to its own process after `reads` reads (`group`: to its
+    whole process group, once, the file $SIGTERM_ONCE marking it): a preemption (or a hard
+    failure) at a known step."""
 
-    def __init__(self, source, reads: int, signum: int = signal.SIGTERM):
+    def __init__(self, source, reads: int, signum: int = signal.SIGTERM, group: bool = False):
         super().__init__(source)
-        self.left, self.signum = reads, signum
+        self.left, self.signum, self.group = reads, signum, group
 
     def get(self, i, name):
         count_read(self, name)
@@ -47,11 +48,17 @@ class SigtermReader(SourceReader):
 
 def count_read(reader, name: str) -> None:
     """One read of `reader` (with `left` and `signum`): its signal to this process at the
-    last one."""
+    last one, or to the process group (`group`), which a DataLoader worker shares."""
     if name == "image":
         reader.left -= 1
-        if reader.left == 0:
+        if reader.left == 0 and not getattr(reader, "group", False):
             os.kill(os.getpid(), reader.signum)
+        elif reader.left == 0:
+            try:  # one worker sends it, once
+                os.close(os.open(os.environ["SIGTERM_ONCE"], os.O_CREAT | os.O_EXCL))
+                os.killpg(os.getpgid(0), reader.signum)
+            except FileExistsError:
+                pass
 
 
 class SigtermAfterReads(DiskStorage):
@@ -59,40 +66,20 @@ class SigtermAfterReads(DiskStorage):
     with loader.num_workers=0). An environment variable, not a config key: a preemption is
     not part of the run's configuration, so the resumed run's config is the same."""
 
-    def open(self, root, split):
-        reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
-        if split != "train" or not reads:
-            return super().open(root, split)
-        return SigtermReader(as_layout(root).source(split), reads)
-
-
-class SigtermGroupAfterReads(DiskStorage):
-    """storage=disk whose train split, in a DataLoader worker, sends SIGTERM to the whole
-    process group after $SIGTERM_AFTER_READS reads, once (the file $SIGTERM_ONCE marks it):
-    what torchrun (os.killpg), Slurm and `kill -- -PGID` do on a preemption."""
+    group = False
 
     def open(self, root, split):
         reads = int(os.environ.get("SIGTERM_AFTER_READS", "0"))
         if split != "train" or not reads:
             return super().open(root, split)
-        return _GroupSigtermReader(as_layout(root).source(split), reads)
+        return SigtermReader(as_layout(root).source(split), reads, group=self.group)
 
 
-class _GroupSigtermReader(SourceReader):
-    def __init__(self, source, reads: int):
-        super().__init__(source)
-        self.left = reads
+class SigtermGroupAfterReads(SigtermAfterReads):
+    """The same, sent by a DataLoader worker to the whole process group, once: what torchrun
+    (os.killpg), Slurm and `kill -- -PGID` do on a preemption."""
 
-    def get(self, i, name):
-        if name == "image":
-            self.left -= 1
-            if self.left == 0:
-                try:  # one worker sends it, once
-                    os.close(os.open(os.environ["SIGTERM_ONCE"], os.O_CREAT | os.O_EXCL))
-                    os.killpg(os.getpgid(0), signal.SIGTERM)
-                except FileExistsError:
-                    pass
-        return super().get(i, name)
+    group = True
 
 
 class SigkillAfterReads(DiskStorage):
