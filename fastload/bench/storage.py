@@ -152,17 +152,18 @@ def removed_after(folder: Path, keep: bool = False):
     try:
         yield
     finally:
-        if keep:
+        if keep or not folder.is_dir():
             pass
         elif before is None:
             shutil.rmtree(folder, ignore_errors=True)
-        elif folder.is_dir():
+        else:
             for path in folder.iterdir():
-                if path.name not in before:
-                    if path.is_dir() and not path.is_symlink():
-                        shutil.rmtree(path, ignore_errors=True)
-                    else:
-                        path.unlink(missing_ok=True)
+                if path.name in before:
+                    continue
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

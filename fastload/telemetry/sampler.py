@@ -325,8 +325,9 @@ class ResourceSampler:
                         gpu_failed = True
                 self._sample_memory()
                 with self._lock:
-                    spans, before = not before == marks == self._marks, marks
-                    if spans or self._paused:  # the readings span a boundary, or a pause
+                    spans = not before == marks == self._marks  # a boundary since the last
+                    before = marks
+                    if spans or self._paused:
                         continue
                     self._samples += 1
                     if cpu is not None:
