@@ -134,8 +134,8 @@ class EpochResult:
 def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progress, watch,
                     budget, hooks=None, after_step=None) -> EpochResult:  # fmt: skip
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
-    step k (the evaluation loader's warm start), `after_step(k)` after it (checkpoints
-    inside the epoch). It ends early, on every rank at the same step, on a signal, a
+    step k (the evaluation loader's warm start), `after_step(k, files)` after it, with this
+    rank's files skipped so far (checkpoints inside the epoch). It ends early, on every rank at the same step, on a signal, a
     non-finite loss (`watch`) or too many skipped samples (`budget`)."""
     totals = None  # the step's sums (loss sum, ..., count), on the device: no host sync
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
@@ -167,7 +167,7 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
         step.after_step()
         steps += 1
         if after_step is not None:
-            after_step(steps)
+            after_step(steps, skipped_files)
         bar.update(images_per_s=timer.images_per_s, data_wait_share=timer.data_wait_share)
         # Stop only between updates (a checkpoint then holds no half-accumulated group), and
         # under DDP every STOP_CHECK_STEPS steps: the ranks must agree, which is a collective
@@ -769,15 +769,19 @@ class Epochs:
         every = self.cfg.trainer.checkpoint_every_steps
         if not every:
             return None
-        due = False
+        due, before = False, list(self.state.epoch_skipped)  # a stopped part's, if resumed
 
-        def after_step(steps: int) -> None:
+        def after_step(steps: int, skipped_files: list[str]) -> None:
             nonlocal due
             due = due or steps % every == 0
             if due and self.step.settled and steps < span.max_steps:
                 due = False
                 if not self.healthy():  # the stop check ends the run; last.pt stays as it was
                     return
+                # the files skipped so far, on every rank: a restart from this checkpoint
+                # lists them with the ones of the part it trains
+                files = dist.gather_lists(skipped_files, self.ctx)
+                self.state.epoch_skipped = list(dict.fromkeys(before + files))
                 self.state.epoch, self.state.step = epoch, steps
                 # the epoch's timing and GPU utilisation are of training, not of I/O
                 with self.timer.outside(), sampler.paused():

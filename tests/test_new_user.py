@@ -241,19 +241,23 @@ def test_a_restart_in_its_folder_lists_each_skipped_file_once_per_epoch(tmp_path
     resumes in the same folder) redoes that epoch: its lines of skipped_files.txt were
     listed twice, as metrics.jsonl's rows are not."""
     root, bad = truncated_folder(tmp_path)
-    run_dir = tmp_path / "out" / "r"
+    run_dir = tmp_path / "out" / "restart" / "r"
     args = ["dataset.num_classes=4", "dataset.skip_corrupt=true", "name=restart",
-            "dataset.max_skipped_share=0.1", "trainer.checkpoint_every=1"]  # fmt: skip
-    out = run_train(tiny_overrides(root, run_dir, *args))
-    assert out.returncode == 0, out.stderr[-3000:]
+            "dataset.max_skipped_share=0.1", "trainer.checkpoint_every=1", "trainer.epochs=3",
+            "storage._target_=tests.helpers.SigkillAfterReads"]  # fmt: skip
+    # killed in epoch 2 (12 reads an epoch), after epoch 1's checkpoint
+    out = run_train(tiny_overrides(root, run_dir, *args), env={"SIGKILL_AFTER_READS": "26"})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
     listing = run_dir / "skipped_files.txt"
-    # what the killed attempt's epoch 2 wrote before its checkpoint
+    assert listing.read_text().splitlines() == [f"epoch {e}\t{bad}" for e in range(2)]
+    # what a kill after epoch 2's listing, before its checkpoint, leaves
     with open(listing, "a") as f:
         f.write(f"epoch 2\t{bad}\n")
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"epoch": 2}\n')
-    out = run_train(tiny_overrides(root, run_dir, *args, "trainer.epochs=3", "resume=auto"))
+    out = run_train(tiny_overrides(root, run_dir, *args, "resume=auto"))
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "resume=auto: resuming from" in said(out)
     lines = listing.read_text().splitlines()
     assert lines == [f"epoch {e}\t{bad}" for e in range(3)], lines
 
@@ -282,6 +286,30 @@ def test_a_run_resumed_in_a_new_folder_carries_every_epochs_record(tmp_path):
     calls = [json.loads(x) for x in (tmp_path / "second.jsonl").read_text().splitlines()]
     assert [c.get("step") for c in calls if c["call"] == "log"] == [0, 1, 2]
     assert calls[-1] == {"call": "finish", "epochs": 3}
+
+
+def test_a_restart_from_a_checkpoint_inside_the_epoch_lists_the_files_skipped_before_it(tmp_path):
+    """trainer.checkpoint_every_steps, then a SIGKILL (no time for a checkpoint): the restart
+    trains the epoch's rest, and the files skipped before the checkpoint were not listed."""
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(3, 1))
+    # 5 of 12: at least one lies in the first two batches of 4, read before the kill
+    bad = sorted((root / "train").rglob("*.jpg"))[::2][:5]
+    for path in bad:
+        path.write_bytes(path.read_bytes()[:400])
+    run_dir = tmp_path / "out" / "kill" / "r"
+    args = ["dataset.num_classes=4", "dataset.skip_corrupt=true", "name=kill",
+            "dataset.max_skipped_share=0.5", "trainer.epochs=1",
+            "trainer.checkpoint_every_steps=1",
+            "storage._target_=tests.helpers.SigkillAfterReads"]  # fmt: skip
+    out = run_train(tiny_overrides(root, run_dir, *args), env={"SIGKILL_AFTER_READS": "11"})
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    state = torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) == (0, 2)
+    out = run_train(tiny_overrides(root, run_dir, *args, "resume=auto"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resume=auto: resuming from" in said(out)
+    lines = (run_dir / "skipped_files.txt").read_text().splitlines()
+    assert sorted(lines) == sorted(f"epoch 0\t{path}" for path in bad), lines
 
 
 # 11. A full disk while checkpointing, packing or staging ------------------------------------

@@ -310,12 +310,13 @@ def test_a_checkpoint_inside_the_epoch_pauses_the_sampler_and_the_timer():
     record = SimpleNamespace(save=lambda state: seen.append((sampler._paused, timer.outside_s)))
     epochs = SimpleNamespace(
         cfg=SimpleNamespace(trainer=SimpleNamespace(checkpoint_every_steps=2)),
-        step=SimpleNamespace(settled=True), healthy=lambda: True, state=SimpleNamespace(),
+        step=SimpleNamespace(settled=True), healthy=lambda: True,
+        state=SimpleNamespace(epoch_skipped=[]),
         record=record, timer=timer, ctx=SimpleNamespace(distributed=False),
     )  # fmt: skip
     after_step = Epochs.checkpoint_inside(epochs, 0, EpochSpan(0, 0, 5), sampler)
     for steps in range(1, 6):
-        after_step(steps)
+        after_step(steps, [])
     assert [paused for paused, _ in seen] == [True, True]  # after steps 2 and 4
     assert not sampler._paused and timer.outside_s > 0
 
