@@ -90,7 +90,7 @@ class TrainState:
         accum = int(cfg.trainer.grad_accum_steps)
         lr = cfg.optim.base_lr * global_batch(cfg.trainer.batch_size, world_size, accum) / 256
         optimizer = build_optimizer(model, instantiate(cfg.optim), lr, device)
-        updates = -(-steps_per_epoch // accum)  # per epoch: its last group may be short
+        updates = updates_per_epoch(steps_per_epoch, accum)
         total = updates * cfg.trainer.epochs
         warmup = max(1, min(total, int(cfg.optim.warmup_epochs * updates)))
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -121,6 +121,9 @@ class TrainState:
             "step_in_epoch": self.step,
             "world_size": self.world_size,
             "grad_accum_steps": self.grad_accum_steps,
+            # the schedule's updates per epoch: a resume on another world size continues it
+            # at the same point of the run (change_global_batch)
+            "updates_per_epoch": updates_per_epoch(self.steps_per_epoch, self.grad_accum_steps),
             "epoch_stretches": [list(x) for x in self.stretches],
             "best_metric": self.best_metric,
             "history": self.history,
@@ -171,7 +174,8 @@ class TrainState:
         ckpt.set_rng_state(by_rank[rank] if rank < len(by_rank) else by_rank[0])
         saved_accum = int(state.get("grad_accum_steps", 1))
         if saved is not None and (saved, saved_accum) != (self.world_size, self.grad_accum_steps):
-            self.change_global_batch(saved, saved_accum, path, say=rank == 0)
+            self.change_global_batch(saved, saved_accum, path, say=rank == 0,
+                                     saved_updates=state.get("updates_per_epoch"))  # fmt: skip
 
     def load_ema(self, state: dict, path) -> None:
         if self.ema is None:
@@ -197,14 +201,19 @@ class TrainState:
             return self.optimizer.param_groups[0]["lr"]
         return s.base_lrs[0] * s.lr_lambdas[0](s.last_epoch - 1)
 
-    def change_global_batch(self, saved: int, saved_accum: int, path, say: bool = True) -> None:
+    def change_global_batch(self, saved: int, saved_accum: int, path, say: bool = True,
+                            saved_updates: int | None = None) -> None:  # fmt: skip
         """Continue a run written at world size `saved` with `saved_accum` accumulation
         steps on this run's: on another world size the interrupted epoch goes on with the
         samples it had left (`stretches`). The learning rate follows the global batch
         (optim.base_lr x batch_size x world size x grad_accum_steps / 256, the rule every run
-        starts with), the schedule continuing at the update where the same number of samples
-        has been seen; a global batch kept (8 ranks -> 4 ranks x grad_accum_steps=2) changes
-        neither."""
+        starts with); a global batch kept (8 ranks -> 4 ranks x grad_accum_steps=2) keeps it.
+        The schedule, built for this run's updates per epoch, continues at the same point of
+        the run: the saved run's `saved_updates` an epoch mapped onto this run's. They are
+        the global batches' ratio only roughly: each world size drops its own last partial
+        batch, and trainer.max_steps_per_epoch caps both (1000 images in batches of 64: 7
+        steps a rank on 2 ranks, 8 updates of 2 x 64 on 1). A checkpoint that predates
+        `saved_updates` maps by samples seen."""
         if self.step and saved != self.world_size:
             self.stretches.append((saved, self.step))
             self.step = 0
@@ -212,7 +221,9 @@ class TrainState:
         new = global_batch(self.batch_size, self.world_size, self.grad_accum_steps)
         ratio = new / old
         before = self.scheduler.last_epoch
-        self.scheduler.last_epoch = round(before / ratio)
+        updates = updates_per_epoch(self.steps_per_epoch, self.grad_accum_steps)
+        scale = updates / saved_updates if saved_updates else 1 / ratio
+        self.scheduler.last_epoch = round(before * scale)
         self.scheduler.base_lrs = [lr * ratio for lr in self.scheduler.base_lrs]
         for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                        self.scheduler.lr_lambdas, strict=True):  # fmt: skip
@@ -225,15 +236,21 @@ class TrainState:
             f"trainer.batch_size={self.batch_size} x {self.world_size} rank(s) x "
             f"trainer.grad_accum_steps={self.grad_accum_steps}"
         )
+        at = (
+            f"the schedule goes on at update {self.scheduler.last_epoch} (was {before}, "
+            f"{saved_updates} an epoch then, {updates} now: the same point of the run)"
+            if saved_updates
+            else f"the schedule goes on at update {self.scheduler.last_epoch} (was {before}: "
+            f"the same samples seen)"
+        )
         if ratio == 1:
-            change = f"The global batch stays {new} ({now}): the LR and schedule go on unchanged."
+            change = f"The global batch stays {new} ({now}): so does the LR, and {at}."
         else:
             keep = keeps(old, self.batch_size, self.world_size)
             change = (
                 f"The global batch goes from {old} ({saved} rank(s) x grad_accum_steps="
                 f"{saved_accum}) to {new} ({now}), so the learning rate is scaled by {ratio:.4g} "
-                f"(optim.base_lr x global batch / 256) and the schedule goes on at update "
-                f"{self.scheduler.last_epoch} (was {before}: the same samples seen)."
+                f"(optim.base_lr x global batch / 256) and {at}."
                 + (f" trainer.grad_accum_steps={keep} would keep it." if keep else "")
             )
         log.warning(
@@ -264,6 +281,11 @@ class TrainState:
                 f"train some samples twice and others never. Resume with the data as it was, "
                 f"or start a new run: resume=null (or another name=)."
             )
+
+
+def updates_per_epoch(steps_per_epoch: int, grad_accum_steps: int) -> int:
+    """Optimizer updates of an epoch of `steps_per_epoch` batches: its last group may be short."""
+    return -(-steps_per_epoch // grad_accum_steps)
 
 
 def global_batch(batch_size: int, world_size: int, grad_accum_steps: int) -> int:

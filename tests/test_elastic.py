@@ -333,3 +333,39 @@ def test_grad_accum_steps_keeps_the_global_batch_on_fewer_ranks_or_the_log_says_
     same.load_state_dict(saved, tmp_path / "last.pt")
     assert (same.step, same.stretches, same.scheduler.last_epoch) == (30, [], 15)
     assert same.scheduler.base_lrs == pytest.approx([2 * b for b in old.scheduler.base_lrs])
+
+
+def test_a_resume_on_fewer_ranks_goes_on_at_the_same_point_of_the_schedule(tmp_path):
+    """1000 images in batches of 64: 7 steps a rank on 2 ranks, 15 on 1, so 8 updates of
+    2 x 64 an epoch with grad_accum_steps=2 (the same global batch). Mapped by samples, the
+    resume after 3 of 6 epochs began at update 21 of 48 and ended at 45, its LR 12x the
+    schedule's last."""
+    from fastload.train_state import TrainState
+
+    def state(world, steps, *extra):
+        cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "trainer.batch_size=64",
+                                            "trainer.epochs=6", *extra))  # fmt: skip
+        return TrainState.create(cfg, torch.device("cpu"), world, steps, amp=None,
+                                 channels_last=False)  # fmt: skip
+
+    def lrs(s, updates):
+        out = []
+        for _ in range(updates):
+            out.append(s.optimizer.param_groups[0]["lr"])
+            s.optimizer.step()
+            s.scheduler.step()
+        return out
+
+    old = state(2, 7)
+    lrs(old, 3 * 7)
+    old.epoch, old.step = 3, 0
+    saved = old.state_dict()
+    new = state(1, 15, "trainer.grad_accum_steps=2")
+    new.load_state_dict(saved, tmp_path / "last.pt")
+    assert new.scheduler.last_epoch == 3 * 8
+    fresh = state(1, 15, "trainer.grad_accum_steps=2")  # its epochs 3..5 are the resumed run's
+    assert lrs(new, 3 * 8) == pytest.approx(lrs(fresh, 6 * 8)[3 * 8 :])
+    del saved["updates_per_epoch"]  # a checkpoint that predates it: mapped by samples seen
+    older = state(1, 15, "trainer.grad_accum_steps=2")
+    older.load_state_dict(saved, tmp_path / "last.pt")
+    assert older.scheduler.last_epoch == 21
