@@ -269,3 +269,14 @@ def test_a_rank_whose_whole_batch_is_corrupt_keeps_step_with_the_other_rank(tmp_
     assert row["world_size"] == 2 and row["skipped_corrupt"] == 2
     listing = (run_dir / "skipped_files.txt").read_text()
     assert all(str(path) in listing for path in bad), listing
+
+
+def test_label_smoothing_null_trains_without_smoothing(tmp_path):
+    """check_options lets optim.label_smoothing=null through (off, as clip_grad_norm=null);
+    the criterion took None and the first step failed with a TypeError."""
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "optim.label_smoothing=null"))
+    state = TrainState.create(cfg, torch.device("cpu"), 1, 2, amp=None, channels_last=False,
+                              model=norm_free_net())  # fmt: skip
+    step = ClassificationStep(state, cfg, DistContext(), None)
+    assert step.criterion.label_smoothing == 0.0
+    train(step, batches(1, 4))

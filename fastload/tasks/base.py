@@ -186,11 +186,15 @@ class TrainStep(abc.ABC):
     clipped to optim.clip_grad_norm first, when set). A task's step implements
     `forward_loss(batch) -> (loss, sums)`.
 
-    Gradient accumulation as timm's --grad-accum-steps: each batch's loss is divided by its
-    group's size, so a group of A batches of B makes the update one batch of A x B would (up
-    to BatchNorm, which normalises each batch by its own statistics); the epoch's last group
-    may be shorter and is divided by its own size. Under DDP the gradients are all-reduced
-    once per group, on its last backward (`no_sync` on the others)."""
+    Gradient accumulation as timm's --grad-accum-steps: each batch's mean loss is divided by
+    its group's size, so a group of A full batches of B makes the update one batch of A x B
+    would (up to BatchNorm, which normalises each batch by its own statistics); the epoch's
+    last group may be shorter and is divided by its own size. A batch is weighted as a batch,
+    not by its samples: one made smaller (by corrupt samples skipped, a continued elastic
+    epoch's last steps, or loader.drop_last=false's last batch) weighs as much in its group
+    as a full one, as without accumulation a short batch makes a whole update. Under DDP the
+    gradients are all-reduced once per group, on its last backward (`no_sync` on the
+    others)."""
 
     def __init__(self, state, cfg: DictConfig, ctx, amp):
         self.state, self.amp, self.device = state, amp, ctx.device

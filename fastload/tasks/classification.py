@@ -84,7 +84,8 @@ class ClassificationStep(TrainStep):
 
     def __init__(self, state, cfg: DictConfig, ctx, amp):
         super().__init__(state, cfg, ctx, amp)
-        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+        smoothing = cfg.optim.get("label_smoothing") or 0.0  # null: none, as check_options says
+        self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=smoothing)
 
     def forward_loss(self, batch: dict):
         x, y = batch[IMAGE], batch[TARGET]
