@@ -34,7 +34,7 @@ import fastload.loaders.workers as workers_mod
 from fastload.data.dataset import ImageDataset, Normalize
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend
-from fastload.errors import ConfigError, LoaderStallError
+from fastload.errors import ConfigError, DatasetError, LoaderStallError
 from fastload.loaders.background import BackgroundIterator
 from fastload.storage.disk import DiskReader
 
@@ -203,6 +203,49 @@ def test_item_error_surfaces_in_main_thread_and_nothing_leaks(strategy, workers)
         assert frames[-1] == "__getitem__", frames
     del err
     wait_clean(before, kids)
+
+
+class RaisesAt(Exploding):
+    """Item `bad` raises `exc` (a type whose meaning the stream's own code also uses)."""
+
+    def __init__(self, exc, bad=5, n=12):
+        super().__init__(bad, n)
+        self.exc = exc
+
+    def __getitem__(self, key):
+        if key[1] == self.bad:
+            raise self.exc(f"item {key[1]}: connection timed out after 3 retries")
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "bg"])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_stop_iteration_from_a_sample_is_an_error_not_the_epochs_end(strategy, workers):
+    """It ended the DataLoader's iteration like its end: the epoch was short and, the stream
+    taken for done, every later epoch empty (a 3-epoch run trained 1, 0 and 0 batches)."""
+    loader = make_loader(strategy, RaisesAt(StopIteration), f"loader.num_workers={workers}",
+                         "trainer.epochs=3", batch_size=2, shuffle=False)  # fmt: skip
+    for epoch in range(2):  # every epoch says so, none is cut short
+        loader.set_epoch(epoch)
+        with pytest.raises(DatasetError, match=f"ended after 2 of epoch {epoch}'s 6 batches"):
+            list(loader)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_samples_own_errors_reach_the_step_as_they_are(workers):
+    """A ReferenceError from a sample ended the epoch as a dropped loader's does; a
+    RuntimeError whose text says "timed out" became a stall of loader.timeout, its own
+    message (the file, the cause) lost and a healthy worker's stacks dumped."""
+    loader = make_loader("baseline", RaisesAt(ReferenceError), f"loader.num_workers={workers}")
+    loader.set_epoch(0)
+    with pytest.raises(ReferenceError, match="item 5"):
+        list(loader)
+    loader = make_loader("baseline", RaisesAt(RuntimeError), f"loader.num_workers={workers}",
+                         "loader.timeout=600")  # fmt: skip
+    loader.set_epoch(0)
+    with pytest.raises(RuntimeError, match="item 5: connection timed out") as err:
+        list(loader)
+    assert not isinstance(err.value, LoaderStallError)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -668,6 +711,17 @@ def test_a_cold_cache_storage_gets_a_stream_per_epoch(folder, caplog):
     loader.set_epoch(0)
     assert len(list(loader)) == len(loader)
     assert loader._stream is None  # the epoch's stream ended with it
+
+
+def test_iterating_again_without_set_epoch_gives_the_same_epoch(folder):
+    """With a stream across epochs (loader.cross_epoch) a second pass gave the next epoch's
+    batches, without it the same epoch's: `__iter__` yields the epoch `set_epoch` named."""
+    opts = ["loader.num_workers=0", "trainer.epochs=2"]
+    for cross in ("true", "false"):
+        loader = build_test_loader(*opts, f"loader.cross_epoch={cross}", folder=folder)
+        loader.set_epoch(0)
+        first, again = list(loader), list(loader)
+        assert all(torch.equal(a["image"], b["image"]) for a, b in zip(first, again, strict=True))
 
 
 def test_an_unplanned_epoch_restarts_the_stream_with_the_right_batches(folder):

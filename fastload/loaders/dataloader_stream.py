@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 from fastload.data import elastic
 from fastload.data.batch import PART, Skipped, collate
 from fastload.data.sampling import EpochBatches
+from fastload.errors import DatasetError
 from fastload.loaders import checks, watchdog
 from fastload.loaders.batch_ring import LoaderSlots
 from fastload.loaders.device_prep import DevicePrep, iter_tensors
@@ -289,18 +290,35 @@ class DataLoaderStream:
     def _epoch(self, device: bool):
         self.start()
         stream, done = self._stream, False
-        host = itertools.islice(stream.host, stream.batches_now())
+        planned, epoch = stream.batches_now(), stream.position[0]
+        host = _Counted(itertools.islice(stream.host, planned))
         try:
             yield from (self._device_batches(host) if device else host)
+            if host.count < planned:
+                raise self._ended_early(epoch, host.count, planned)
             done = True
         finally:
+            # The stream goes on into the next epoch; the next `__iter__` takes it when
+            # `set_epoch` names that epoch (without, it yields the same epoch again).
             if done and stream.advance():
-                self._want = stream.position  # the stream goes on into the next epoch
+                pass
             elif done:  # the plan's last epoch: run it out (frees abandoned slots), stop it
                 next(stream.host, None)
                 self._close_stream()
             else:  # an early break or an error: stop threads and workers, persistent or not
                 self.close()
+
+    def _ended_early(self, epoch: int, got: int, planned: int) -> DatasetError:
+        """The DataLoader stopped before the epoch's planned batches: a dataset (or a
+        transform) raised StopIteration, which ends any iteration it reaches; taken for the
+        epoch's end, the epoch was short and every later one empty, without a word."""
+        split = "training" if self.train else "evaluation"
+        return DatasetError(
+            f"the {split} data ended after {got} of epoch {epoch}'s {planned} batches: the "
+            f"DataLoader stopped early, which a StopIteration raised while loading a sample "
+            f"does (in the dataset, a transform or a storage reader; it ends any iteration it "
+            f"reaches). Raise another exception for a sample that cannot be loaded."
+        )
 
     def _close_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -354,6 +372,21 @@ class DataLoaderStream:
         checks.check_shm_room(batch_bytes, self.num_workers, self.prefetch_factor)
 
 
+class _Counted:
+    """An iterator that counts what it yielded."""
+
+    def __init__(self, it):
+        self.it, self.count = it, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.it)
+        self.count += 1
+        return item
+
+
 class _Stream:
     """A running host stage over a plan of epochs, and where it stands in that plan."""
 
@@ -379,10 +412,10 @@ class _DataLoaderBatches:
     watchdog, the first-batch checks; `close()` stops its workers unless they persist."""
 
     def __init__(self, loader: DataLoaderStream, it, ring, t0: float):
-        # A proxy, not a reference: the loader holds this stream, and a cycle would keep a
-        # dropped loader's workers alive until the garbage collector happens to run. What
-        # `close()` needs is held directly, so it also works once the loader is gone.
-        self.loader, self.it, self.ring, self.t0 = weakref.proxy(loader), it, ring, t0
+        # A weak reference: the loader holds this stream, and a cycle would keep a dropped
+        # loader's workers alive until the garbage collector happens to run. What `close()`
+        # needs is held directly, so it also works once the loader is gone.
+        self.loader, self.it, self.ring, self.t0 = weakref.ref(loader), it, ring, t0
         self.persistent = loader.dataloader.persistent_workers
         self.slots = loader.slots
         self.closed = False
@@ -392,13 +425,11 @@ class _DataLoaderBatches:
         return self
 
     def __next__(self):
-        if self.closed:
-            raise StopIteration
-        try:
-            return self._next(self.loader)
-        except ReferenceError:  # the loader was dropped while a thread still pulled
+        loader = None if self.closed else self.loader()
+        if loader is None:  # closed, or the loader was dropped while a thread still pulled
             self.close()
-            raise StopIteration from None
+            raise StopIteration
+        return self._next(loader)
 
     def _next(self, loader):
         batch = self._fetch(loader)
@@ -424,8 +455,8 @@ class _DataLoaderBatches:
             self.close()
             raise
         except RuntimeError as exc:
-            if loader.timeout and watchdog.is_timeout(exc):
-                raise watchdog.stall_error(self.it, loader.timeout) from None
+            if loader.timeout and loader.num_workers and watchdog.is_timeout(exc):
+                raise watchdog.stall_error(self.it, loader.timeout) from exc
             raise
         if loader.first_batch_s is None:
             loader.first_batch_s = time.perf_counter() - self.t0

@@ -45,8 +45,9 @@ def main_process_batch(timeout: float):
 
 
 def is_timeout(exc: RuntimeError) -> bool:
-    """torch's DataLoader raises RuntimeError('DataLoader timed out after N seconds')."""
-    return "timed out" in str(exc)
+    """torch's DataLoader raises RuntimeError('DataLoader timed out after N seconds'); a
+    worker's own error re-raised (a network read that "timed out") is not a stall."""
+    return str(exc).startswith("DataLoader timed out after")
 
 
 def stall_error(it, timeout: float) -> LoaderStallError:
