@@ -279,7 +279,7 @@ class Probe:
 
 def timed(probe: Probe, loader, t: Trial) -> None:
     """Fill in the trial's rate: a warm-up batch (worker start-up; the model's step is
-    measured on it once), then batches each followed by the step's stand-in
+    measured on the first trial's, which then starts again), then batches each followed by the step's stand-in
     (fastload/measure.py), until the batches or the budget run out."""
     from fastload.measure import SleepStep, feed
 
@@ -290,6 +290,13 @@ def timed(probe: Probe, loader, t: Trial) -> None:
         return
     if probe.step_s is None:
         probe.step_s = measure_step(probe, batch)
+        # this trial's workers built batches meanwhile, a head start no other trial has (its
+        # rate came out ~40 % high): it starts again, its new workers warmed up the same way
+        it.close()
+        loader.set_epoch(0)
+        it = iter(loader)
+        if next(it, None) is None:
+            return
     # A device decoder's GPU time comes out of the model's: the stand-in step (the GPU idle)
     # would hide it, so it is added to the step.
     got = feed(it, SleepStep(1000 * probe.step_s + t.gpu_ms), max_batches=probe.auto["batches"],

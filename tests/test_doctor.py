@@ -3,16 +3,19 @@ bottleneck doctor naming an injected slow stage, and loader=auto's choice and ca
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from conftest import (
     REPO,
+    build_test_loader,
     compose_config,
     launch_overrides,
     make_image_folder,
@@ -547,6 +550,58 @@ def test_loader_auto_charges_a_device_decoders_gpu_time_to_the_step(monkeypatch,
                                             "pin_memory": False, "backend": "nvjpeg"})  # fmt: skip
     assert kept.backend is configured.backend
     assert kept.loader["_target_"] == autotune.PREP_THREAD_LOADER
+
+
+class BuildTimes(torch.utils.data.Dataset):
+    """Each sample's target is when it was built (CLOCK_MONOTONIC: one clock for all
+    processes)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, key):
+        return torch.zeros(3, 4, 4, dtype=torch.uint8), time.monotonic()
+
+
+def test_loader_auto_times_no_batch_built_while_it_measured_the_step(monkeypatch):
+    """The first trial measures the model's step on its warm-up batch; its workers went on
+    building batches meanwhile, so its timed batches were partly ready (its rate ~40 % above
+    the same setting's as a later trial), and it was compared with the others as if not."""
+    from types import SimpleNamespace
+
+    from fastload import autotune, measure
+    from fastload.autotune import Trial
+
+    def collate(items):
+        return {"image": torch.stack([a for a, _ in items]),
+                "target": torch.tensor([b for _, b in items], dtype=torch.float64),
+                "skipped": 0}  # fmt: skip
+
+    measured = []
+
+    def measure_step(probe, batch):
+        time.sleep(0.5)  # a model's warm-up and 3 steps
+        measured.append(time.monotonic())
+        return 0.001
+
+    built = []
+
+    def feed(it, step, **kw):
+        for batch in itertools.islice(it, 3):
+            built.extend(batch["target"].tolist())
+        return measure.Feed(images=12, batches=3, wall_s=1.0)
+
+    monkeypatch.setattr(autotune, "measure_step", measure_step)
+    monkeypatch.setattr(measure, "feed", feed)
+    loader = build_test_loader("loader=baseline", "loader.num_workers=1", "trainer.epochs=1",
+                               dataset=BuildTimes(), collate_fn=collate)  # fmt: skip
+    probe = SimpleNamespace(step_s=None, auto={"batches": 3}, remaining=lambda: 30.0)
+    try:
+        autotune.timed(probe, loader, Trial(1, 2, False, "turbo"))
+    finally:
+        loader.close()
+    assert len(measured) == 1 and len(built) == 12
+    assert min(built) > measured[0]
 
 
 @pytest.mark.cuda
