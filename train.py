@@ -15,10 +15,11 @@ import os
 import sys
 
 import hydra
+from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
 import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
-from fastload.errors import user_error
+from fastload.errors import hydra_one_line, user_error
 from fastload.host import global_rank
 
 
@@ -64,4 +65,13 @@ if __name__ == "__main__":
     # instead of ending the run without a word.
     faulthandler.enable()
     strip_local_rank_arg()
-    main()
+    # A config Hydra cannot compose (a misspelt option or group choice) would be its own
+    # multi-line report, exit 1; raised to here it is one line, exit 2, as every input error.
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        main()
+    except (ConfigCompositionException, OverrideParseException) as exc:
+        cause = str(exc.__cause__ or "").split("\n")[0]  # e.g. "Key 'epoch' is not in struct"
+        print(f"error: {hydra_one_line(str(exc))}{f' ({cause})' if cause else ''}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        sys.exit(2)

@@ -28,6 +28,7 @@ from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
 from fastload.atomic import temp_path
 from fastload.autotune import tune
+from fastload.data.transforms import check_transforms
 from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
@@ -386,6 +387,39 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ConfigError(
             f"trainer.max_steps_per_epoch={cap!r}: use null (whole epochs) or a whole number >= 1."
         )
+
+
+# Options that take one of a few words. A switch read by its truth (`if value:`) took any
+# word for true (trainer.compile=maybe compiled the model), and trainer.device for cuda
+# only the word cuda: trainer.device=gpu trained on the CPU without a word.
+CHOICES = {
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.channels_last": ("auto", True, False),
+    "trainer.compile": (True, False),
+    "trainer.progress": (True, False),
+    "trainer.keep_best": (True, False),
+    "loader.pin_memory": ("auto", True, False),
+    "loader.persistent_workers": (True, False),
+    "loader.cross_epoch": (True, False),
+    "loader.drop_last": (True, False),
+    "dataset.skip_corrupt": (True, False),
+}
+
+
+def check_choices(cfg: DictConfig) -> None:
+    absent = object()
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key, default=absent)
+        if value is absent:
+            continue  # a config without the option (another loader or dataset group)
+        if not any(value is a if isinstance(a, bool) else value == a for a in allowed):
+            words = ", ".join(str(a).lower() for a in allowed)
+            hint = (
+                " (one GPU per rank: pick them with CUDA_VISIBLE_DEVICES)"
+                if "device" in key
+                else ""
+            )
+            raise ConfigError(f"{key}={value!r}: use one of {words}{hint}.")
 
 
 def check_writable(run_dir: Path) -> None:
@@ -868,7 +902,9 @@ def check_config(cfg: DictConfig) -> None:
     the trainer's, optimiser's and skip-share numbers."""
     check_required(cfg)
     check_trainer(cfg)
+    check_choices(cfg)
     check_optim_options(cfg.optim)
+    check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)
 
 

@@ -59,3 +59,10 @@ def user_error(exc: BaseException | None) -> FastloadError | None:
     while exc is not None and not isinstance(exc, FastloadError):
         exc = exc.__cause__
     return exc
+
+
+def hydra_one_line(message: str) -> str:
+    """Hydra's composition error (a misspelt option or group choice, with the choices it
+    has) without its config search path, on one line."""
+    text = message.split("\nConfig search path")[0].strip()
+    return text.replace("\n\n", "; ").replace("\n\t", " ").replace("\n", " ")

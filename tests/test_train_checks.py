@@ -295,3 +295,64 @@ def test_a_resume_refuses_a_model_setting_that_changes_what_is_computed(tmp_path
         check_same_run(saved, run_config("model.residual=false"), tmp_path / "last.pt")
     check_same_run(saved, run_config("+model.weights=/w/srcnn.pt"), tmp_path / "last.pt")
     check_same_run(saved, run_config("model.arch=other"), tmp_path / "last.pt")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.device=gpu", "trainer.device='gpu': use one of auto, cpu, cuda"),
+        ("trainer.device=cuda:1", "CUDA_VISIBLE_DEVICES"),
+        ("trainer.compile=maybe", "trainer.compile='maybe': use one of true, false"),
+        ("trainer.channels_last=no", "trainer.channels_last='no': use one of auto, true, false"),
+        ("loader.pin_memory=yes", "loader.pin_memory='yes'"),
+        ("dataset.skip_corrupt=off", "dataset.skip_corrupt='off'"),
+        ("dataset.train_transform.size=0", "dataset.train_transform.size=0: use a whole number"),
+        ("dataset.val_transform.size=-4", "dataset.val_transform.size=-4"),
+        ("dataset.val_transform.resize=1.5", "dataset.val_transform.resize=1.5"),
+        ("dataset.train_transform.scale=[1.5,0.2]", "scale=[1.5, 0.2]: use [low, high] with 0 <"),
+        ("dataset.train_transform.ratio=[0,1]", "dataset.train_transform.ratio=[0, 1]"),
+        ("dataset.train_transform.hflip=2", "dataset.train_transform.hflip=2: use a probability"),
+    ],
+)
+def test_an_option_out_of_its_values_is_refused_by_name(override, message):
+    """trainer.device=gpu trained on the CPU, trainer.compile=maybe compiled; a crop of
+    size 0 or an empty scale range failed every image and the run blamed the images
+    ("cannot decode ... remove or replace the file"); val size -4 failed after an epoch."""
+    from fastload.engine import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config([override]))
+    assert message in err.value.user_message
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "imagenet", "coco", "div2k"])
+def test_every_shipped_dataset_config_passes_the_option_checks(dataset):
+    from fastload.data.transforms import check_transforms
+    from fastload.engine import check_choices
+
+    cfg = compose_config([f"dataset={dataset}"])
+    check_choices(cfg)
+    check_transforms(cfg.dataset)
+
+
+def test_a_misnamed_device_stops_train_py_before_any_work(tmp_path):
+    root = make_image_folder(tmp_path / "d")
+    out = run_train(tiny_overrides(root, tmp_path / "run", "trainer.device=gpu"))
+    assert_clean_failure(out, "trainer.device='gpu': use one of auto, cpu, cuda")
+    assert out.returncode == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("loader=prefetchh", "Could not find 'loader/prefetchh'; Available options in 'loader':"),
+        ("trainer.epoch=3", "Could not override 'trainer.epoch'"),
+    ],
+)
+def test_a_misspelt_option_or_choice_is_one_line_exit_2(tmp_path, override, message):
+    """Hydra's own report was several lines (its config search path included), exit 1."""
+    root = make_image_folder(tmp_path / "d", classes=("a", "b", "c"), per_split=(1, 1))
+    out = run_train(tiny_overrides(root, tmp_path / "run", override))
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

@@ -76,6 +76,55 @@ def resized_crop(img: Image.Image, box, size: int, flip: bool = False) -> Image.
     return out.transpose(Image.FLIP_LEFT_RIGHT) if flip else out
 
 
+# What each transform option must be. Refused here, by name, before any data work: inside
+# a worker a crop of size 0 or an empty scale range failed every image, and the run blamed
+# the images ("cannot decode ... remove or replace the file"); a negative evaluation size
+# failed with a raw traceback only after a whole epoch had trained.
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _range(v) -> bool:
+    pair = isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig"
+    if not (pair and len(v) == 2 and all(_number(x) for x in v)):
+        return False
+    return 0 < v[0] <= v[1]
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+TRANSFORM_OPTIONS = {
+    "size": (_whole, "a whole number of pixels >= 1"),
+    "resize": (_whole, "a whole number of pixels >= 1 (the shorter side before the crop)"),
+    "min_size": (_whole, "a whole number of pixels >= 1"),
+    "max_size": (_whole, "a whole number of pixels >= 1"),
+    "scale": (_range, "[low, high] with 0 < low <= high (shares of the image's area)"),
+    "ratio": (_range, "[low, high] with 0 < low <= high (width / height)"),
+    "hflip": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+}
+
+
+def check_transforms(dataset_cfg) -> None:
+    """ConfigError naming dataset.<split>_transform.<option> and what it takes."""
+    from fastload.errors import ConfigError
+
+    for split in ("train", "val"):
+        node = dataset_cfg.get(f"{split}_transform")
+        if not hasattr(node, "items"):
+            continue
+        for key, (ok, use) in TRANSFORM_OPTIONS.items():
+            if key in node and not ok(node[key]):
+                value = node[key]
+                shown = (
+                    list(value)
+                    if hasattr(value, "__len__") and not isinstance(value, str)
+                    else value
+                )
+                raise ConfigError(f"dataset.{split}_transform.{key}={shown!r}: use {use}.")
+
+
 class RandomResizedCropFlip:
     """Training augmentation: RandomResizedCrop(size, scale, ratio) + horizontal flip."""
 
