@@ -182,13 +182,13 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
     step.finish()  # the data ended inside a group (fewer batches than planned): its update
     bar.close()
     timing = timer.stop()
-    keys = sorted(counts)  # every batch of a backend carries the same keys, on every rank
+    keys = counter_keys(counts, ctx)
     n = step.train_sums
     sums = totals.tolist() if totals is not None else [0.0] * n
     nonfinite = watch.first_bad(wait=True)
     overflow = step.scaler_skips() if hasattr(step, "scaler_skips") else None
     extra = [skipped, timing.samples, float(nonfinite is not None)]
-    reduced = dist.all_reduce(sums + extra + [counts[k] for k in keys], ctx)
+    reduced = dist.all_reduce(sums + extra + [counts.get(k, 0) for k in keys], ctx)
     measured = step.train_metrics(reduced[:n])
     metrics = {
         # no sample trained (an epoch continued with nothing left): nothing measured, not 0
@@ -205,6 +205,14 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
 
 
 STOP_CHECK_STEPS = 10
+
+
+def counter_keys(counts: dict, ctx) -> list[str]:
+    """The backend counters' names over every rank, in one order. Only decoded samples
+    carry them: a rank whose every sample of the epoch (or of what was left of it) was
+    skipped as corrupt has none, and the one all-reduce of their values, one length per
+    rank, then failed or mixed one counter's sum into another's. One gather per epoch."""
+    return sorted(set(dist.gather_lists(sorted(counts), ctx)))
 
 
 def stop_agreed(stopper, ctx, watch, over_budget: bool) -> bool:

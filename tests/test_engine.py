@@ -395,3 +395,37 @@ def test_cpu_percent_is_null_when_unmeasured_and_a_mean_over_the_ranks_that_meas
     two = SimpleNamespace(world_size=2, distributed=True)
     row = engine.reduce_timing(timing, {"cpu_percent": None}, two)
     assert row["cpu_percent"] == 80.0 and row["train_images"] == 16
+
+
+class EmptyTakingStep(CountingStep):
+    def train_empty(self, skipped_files=(), spare=None): ...
+
+
+def _an_epoch_where_rank_1_decodes_nothing(ctx):
+    from fastload.engine import EpochSpan, train_one_epoch
+    from fastload.telemetry.timer import StepTimer
+    from fastload.train_checks import LossWatch, SkipBudget
+
+    if ctx.rank == 0:
+        batch = {"image": torch.zeros(2, 1), "target": torch.zeros(2), "skipped": 0,
+                 "counts": {"decode_roi": 2, "decode_fallback_cmyk": 0}}  # fmt: skip
+    else:  # every sample skipped as corrupt: a batch without the backend's counters
+        batch = {"image": None, "target": None, "skipped": 2}
+    with GracefulStop() as stopper:
+        done = train_one_epoch(
+            EmptyTakingStep(), [batch] * 3, ctx, EpochSpan(0, 0, 3), stopper=stopper,
+            timer=StepTimer(), progress=False, watch=LossWatch(ctx.device),
+            budget=SkipBudget(1.0, 12),
+        )  # fmt: skip
+    return done.metrics
+
+
+def test_the_backend_counters_add_up_when_a_rank_decoded_nothing(tmp_path):
+    """Only decoded samples carry the counters: the epoch's one all-reduce got one length
+    from a rank that decoded something and another from one that did not."""
+    from conftest import on_gloo_ranks
+
+    got = on_gloo_ranks(_an_epoch_where_rank_1_decodes_nothing, tmp_path)
+    for metrics in got.values():
+        assert metrics["decode_roi"] == 6 and metrics["decode_fallback_cmyk"] == 0
+        assert metrics["skipped_corrupt"] == 6
