@@ -456,3 +456,22 @@ def test_overrides_may_come_before_and_after_options(module, parser, option, val
     args = parse(["trainer.batch_size=8", option, str(value), "backend=pil", "loader=bg"])
     assert args.override == ["trainer.batch_size=8", "backend=pil", "loader=bg"]
     assert getattr(args, option.lstrip("-").replace("-", "_")) == value
+
+
+def test_the_suites_are_the_modules_with_a_main_and_help_lists_them(capsys):
+    from fastload.bench.__main__ import suites
+
+    assert suites() == ["backends", "loaders", "storage", "train"]  # not gpu_timeline, common
+    for suite in suites():
+        assert callable(importlib.import_module(f"fastload.bench.{suite}").main)
+    for flag in ("--help", "-h"):
+        assert main([flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m fastload.bench {backends,loaders,storage,train}")
+        assert "  train     the real training loop" in out
+    for argv, what in ((["gpu_timeline"], "unknown suite 'gpu_timeline'"),
+                       (["foo"], "unknown suite 'foo'"), ([], "no suite given")):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {what}; the suites: backends, loaders, storage, train")
+        assert len(err.strip().splitlines()) == 1

@@ -210,13 +210,25 @@ def test_doctor_env_prints_one_line_per_check_and_is_quick(capsys):
 
 def test_doctor_refuses_bad_input_in_one_line(capsys):
     assert doctor_main(["nope"]) == 2
-    assert "usage: python -m fastload.doctor {env,pipeline}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == (
+        "error: unknown command 'nope'; the commands: env, pipeline (python -m fastload.doctor "
+        "--help says what each does)\n"
+    )
     assert doctor_main(["env", "loader=nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     with pytest.raises(SystemExit):
         doctor_main(["pipeline", "--images", "0"])
     assert "--images 0: use a whole number >= 1" in capsys.readouterr().err
+
+
+def test_doctor_help_lists_the_commands_and_exits_0(capsys):
+    for flag in ("--help", "-h"):
+        assert doctor_main([flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m fastload.doctor {env,pipeline}")
+        assert "    env       the pre-flight check" in out and "    pipeline  which stage" in out
 
 
 # -- the bottleneck doctor --------------------------------------------------------------------

@@ -1,5 +1,9 @@
 """python -m fastload.doctor {env,pipeline} [options] [train.py overrides]
 
+    env       the pre-flight check every run makes, with the fix for each problem
+    pipeline  which stage of the data path starves the GPU, and the change that helps most
+    (python -m fastload.doctor COMMAND --help: its options)
+
     python -m fastload.doctor env                         # the pre-flight check, one line each
     python -m fastload.doctor env loader.num_workers=16 trainer.batch_size=256
     python -m fastload.doctor pipeline backend=pil storage=disk   # which stage starves the GPU
@@ -51,10 +55,13 @@ def env_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: {__doc__.strip()}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
-        print(
-            f"usage: python -m fastload.doctor {{{','.join(COMMANDS)}}} [--help]", file=sys.stderr
-        )
+        what = f"unknown command {argv[0]!r}" if argv else "no command given"
+        print(f"error: {what}; the commands: {', '.join(COMMANDS)} (python -m fastload.doctor "
+              f"--help says what each does)", file=sys.stderr)  # fmt: skip
         return 2
     from fastload.bench.__main__ import reporting_errors
 
