@@ -475,3 +475,39 @@ def test_the_suites_are_the_modules_with_a_main_and_help_lists_them(capsys):
         err = capsys.readouterr().err
         assert err.startswith(f"error: {what}; the suites: backends, loaders, storage, train")
         assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "suite, argv, message",
+    [
+        ("train", ["--step-ms", "-5"], "argument --step-ms: '-5': use a number >= 0"),
+        ("loaders", ["--batch-size", "0"], "argument --batch-size: '0': use a whole number >= 1"),
+        ("loaders", ["--steps", "0"], "argument --steps: '0': use a whole number >= 1"),
+        ("loaders", ["--step-ms", "nan"], "argument --step-ms: 'nan': use a number >= 0"),
+        ("storage", ["--batch-size", "0"], "argument --batch-size: '0': use a whole number >= 1"),
+        ("storage", ["--repeats", "0"], "argument --repeats: '0': use a whole number >= 1"),
+        ("storage", ["--workers", "-1"], "argument --workers: '-1': use a whole number >= 0"),
+        ("backends", ["--size", "0"], "argument --size: '0': use a whole number >= 1"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_option(suite, argv, message, capsys):
+    """Each of these ran on (building the dataset and the loaders) and ended in a traceback
+    (a negative sleep, a division by a batch of 0, the median of no repeat) or, for
+    --steps 0, in a table of nan; argparse now refuses them before any work."""
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"fastload.bench.{suite}").parse(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"python -m fastload.bench {suite}: error: {message}"
+
+
+def test_bench_train_refuses_the_trainer_options_train_py_refuses(tiny_folder, capsys):
+    data = [f"dataset.root={tiny_folder}", "dataset.prepare=null", "dataset.num_classes=3",
+            "dataset.train_transform.size=32", "dataset.val_transform.size=32",
+            "loader.num_workers=0", "backend=pil", "trainer.device=cpu"]  # fmt: skip
+    argv = ["train", "--step-ms", "1", "--epochs", "1", "--steps-per-epoch", "1", *data]
+    assert main([*argv, "trainer.batch_size=-1"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: trainer.batch_size=-1: use a whole number >= 1 (images per rank per step).\n"
+    )

@@ -223,6 +223,27 @@ def test_doctor_refuses_bad_input_in_one_line(capsys):
     assert "--images 0: use a whole number >= 1" in capsys.readouterr().err
 
 
+def test_doctor_refuses_the_options_train_py_refuses(tiny_folder, capsys):
+    # doctor env judged num_workers=abc as 0 workers and passed; train.py refuses it
+    assert doctor_main(["env", "trainer.device=cpu", "loader.num_workers=abc"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: loader.num_workers='abc': use a whole number >= 0 or 'auto'.\n"
+    # doctor pipeline ended in BatchRing's ValueError
+    argv = ["pipeline", "--step-ms", "1", *doctor_overrides(tiny_folder), "trainer.batch_size=-1"]
+    assert doctor_main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: trainer.batch_size=-1: use a whole number >= 1 (images per rank per step).\n"
+    )
+    # --local-ranks 0 was taken for "not given" (the default) while -2 was refused
+    for command in ("env", "pipeline"):
+        with pytest.raises(SystemExit) as exc:
+            doctor_main([command, "--local-ranks", "0"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.endswith(f"{command}: error: --local-ranks 0: use a whole number >= 1\n")
+
+
 def test_doctor_help_lists_the_commands_and_exits_0(capsys):
     for flag in ("--help", "-h"):
         assert doctor_main([flag]) == 0

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from fastload.bench.common import (
+    at_least,
     check_root,
     compose,
     config_names,
@@ -292,7 +293,7 @@ def parse(argv):
         default=DEFAULT_BACKENDS,
         help=f"comma-separated, of: {', '.join(backend_names())}",
     )
-    p.add_argument("--size", type=int, default=224, help="RandomResizedCrop output size")
+    p.add_argument("--size", type=at_least(1), default=224, help="RandomResizedCrop output size")
     p.add_argument("--workers", type=int, default=usable_cores(), help="'all cores' count")
     p.add_argument("--batch-size", type=int, default=64, help="the DataLoader rows' batch")
     p.add_argument("--repeats", type=int, default=2, help="passes per figure; best is kept")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -90,14 +92,19 @@ def write_json(path: str | os.PathLike, suite: str, params: dict, rows: list[dic
 
 
 def compose(overrides: list[str]):
-    """The real config (conf/), as `python train.py <overrides>` composes it."""
+    """The real config (conf/), as `python train.py <overrides>` composes it, refused as it
+    refuses it (fastload/engine.py: `check_config`): a trainer.batch_size=-1 is one error
+    line naming it, not a ValueError from deep in the loader."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     from fastload.config import conf_dir
+    from fastload.engine import check_config
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+        cfg = hydra_compose("config", overrides=list(overrides))
+    check_config(cfg)
+    return cfg
 
 
 def one_device(cfg):
@@ -133,6 +140,24 @@ def pick_names(p, option: str, value: str, valid) -> list[str]:
         what = f"unknown {', '.join(repr(n) for n in unknown)}" if unknown else "no name given"
         p.error(f"{option} {value!r}: {what}; valid names: {', '.join(valid)}")
     return names
+
+
+def at_least(low: float, kind: type = int):
+    """An argparse `type=`: a `kind` (int: a whole number) >= low. What is below it (a batch
+    of 0, a negative sleep) would fail deep in a run, after the loaders were built, with a
+    traceback; argparse's error names the option instead."""
+    what = "a whole number" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: use {what} >= {low:g}")
+        return value
+
+    return parse
 
 
 def check_root(p, root: str | None, split: str = "train") -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from fastload.bench.common import (
+    at_least,
     check_root,
     compose,
     config_names,
@@ -99,15 +100,21 @@ def parse(argv):
         help=f"comma-separated conf/loader/ names, of: {', '.join(config_names('loader'))}",
     )
     p.add_argument("--workers", default="0,2", help="comma-separated num_workers values")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--size", type=int, default=64, help="crop size (224 for ResNet-50)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (worker start)")
-    p.add_argument("--steps", type=int, default=25, help="timed steps")
-    p.add_argument("--step-ms", type=float, default=50.0, help="CPU consumer step (sleep)")
+    p.add_argument("--batch-size", type=at_least(1), default=32)
+    p.add_argument("--size", type=at_least(1), default=64, help="crop size (224 for ResNet-50)")
+    p.add_argument(
+        "--warmup", type=at_least(0), default=3, help="untimed steps first (worker start)"
+    )
+    p.add_argument("--steps", type=at_least(1), default=25, help="timed steps")
+    p.add_argument(
+        "--step-ms", type=at_least(0, float), default=50.0, help="CPU consumer step (sleep)"
+    )
     p.add_argument("--model", default=None, help="e.g. resnet50: real step on CUDA + ceiling")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--root", default=None, help="dataset root (default: the synthetic set)")
-    p.add_argument("--train-per-class", type=int, default=100, help="synthetic set size / 10")
+    p.add_argument(
+        "--train-per-class", type=at_least(1), default=100, help="synthetic set size / 10"
+    )
     p.add_argument("--json", default="outputs/bench/loaders.json")
     p.add_argument(
         "override", nargs="*", help="config overrides, e.g. backend=turbo storage=shards"

@@ -50,6 +50,7 @@ import torch
 
 from fastload.bench.backends import backend_names
 from fastload.bench.common import (
+    at_least,
     check_root,
     compose,
     data_overrides,
@@ -290,26 +291,28 @@ def parse(argv):
     p.add_argument(
         "--stores", default=",".join(STORES), help=f"comma-separated, of: {', '.join(STORES)}"
     )
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="measure every row (FFCV's too) this many times in turn; targets: median ratio",
     )
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--workers", type=int, default=usable_cores())
-    p.add_argument("--crop", type=int, default=224)
+    p.add_argument("--batch-size", type=at_least(1), default=64)
+    p.add_argument("--workers", type=at_least(0), default=usable_cores())
+    p.add_argument("--crop", type=at_least(1), default=224)
     p.add_argument(
         "--backend",
         default="pil",
         help="decode backend: conf/backend/*.yaml (pil, turbo, ...) or a bench backends "
         "variant (turbo+cv2+fast, ...)",
     )
-    p.add_argument("--max-side", type=int, default=256, help="shards-jpeg: re-encode side")
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--raw-size", type=int, default=256, help="shards-raw: stored longer side")
-    p.add_argument("--wds-shard-mb", type=int, default=8, help="webdataset: tar shard size")
+    p.add_argument("--max-side", type=at_least(1), default=256, help="shards-jpeg: re-encode side")
+    p.add_argument("--quality", type=at_least(1), default=90)
+    p.add_argument(
+        "--raw-size", type=at_least(1), default=256, help="shards-raw: stored longer side"
+    )
+    p.add_argument("--wds-shard-mb", type=at_least(1), default=8, help="webdataset: tar shard size")
     p.add_argument("--tmpfs-dir", default="/dev/shm/fastload-bench",
                    help="where the tmpfs row stages its copy; what this run adds there is "
                    "removed at the end (the folder too when this run made it)")  # fmt: skip

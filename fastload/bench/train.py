@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from fastload.bench.common import compose, format_table, one_device, write_json
+from fastload.bench.common import at_least, compose, format_table, one_device, write_json
 from fastload.measure import EVAL_STEP_SHARE, SleepStep
 
 
@@ -223,7 +223,9 @@ def parse(argv):
     )
     step = p.add_mutually_exclusive_group()
     step.add_argument("--model", help="conf/model/<NAME>: a real training step (GPU)")
-    step.add_argument("--step-ms", type=float, help="a fixed GIL-releasing step (default 50)")
+    step.add_argument(
+        "--step-ms", type=at_least(0, float), help="a fixed GIL-releasing step (default 50)"
+    )
     p.add_argument("--epochs", type=int, default=6)
     p.add_argument("--steps-per-epoch", type=int, default=30)
     p.add_argument("--json", default="outputs/bench/train.json")

@@ -33,7 +33,8 @@ def parse_env(argv: list[str]):
     args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     from fastload.dist import local_world_size_from_env
 
-    args.local_ranks = args.local_ranks or local_world_size_from_env()
+    if args.local_ranks is None:  # not `or`: --local-ranks 0 is refused, not the default
+        args.local_ranks = local_world_size_from_env()
     if args.local_ranks < 1:
         p.error(f"--local-ranks {args.local_ranks}: use a whole number >= 1")
     return args
@@ -41,10 +42,15 @@ def parse_env(argv: list[str]):
 
 def env_main(argv: list[str]) -> int:
     from fastload.bench.common import compose
+    from fastload.pipeline import loader_options
     from fastload.preflight import FATAL, run_checks
 
     args = parse_env(argv)
-    results = run_checks(compose(args.override), local_ranks=args.local_ranks)
+    cfg = compose(args.override)
+    # the loader's options as a run resolves them: a num_workers=abc train.py refuses is
+    # refused here too, not judged as 0 workers
+    loader_options(cfg, args.local_ranks)
+    results = run_checks(cfg, local_ranks=args.local_ranks)
     for r in results:
         print(r.line())
     fatal = sum(r.status == FATAL for r in results)

@@ -100,7 +100,8 @@ def parse(argv):
     args = p.parse_intermixed_args(argv)  # overrides before and after options alike
     from fastload.dist import local_world_size_from_env
 
-    args.local_ranks = args.local_ranks or local_world_size_from_env()
+    if args.local_ranks is None:  # not `or`: --local-ranks 0 is refused, not the default
+        args.local_ranks = local_world_size_from_env()
     if args.local_ranks < 1:
         p.error(f"--local-ranks {args.local_ranks}: use a whole number >= 1")
     for opt in ("images", "batches", "model_steps"):
