@@ -104,6 +104,16 @@ def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, caps
     assert f"{stopped} holds 1 epoch(s) but no summary.json" in err and "resume=auto" in err
 
 
+def test_report_refuses_an_out_folder_it_cannot_write(tmp_path, capsys):
+    run = fake_run(tmp_path, 0, ["loader=bg"], [1.0])
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "report"
+    assert report_main([str(run), "--out", str(out)]) == 2  # was a raw NotADirectoryError
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write the report into {out} (")
+    assert err.endswith("): give --out a writable folder.\n")
+
+
 def sweep_points(name: str) -> list[list[str]]:
     """Every job's overrides of experiment NAME's sweep (its hydra.sweeper.params)."""
     exp = OmegaConf.load(CONF / "experiment" / f"{name}.yaml")

@@ -200,12 +200,18 @@ def build_report(run_dirs, out: Path, baseline: str | None = None, title: str = 
         raise ReportError("no run directories given.")
     variants = group_variants(runs)
     rows = summarize(variants, pick_baseline(variants, baseline))
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(rows, title)
-    charts = write_charts(rows, out, title or "experiment")
-    md = table + "\n" + "".join(f"![{c.stem}]({c.name})\n" for c in charts)
-    (out / "report.md").write_text(md)
-    report = {"title": title, "rows": rows, "charts": [c.name for c in charts],
-              "runs": [str(r.path) for r in runs]}  # fmt: skip
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        charts = write_charts(rows, out, title or "experiment")
+        md = table + "\n" + "".join(f"![{c.stem}]({c.name})\n" for c in charts)
+        (out / "report.md").write_text(md)
+        report = {"title": title, "rows": rows, "charts": [c.name for c in charts],
+                  "runs": [str(r.path) for r in runs]}  # fmt: skip
+        (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as exc:  # the runs were read: only the output folder can be at fault here
+        raise ReportError(
+            f"cannot write the report into {out} ({exc.strerror or exc}): give --out a "
+            f"writable folder."
+        ) from None
     return {"table": table, **report}
