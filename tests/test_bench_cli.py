@@ -511,3 +511,44 @@ def test_bench_train_refuses_the_trainer_options_train_py_refuses(tiny_folder, c
     assert (
         err == "error: trainer.batch_size=-1: use a whole number >= 1 (images per rank per step).\n"
     )
+
+
+def failing_peer(tmp_path, monkeypatch):
+    """bench storage's args with --ffcv-python naming a python without ffcv, the stores'
+    rows faked, and a dataset root."""
+    from fastload.bench import storage
+
+    monkeypatch.setattr(storage, "measure_store", lambda name, root, args: [
+        {"storage": name, "cache": "warm", "epoch_img_s": 3.0}])  # fmt: skip
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'error: ffcv is not installed in this python' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    root = tmp_path / "data"
+    root.mkdir()
+    return storage.parse(["--stores", "disk", "--ffcv-python", str(fake)]), root
+
+
+def test_a_peer_that_cannot_run_leaves_no_empty_packs_folder(tmp_path, monkeypatch):
+    """It left an empty ROOT.packs/ beside the user's dataset."""
+    from fastload.bench import storage
+
+    args, root = failing_peer(tmp_path, monkeypatch)
+    storage.round_rows(0, root, args)
+    assert not Path(f"{root}.packs").exists()
+    # a packs folder that was there is the user's (or an earlier run's): kept, empty or not
+    Path(f"{root}.packs").mkdir()
+    storage.round_rows(0, root, args)
+    assert Path(f"{root}.packs").is_dir()
+
+
+def test_a_peer_that_cannot_run_is_named_with_its_error(tmp_path, monkeypatch, capsys):
+    """The targets said "no FFCV row in this run; --ffcv-python runs it": the option given."""
+    from fastload.bench import storage
+
+    args, root = failing_peer(tmp_path, monkeypatch)
+    rounds = [storage.round_rows(0, root, args)]
+    storage.print_targets(storage.target_ratios(rounds, args))
+    assert (
+        f"disk vs FFCV full-size JPEG: not judged (--ffcv-python {args.ffcv_python} could not "
+        f"run FFCV: error: ffcv is not installed in this python)"
+    ) in capsys.readouterr().out

@@ -235,26 +235,49 @@ def peer_row(name: str, result: dict, size_bytes: int | None = None) -> dict | N
     return row
 
 
+@contextlib.contextmanager
+def packs_folder(root: Path):
+    """ROOT.packs, where the peers write their packs (.beton, .npy files) beside ours: made
+    when missing, and removed again when this run made it and a peer that could not start
+    left it empty, so that no empty folder is left beside the user's dataset."""
+    cache = Path(f"{root}.packs")
+    made = not cache.exists()
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        yield cache
+    finally:
+        if made:
+            with contextlib.suppress(OSError):  # not empty: a pack is in it, kept for reuse
+                cache.rmdir()
+
+
+def peer_failed(args, peer: str, result: dict) -> None:
+    """Keep a peer's error (the last line of its output) for the targets it leaves unjudged:
+    args.peer_errors[peer]."""
+    if "error" in result:
+        args.peer_errors = {**getattr(args, "peer_errors", {}), peer: result["error"][-1]}
+
+
 def ffcv_rates(args, root: Path) -> list[dict]:
     """FFCV on the same files in the same run (scripts/bench_ffcv.py in --ffcv-python's env):
     raw pixels at the shards-raw size, and full-size JPEG; whole epochs after the JIT one."""
-    cache = Path(f"{root}.packs")
-    cache.mkdir(parents=True, exist_ok=True)
     rows = []
-    for mode, res, name in (
-        ("raw", args.raw_size, f"ffcv-raw-{args.raw_size}"),
-        ("jpg", 512, "ffcv-jpeg-full"),
-    ):
-        result = run_ffcv(
-            args.ffcv_python,
-            root,
-            args.crop,
-            args.workers,
-            *("--epochs", str(1 + args.repeats), "--write-mode", mode),
-            *("--batch-size", str(args.batch_size)),
-            *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
-        )
-        rows.append(peer_row(name, result, result.get("beton_bytes")))
+    with packs_folder(root) as cache:
+        for mode, res, name in (
+            ("raw", args.raw_size, f"ffcv-raw-{args.raw_size}"),
+            ("jpg", 512, "ffcv-jpeg-full"),
+        ):
+            result = run_ffcv(
+                args.ffcv_python,
+                root,
+                args.crop,
+                args.workers,
+                *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+                *("--batch-size", str(args.batch_size)),
+                *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
+            )
+            peer_failed(args, "ffcv", result)
+            rows.append(peer_row(name, result, result.get("beton_bytes")))
     return [r for r in rows if r]
 
 
@@ -262,21 +285,24 @@ def dali_rates(args, root: Path) -> list[dict]:
     """DALI's CPU pipeline on the same files in the same run (scripts/bench_dali.py in
     --dali-python's env): the JPEG files as they are, and decoded pixels at the shards-raw
     size (.npy files, written once beside the other packs); whole epochs after a warm-up."""
-    cache = Path(f"{root}.packs")
-    cache.mkdir(parents=True, exist_ok=True)
-    npy = ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")]
     rows = []
-    for mode, name, extra in (("raw", f"dali-raw-{args.raw_size}", npy), ("jpg", "dali-jpeg", [])):
-        result = run_dali(
-            args.dali_python,
-            root,
-            args.crop,
-            args.workers,
-            *("--epochs", str(1 + args.repeats), "--write-mode", mode),
-            *("--batch-size", str(args.batch_size)),
-            *("--max-resolution", str(args.raw_size), *extra),
-        )
-        rows.append(peer_row(name, result))
+    with packs_folder(root) as cache:
+        npy = ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")]
+        for mode, name, extra in (
+            ("raw", f"dali-raw-{args.raw_size}", npy),
+            ("jpg", "dali-jpeg", []),
+        ):
+            result = run_dali(
+                args.dali_python,
+                root,
+                args.crop,
+                args.workers,
+                *("--epochs", str(1 + args.repeats), "--write-mode", mode),
+                *("--batch-size", str(args.batch_size)),
+                *("--max-resolution", str(args.raw_size), *extra),
+            )
+            peer_failed(args, "dali", result)
+            rows.append(peer_row(name, result))
     return [r for r in rows if r]
 
 
@@ -438,19 +464,27 @@ def target_ratios(rounds: list[list[dict]], args) -> list[dict]:
             if store in warm and ref_name in warm:
                 ours.append(warm[store])
                 refs.append(warm[ref_name])
+        peer = ref_name.split("-")[0]  # ffcv, dali
+        error = getattr(args, "peer_errors", {}).get(peer)
         if ours:
             target = same_round_target(ours, refs, factor)
             out.append({"store": store, "reference": label, "measured": True, **target})
-        elif rows_of_store and ref_name.startswith("ffcv"):
-            out.append({"store": store, "reference": label, "measured": False})
+        elif rows_of_store and error:
+            # the peer's python was given: "--ffcv-python runs it" would send the user back
+            # to the option they used; say why that interpreter could not
+            python = getattr(args, f"{peer}_python")
+            why = f"--{peer}-python {python} could not run {peer.upper()}: {error}"
+            out.append({"store": store, "reference": label, "measured": False, "why": why})
+        elif rows_of_store and peer == "ffcv":
+            why = "no FFCV row in this run; --ffcv-python runs it"
+            out.append({"store": store, "reference": label, "measured": False, "why": why})
     return out
 
 
 def print_targets(targets: list[dict]) -> None:
     for t in targets:
         if not t["measured"]:
-            print(f"{t['store']} vs {t['reference']}: not judged (no FFCV row in this run; "
-                  f"--ffcv-python runs it)")  # fmt: skip
+            print(f"{t['store']} vs {t['reference']}: not judged ({t['why']})")
             continue
         print(f"{t['store']} vs {t['reference']} (measured in the same round): {target_text(t)}")
 
