@@ -32,7 +32,7 @@ import argparse
 import os
 import tempfile
 
-from peer_timing import report, time_epochs
+from peer_timing import exit_missing, report, time_epochs
 
 
 def jpeg_pipeline(fn, types, files: str, size: int, batch: int, threads: int):
@@ -81,7 +81,9 @@ def write_npy(root: str, npy_dir: str, max_resolution: int) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--root", required=True)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
@@ -94,10 +96,14 @@ def main() -> None:
     if args.epochs < 2:
         p.error("--epochs must be >= 2: the first epoch is not timed")
 
-    import nvidia.dali
-    import nvidia.dali.fn as fn
-    import nvidia.dali.types as types
-    from nvidia.dali import pipeline_def
+    try:
+        import nvidia.dali
+        import nvidia.dali.fn as fn
+        import nvidia.dali.types as types
+        from nvidia.dali import pipeline_def
+    except ModuleNotFoundError as exc:
+        exit_missing(exc, "NVIDIA DALI", "python3.11 -m venv /work/dali-venv; its pip install "
+                     "nvidia-dali-cuda120 numpy pillow")  # fmt: skip
 
     if args.write_mode == "raw":
         source = args.npy_dir or tempfile.mkdtemp(prefix="dali-bench-npy-")

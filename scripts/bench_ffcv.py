@@ -4,7 +4,7 @@ NEEDS ITS OWN ENVIRONMENT with ffcv (not a fastload dependency; nothing of ffcv 
   apt-get install libturbojpeg0-dev libopencv-dev pkg-config
   python3.11 -m venv /work/ffcv-venv
   # torch/torchvision: install them, or reuse another venv's with a .pth file naming its
-  # site-packages, e.g. echo /path/to/.venv/lib/python3.11/site-packages > \
+  # site-packages, e.g. echo /path/to/.venv/lib/python3.11/site-packages > \\
   #   /work/ffcv-venv/lib/python3.11/site-packages/zz_torch.pth
   /work/ffcv-venv/bin/pip install numba opencv-python-headless ffcv==1.0.2
   /work/ffcv-venv/bin/python scripts/bench_ffcv.py --root ~/.cache/fastload/synthetic-...
@@ -21,11 +21,13 @@ import argparse
 import os
 import tempfile
 
-from peer_timing import report, time_epochs
+from peer_timing import exit_missing, report, time_epochs
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--root", required=True)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
@@ -41,12 +43,17 @@ def main() -> None:
     p.add_argument("--max-resolution", type=int, default=512)
     args = p.parse_args()
 
-    import torchvision
-    from ffcv.fields import IntField, RGBImageField
-    from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
-    from ffcv.loader import Loader, OrderOption
-    from ffcv.transforms import RandomHorizontalFlip, ToTensor
-    from ffcv.writer import DatasetWriter
+    try:
+        import torchvision
+        from ffcv.fields import IntField, RGBImageField
+        from ffcv.fields.decoders import IntDecoder, RandomResizedCropRGBImageDecoder
+        from ffcv.loader import Loader, OrderOption
+        from ffcv.transforms import RandomHorizontalFlip, ToTensor
+        from ffcv.writer import DatasetWriter
+    except ModuleNotFoundError as exc:
+        exit_missing(exc, "ffcv", "apt-get install libturbojpeg0-dev libopencv-dev pkg-config; "
+                     "python3.11 -m venv /work/ffcv-venv; its pip install numba "
+                     "opencv-python-headless ffcv==1.0.2; torch and torchvision")  # fmt: skip
 
     beton = args.beton or os.path.join(tempfile.mkdtemp(prefix="ffcv-bench-"), "train.beton")
     if not os.path.exists(beton):

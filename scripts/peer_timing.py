@@ -5,6 +5,7 @@ library only."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 
@@ -24,3 +25,16 @@ def report(rates: list[float], **facts) -> None:
     """The result line the fastload benches read (the last line printed): the best epoch's
     rate, every timed epoch's, and what the peer says about its run."""
     print(json.dumps({"images_per_s": max(rates), "epochs_images_per_s": rates, **facts}))
+
+
+def exit_missing(exc: ModuleNotFoundError, peer: str, recipe: str) -> None:
+    """Run with a python that lacks the peer (or what it needs): one line naming the module,
+    the python and the environment to make (`recipe`, from the script's docstring), exit 2,
+    instead of an import traceback. The fastload benches show this line as the peer's error."""
+    script = sys.argv[0]
+    print(
+        f"error: no module {exc.name!r} in {sys.executable}: run {script} with the python of "
+        f"an environment that has {peer}, made as `{script} --help` says ({recipe})",
+        file=sys.stderr,
+    )
+    sys.exit(2)

@@ -552,3 +552,36 @@ def test_a_peer_that_cannot_run_is_named_with_its_error(tmp_path, monkeypatch, c
         f"disk vs FFCV full-size JPEG: not judged (--ffcv-python {args.ffcv_python} could not "
         f"run FFCV: error: ffcv is not installed in this python)"
     ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "script, module, recipe",
+    [
+        ("bench_ffcv.py", "ffcv", "python3.11 -m venv /work/ffcv-venv"),
+        ("bench_dali.py", "nvidia.dali", "python3.11 -m venv /work/dali-venv"),
+    ],
+)
+def test_peer_scripts_say_how_to_make_their_environment(script, module, recipe, tmp_path):
+    """--help showed bare options (the recipe was only in the source), and a python without
+    the peer ended in a ModuleNotFoundError traceback."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / script
+    shown = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and f"\n  {recipe}\n" in shown.stdout
+    try:
+        installed = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # nvidia.dali without an nvidia package
+        installed = False
+    if installed:
+        pytest.skip(f"{module} is installed here")
+    run = subprocess.run([sys.executable, str(path), "--root", str(tmp_path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith(
+        f"error: no module '{module}' in {sys.executable}: run {path} with the python of an "
+        f"environment that has "
+    )
+    assert f"`{path} --help` says (" in run.stderr and recipe in run.stderr
