@@ -6,8 +6,9 @@
 # Mounts a tmpfs of SIZE at MOUNTPOINT (unless one is already mounted there), refuses when
 # SRC does not fit in it or in available RAM (tmpfs pages are RAM; they may go to swap),
 # copies SRC into MOUNTPOINT/<name of SRC> with rsync (atomically: into a hidden folder,
-# renamed when complete), and prints the /etc/fstab line for a permanent mount and the
-# train.py overrides to use it. Then train with:
+# renamed when complete), and prints the /etc/fstab line for a permanent mount (with the size
+# it is mounted with; none for /dev/shm, which the system mounts) and the train.py overrides to
+# use it. Then train with:
 #   python train.py dataset.root=MOUNTPOINT/<name> storage=disk
 # (or storage=tmpfs storage.target_dir=MOUNTPOINT to let fastload stage and verify it).
 set -euo pipefail
@@ -25,10 +26,13 @@ need_kb=$(du -sk --apparent-size "$src" | cut -f1)
 need_kb=$(( need_kb + need_kb / 50 + 1024 ))  # + 2 % for page rounding + 1 MB
 
 mkdir -p "$mnt"
+reused=0
 if mountpoint -q "$mnt"; then
   fstype=$(stat -f -c %T "$mnt")
   [[ $fstype == tmpfs ]] || { echo "error: $mnt is already a $fstype mount, not tmpfs" >&2; exit 2; }
-  echo "$mnt: tmpfs already mounted, reusing it"
+  reused=1
+  size_kb=$(df -k --output=size "$mnt" | tail -1 | tr -d ' ')
+  echo "$mnt: tmpfs already mounted, reusing it ($((size_kb / 1024)) MB; SIZE $size is not applied)"
 else
   [[ $(id -u) -eq 0 ]] || { echo "error: mounting needs root: sudo $0 $*" >&2; exit 2; }
   mount -t tmpfs -o "size=$size,mode=1777" tmpfs "$mnt"
@@ -72,7 +76,20 @@ mv "$work" "$mnt/$name"
 rm -rf "$mnt/$name.old"
 echo "staged $src -> $mnt/$name ($(du -sh "$mnt/$name" | cut -f1))"
 echo
-echo "permanent mount: add this line to /etc/fstab"
-echo "  tmpfs  $mnt  tmpfs  size=$size,mode=1777  0  0"
+if [[ $(realpath "$mnt") == /dev/shm ]]; then
+  # The system mounts /dev/shm; an fstab line with SIZE could shrink it below what it has.
+  echo "permanent mount: none needed, the system mounts /dev/shm (resize it with"
+  echo "  mount -o remount,size=<N>G /dev/shm, or docker run --shm-size=<N>g)"
+elif (( reused )); then
+  if command -v findmnt >/dev/null && findmnt --fstab -n --mountpoint "$mnt" >/dev/null; then
+    echo "permanent mount: $mnt is in /etc/fstab already"
+  else
+    echo "permanent mount: add this line to /etc/fstab (the size it is mounted with now)"
+    echo "  tmpfs  $mnt  tmpfs  size=${size_kb}k,mode=$(stat -c %a "$mnt")  0  0"
+  fi
+else
+  echo "permanent mount: add this line to /etc/fstab"
+  echo "  tmpfs  $mnt  tmpfs  size=$size,mode=1777  0  0"
+fi
 echo "train from it:"
 echo "  python train.py dataset.root=$mnt/$name storage=disk"

@@ -977,6 +977,7 @@ def test_stage_tmpfs_script_mounts_copies_reuses_and_refuses(tmp_path):
         again = subprocess.run([script, str(src), str(mnt), "16m"], capture_output=True, text=True)
         assert again.returncode == 0 and "already mounted, reusing it" in again.stdout
         assert "complete earlier staging found" in again.stdout
+        assert f"tmpfs  {mnt}  tmpfs  size=16384k,mode=1777  0  0" in again.stdout  # as mounted
 
         big = tmp_path / "big"
         (big / "a").mkdir(parents=True)
