@@ -45,12 +45,6 @@ def help_text() -> str:
     return "\n".join([*lines, "", __doc__.split("\n\n", 1)[1]])
 
 
-def one_line(hydra_message: str) -> str:
-    """Hydra's composition error without its search path, on one line."""
-    text = hydra_message.split("\nConfig search path")[0].strip()
-    return text.replace("\n\n", "; ").replace("\n\t", " ").replace("\n", " ")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
@@ -69,14 +63,14 @@ def reporting_errors(command, argv: list[str]) -> int:
     """`command(argv)`'s exit status; a problem with the input is one line, exit 2."""
     from hydra.errors import HydraException
 
-    from fastload.errors import FastloadError, user_error
+    from fastload.errors import FastloadError, hydra_one_line, user_error
 
     try:
         return command(argv)
     except (FastloadError, HydraException) as exc:
         # ours (also when Hydra's instantiate wrapped it), or an override that does not compose
         ours = user_error(exc)
-        print(f"error: {ours.user_message if ours else one_line(str(exc))}", file=sys.stderr)
+        print(f"error: {ours.user_message if ours else hydra_one_line(str(exc))}", file=sys.stderr)
     return 2
 
 
