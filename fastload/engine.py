@@ -615,13 +615,25 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
+    def over_time(key, rows, total=None):
+        """The steady epochs' `total` (e.g. train_images) over their seconds, or `key` (a
+        per-epoch rate) weighted by each epoch's seconds: a mean of per-epoch rates would
+        count a 2 s epoch as much as an 8 s one (two epochs of 1,000 images: 312 img/s for
+        a true 200)."""
+        rows = [r for r in rows if r.get(total or key) is not None and r.get("epoch_time_s")]
+        seconds = sum(r["epoch_time_s"] for r in rows)
+        if not seconds:
+            return mean(key, steady)  # rows of runs that predate the sums
+        weighted = (r[total] if total else r[key] * r["epoch_time_s"] for r in rows)
+        return sum(weighted) / seconds
+
     steady = steady_epochs(history)
     return {
         "epochs": len(history),
         "epoch_time_s_mean": mean("epoch_time_s", whole_epochs(history)),
-        "images_per_s": mean("images_per_s", steady),
-        "data_wait_share": mean("data_wait_share", steady),
-        "gpu_util_mean": mean("gpu_util_mean", steady),
+        "images_per_s": over_time("images_per_s", steady, total="train_images"),
+        "data_wait_share": over_time("data_wait_share", steady, total="data_wait_s"),
+        "gpu_util_mean": over_time("gpu_util_mean", steady),
         "peak_pss_mib": max((r["peak_pss_mib"] or 0 for r in history), default=None) or None,
         "peak_rss_sum_mib": max((r["peak_rss_sum_mib"] or 0 for r in history), default=0) or None,
         "metric": task.metric,

@@ -127,8 +127,9 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
     """A short aligned plain-text table of a run's summary; missing/None values show "n/a".
 
     Summary keys (all optional):
-      ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (steady-state mean),
-      ``data_wait_share`` (fraction 0..1), ``gpu_util_mean`` (percent 0..100),
+      ``epochs`` (int), ``epoch_time_s_mean`` (s), ``images_per_s`` (the steady epochs'
+      images over their seconds), ``data_wait_share`` (fraction 0..1, the same way),
+      ``gpu_util_mean`` (percent 0..100, weighted by the epochs' seconds),
       ``peak_pss_mib`` / ``peak_rss_sum_mib`` (MiB, process tree: PSS summed, RSS
       summed; one rank's tree, the largest, when ``world_size`` > 1), ``best_metric`` (the task's validation metric at its best) with
       ``metric_label`` / ``metric_unit`` (default: top-1, percent; ``best_acc1`` also read),
