@@ -173,5 +173,6 @@ def host_epoch(loader, epoch: int) -> dict:
     t1 = time.perf_counter()
     return {
         "epoch_img_s": n / (t1 - t0),
-        "steady_img_s": (n - n_first) / (t1 - t_first) if t_first and t1 > t_first else None,
+        # None with no batch after the first (an epoch of one batch): nothing was measured
+        "steady_img_s": (n - n_first) / (t1 - t_first) if n > n_first and t1 > t_first else None,
     }

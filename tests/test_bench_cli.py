@@ -585,3 +585,24 @@ def test_peer_scripts_say_how_to_make_their_environment(script, module, recipe, 
         f"environment that has "
     )
     assert f"`{path} --help` says (" in run.stderr and recipe in run.stderr
+
+
+def test_the_machine_record_says_when_the_tree_had_uncommitted_changes(tmp_path, monkeypatch):
+    """git_rev was the commit alone: a figure measured on edited code named a commit whose
+    code did not give it."""
+    import subprocess
+
+    from fastload.bench import common
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", "a.py")
+    git("commit", "-qm", "a")
+    monkeypatch.setattr(common, "__file__", str(tmp_path / "a.py"))
+    clean = common.machine()["git_rev"]
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert common.machine()["git_rev"] == clean + "-dirty" and len(clean) >= 7

@@ -1429,6 +1429,20 @@ def test_storage_benchmark_cli_smoke(tmp_path, capsys):
     assert (tmp_path / "d.packs" / "shards-raw-256px" / "train" / "meta.json").is_file()
 
 
+def test_the_storage_benchmark_says_n_a_for_a_rate_it_could_not_measure(tmp_path, capsys):
+    """An epoch of one batch has no steady rate (it leaves out the first batch): counted as
+    0, the table and the JSON showed 0 img/s."""
+    from fastload.bench.__main__ import main
+
+    root = make_image_folder(tmp_path / "d", per_split=(6, 1))
+    out = tmp_path / "storage.json"
+    argv = ["storage", "--root", str(root), "--stores", "disk", "--repeats", "2", "--rounds",
+            "2", "--batch-size", "32", "--crop", "16", "--workers", "0", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows and all(r["steady_img_s"] is None and r["epoch_img_s"] > 0 for r in rows)
+
+
 def test_the_storage_benchmark_removes_only_what_it_staged(tmp_path, capsys):
     """--tmpfs-dir was removed whole at the end: given /dev/shm itself (or any folder holding
     other files), they went with the staged copy."""

@@ -28,7 +28,9 @@ def machine() -> dict:
         pass
     try:
         rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            # "-dirty" when the tree holds uncommitted changes: a figure measured on them is
+            # not the commit's
+            ["git", "describe", "--always", "--dirty"],
             capture_output=True,
             text=True,
             cwd=Path(__file__).parent,

@@ -385,8 +385,8 @@ def measure_store(name: str, root: Path, args) -> list[dict]:
             "storage": name,
             "cache": mode + (" (RAM: no-op)" if mode == "cold" and on_ram else ""),
             "epoch_img_s": statistics.median(r["epoch_img_s"] for r in runs),
-            "steady_img_s": statistics.median(r["steady_img_s"] or 0 for r in runs),
-            "read_mb_s": statistics.median(r["read_mb_s"] or 0 for r in runs),
+            "steady_img_s": median_measured(r["steady_img_s"] for r in runs),
+            "read_mb_s": median_measured(r["read_mb_s"] for r in runs),
             "size_mb": apparent / 1e6,
             "on_disk_mb": allocated / 1e6,
             "prep_s": pack_s,
@@ -397,6 +397,13 @@ def measure_store(name: str, root: Path, args) -> list[dict]:
         rows.append(row)
         print(format_table([row], COLUMNS).splitlines()[-1], flush=True)
     return rows
+
+
+def median_measured(values) -> float | None:
+    """The median of the values measured, None (printed n/a) when none was: an epoch of one
+    batch has no steady rate, and counted as 0 it showed 0 img/s (and pulled medians down)."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
 
 
 def round_rows(r: int, root: Path, args) -> list[dict]:
@@ -433,7 +440,7 @@ def combine_rounds(rounds: list[list[dict]]) -> list[dict]:
             if not isinstance(v, int | float) or isinstance(v, bool) or k == "prep_s":
                 continue
             if any(r[k] != v for r in same):  # a figure; the image count stays what it is
-                row[k] = statistics.median(r[k] or 0 for r in same)
+                row[k] = median_measured(r[k] for r in same)
         row["epochs_img_s"] = [e for r in same for e in r.get("epochs_img_s", [])]
         row["rounds_epoch_img_s"] = [r["epoch_img_s"] for r in same]
         out.append(row)
