@@ -783,6 +783,8 @@ def test_bench_train_cli_smoke(tiny_folder, tmp_path, capsys):
     trained = sum(r["train_s"] for r in rows[1:3])
     ceiling = sum(r["ceiling_train_s"] for r in rows[1:3])
     assert run["train_vs_ceiling_epochs_2_on"] == pytest.approx(ceiling / trained)
+    waited = sum(r["data_wait_share"] * r["train_s"] for r in rows[:3])
+    assert run["data_wait_share"] == pytest.approx(waited / sum(r["train_s"] for r in rows[:3]))
     assert run["steps_time_s"] == pytest.approx(3 * 3 * 0.005 + 3 * 3 * 0.005 / 3)  # 9 val imgs
 
 
