@@ -26,7 +26,9 @@ EXPERIMENTS = sorted(p.stem for p in SCRIPTS.glob("*.sh") if not p.stem.startswi
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def fake_run(root: Path, job: int, overrides: list[str], epoch_times, metric=50.0) -> Path:
+def fake_run(
+    root: Path, job: int, overrides: list[str], epoch_times, metric=50.0, images=None
+) -> Path:
     d = root / str(job)
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -38,6 +40,7 @@ def fake_run(root: Path, job: int, overrides: list[str], epoch_times, metric=50.
             "data_wait_share": 0.1 * t,
             "gpu_util_mean": None,
             "val_acc1": metric,
+            **({"train_images": images} if images else {}),
         }  # fmt: skip
         for i, t in enumerate(epoch_times)
     ]
@@ -71,7 +74,8 @@ def test_report_normalises_medians_to_the_baseline_and_keeps_the_spread(tmp_path
 def test_a_repeat_finished_with_resume_is_a_repeat_timed_for_whole_epochs(tmp_path):
     """A repeat killed inside epoch 1 and finished with resume=auto (what the report's own
     error advises) was its own, faster variant: its epoch 1 row times only the steps after
-    the resume. It is a repeat of its variant, that epoch counted whole at its own speed."""
+    the resume. It is a repeat of its variant, that epoch's missing images added at the
+    run's steady speed."""
     runs = [fake_run(tmp_path, 0, ["loader=bg", "+repeat=0"], [5, 5, 5])]
     resumed = fake_run(tmp_path, 1, ["loader=bg", "+repeat=1", "resume=auto"], [5, 5, 5])
     rows = [json.loads(x) for x in (resumed / "metrics.jsonl").read_text().splitlines()]
@@ -84,7 +88,43 @@ def test_a_repeat_finished_with_resume_is_a_repeat_timed_for_whole_epochs(tmp_pa
     report = build_report(runs, tmp_path / "report", baseline="loader=baseline", title="t")
     bg, base = report["rows"]
     assert (bg["variant"], bg["runs"], base["variant"]) == ("loader=bg", 2, "loader=baseline")
-    assert (bg["train_s_min"], bg["train_s_max"]) == (14, 15)  # 5 + 2 x 24 / 12 + 5
+    # 5 + (2 + 12 missing images at epoch 2's 24 / 5 s) + 5
+    assert (bg["train_s_min"], bg["train_s_max"]) == (pytest.approx(14.5), 15)
+
+
+def resumed_run(root: Path, job: int, overrides, epoch_times, at: int, images: int = 1000):
+    """A fake run whose epoch `at` was resumed at step 99 of 100: 30 s of the new process's
+    start-up and one step of 0.1 s, 10 of the epoch's `images`."""
+    d = fake_run(root, job, overrides, epoch_times, images=images)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r.update(start_up_epoch=i == 0)
+    rows[at].update(epoch_time_s=30.1, train_images=10, resumed_at_step=99, start_up_epoch=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_a_resumed_epoch_adds_its_missing_images_and_does_not_scale_the_start_up(tmp_path):
+    """The resumed epoch's row holds the new process's start-up: scaling its time by whole /
+    trained images counted this repeat 40 + 10 + 30.1 x 100 = 3,060 s. Its 990 missing images
+    at the run's steady 100 images/s are 9.9 s: 90 s."""
+    runs = [fake_run(tmp_path, j, ["loader=baseline", f"+repeat={j}"], [40, 10, 10], images=1000)
+            for j in (0, 1)]  # fmt: skip
+    runs.append(resumed_run(tmp_path, 2, ["loader=baseline", "+repeat=2", "resume=auto"],
+                            [40, 10, 10], at=2))  # fmt: skip
+    runs.append(fake_run(tmp_path, 3, ["loader=bg", "+repeat=0"], [40, 9, 9], images=1000))
+    row = build_report(runs, tmp_path / "report")["rows"][0]
+    assert row["train_s_max"] == pytest.approx(90.0) and row["train_s"] == 60
+
+
+def test_a_resumed_repeat_without_a_steady_epoch_of_its_own_uses_its_variants(tmp_path):
+    """Two epochs, resumed inside the second: the run has no steady epoch, so the missing
+    images go at its variant's other repeats' steady speed (1000 images / 10 s)."""
+    runs = [fake_run(tmp_path, 0, ["loader=bg", "+repeat=0"], [40, 10], images=1000)]
+    runs.append(resumed_run(tmp_path, 1, ["loader=bg", "+repeat=1", "resume=auto"], [40, 10], at=1))
+    runs.append(fake_run(tmp_path, 2, ["loader=baseline", "+repeat=0"], [40, 12], images=1000))
+    row = build_report(runs, tmp_path / "report")["rows"][0]
+    assert (row["train_s_min"], row["train_s_max"]) == (50, pytest.approx(40 + 30.1 + 9.9))
 
 
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):

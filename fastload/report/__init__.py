@@ -5,9 +5,10 @@ becomes one run; runs whose overrides differ only in `+repeat=` or `resume=` (a 
 was interrupted and finished with resume=auto) are repeats of one variant.
 The variant's name is the overrides that differ between the variants (so `loader=bg`, not the
 30 overrides every run shares). Per variant: the median of the runs' training time (every
-epoch's `epoch_time_s`, summed; an epoch resumed inside of timed for the images it trained
-only, so counted as a whole epoch at its own speed: time x images of a whole epoch / images
-it trained) with its spread (min..max over repeats), that time normalised
+epoch's `epoch_time_s`, summed; an epoch resumed inside of is timed for the new process's
+start-up and the steps after the resume only, so the images it did not train are added at the
+run's steady speed: an estimate, see Run.train_time) with its spread (min..max over repeats),
+that time normalised
 to the baseline variant's median, and the steady-state epoch time, images/s, data-wait share
 and GPU utilisation. Written as report.md (the table), report.json and PNG charts
 (fastload/report/charts.py); the table is printed.
@@ -40,20 +41,36 @@ class Run:
     epochs: list[dict]
     summary: dict
 
-    @property
-    def train_s(self) -> float:
-        """The epochs' times summed, an epoch resumed inside of (`resumed_at_step`: its time
-        covers the steps after the resume) scaled to the images of a whole epoch."""
+    def train_time(self, fallback_speed: float | None = None) -> float:
+        """The epochs' measured times summed; for an epoch resumed inside of
+        (`resumed_at_step`), an estimate of the whole epoch: its measured time (the new
+        process's start-up and the steps after the resume) plus the images it did not train
+        at a steady speed: the run's own (`steady_speed`), else `fallback_speed` (its
+        variant's other repeats'), else the run's whole epochs' (start-up included, so an
+        over-estimate). The measured time is never scaled: it holds the start-up, which a
+        scale by whole / trained images multiplies (resumed at step 99 of 100 after 30 s of
+        start-up, that counted 3,060 s for about 90 s). The stopped process's time inside
+        that epoch was lost with it, so its images count at the steady speed. A whole epoch
+        is the median images of the epochs trained whole; with none, the epoch counts as
+        measured."""
         whole = [r.get("train_images") for r in self.epochs if "resumed_at_step" not in r]
         whole = [n for n in whole if n]
         full = statistics.median(whole) if whole else None
+        speed = self.steady_speed() or fallback_speed or _speed(_whole_rows(self.epochs))
         total = 0.0
         for r in self.epochs:
             t, n = float(r["epoch_time_s"]), r.get("train_images")
-            if "resumed_at_step" in r and full and n:
-                t *= full / n
+            if "resumed_at_step" in r and full and n is not None and speed:
+                t += max(full - n, 0) / speed
             total += t
         return total
+
+    def steady_speed(self) -> float | None:
+        """Images/s over the epochs trained whole without a process's start-up: their
+        images summed over their times summed; None when the run has no such epoch."""
+        rows = [r for i, r in enumerate(self.epochs)
+                if i and not r.get("start_up_epoch") and "resumed_at_step" not in r]  # fmt: skip
+        return _speed(rows)
 
     def steady(self, key: str) -> float | None:
         """The mean over the epochs without a process's start-up (the first, and the first
@@ -63,10 +80,39 @@ class Run:
         return statistics.fmean(vals) if vals else None
 
 
+def _images(r: dict) -> float | None:
+    """An epoch row's trained images (rows without `train_images`: images/s x time)."""
+    if r.get("train_images") is not None:
+        return float(r["train_images"])
+    if r.get("images_per_s") is not None:
+        return float(r["images_per_s"]) * float(r["epoch_time_s"])
+    return None
+
+
+def _speed(rows: list[dict]) -> float | None:
+    """Images/s over `rows`: summed images / summed time, so a long epoch weighs as long."""
+    rows = [r for r in rows if _images(r) is not None]
+    seconds = sum(float(r["epoch_time_s"]) for r in rows)
+    return sum(_images(r) for r in rows) / seconds if seconds > 0 else None
+
+
+def _whole_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "resumed_at_step" not in r]
+
+
 @dataclass
 class Variant:
     name: str
     runs: list[Run] = field(default_factory=list)
+
+    def steady_speed(self) -> float | None:
+        """The median of its runs' steady speeds: for a resumed repeat that has none of its
+        own (a 2-epoch run resumed inside its second epoch)."""
+        speeds = [s for s in (r.steady_speed() for r in self.runs) if s]
+        return statistics.median(speeds) if speeds else None
+
+    def run_time(self, run: Run) -> float:
+        return run.train_time(self.steady_speed())
 
     def stat(self, value) -> tuple[float | None, float | None, float | None]:
         vals = [v for v in (value(r) for r in self.runs) if v is not None]
@@ -129,10 +175,10 @@ def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
 
 def summarize(variants: list[Variant], base: Variant) -> list[dict]:
     """One row per variant: medians, spreads and the normalised time."""
-    base_s = base.stat(lambda r: r.train_s)[0]
+    base_s = base.stat(base.run_time)[0]
     rows = []
     for v in variants:
-        med, lo, hi = v.stat(lambda r: r.train_s)
+        med, lo, hi = v.stat(v.run_time)
         rows.append(
             {
                 "variant": v.name,
