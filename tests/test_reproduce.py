@@ -127,6 +127,20 @@ def test_a_resumed_repeat_without_a_steady_epoch_of_its_own_uses_its_variants(tm
     assert (row["train_s_min"], row["train_s_max"]) == (50, pytest.approx(40 + 30.1 + 9.9))
 
 
+def test_the_repeats_of_one_variant_alone_are_one_variant(tmp_path):
+    """Only repeat keys differ: each run was its own variant named after its folder (3 rows
+    of 1 run), so no median and no spread."""
+    runs = [
+        fake_run(tmp_path, j, ["loader=baseline", f"+repeat={j}"], [9, 4 + j]) for j in range(3)
+    ]
+    (row,) = build_report(runs, tmp_path / "report", baseline="loader=baseline")["rows"]
+    assert (row["variant"], row["runs"], row["baseline"]) == ("loader=baseline", 3, True)
+    assert (row["train_s"], row["train_s_min"], row["train_s_max"]) == (14, 13, 15)
+    bare = [fake_run(tmp_path / "bare", j, [f"+repeat={j}"], [1.0]) for j in range(2)]
+    (row,) = build_report(bare, tmp_path / "bare-report")["rows"]
+    assert (row["variant"], row["runs"]) == ("all runs", 2)
+
+
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):
     empty = tmp_path / "not-a-run"
     empty.mkdir()

@@ -4,7 +4,8 @@ Each run directory (what train.py writes: metrics.jsonl, summary.json, .hydra/ov
 becomes one run; runs whose overrides differ only in `+repeat=` or `resume=` (a repeat that
 was interrupted and finished with resume=auto) are repeats of one variant.
 The variant's name is the overrides that differ between the variants (so `loader=bg`, not the
-30 overrides every run shares). Per variant: the median of the runs' training time (every
+30 overrides every run shares); when all runs are one variant's repeats, the overrides they
+share (or `all runs`). Per variant: the median of the runs' training time (every
 epoch's `epoch_time_s`, summed; an epoch resumed inside of is timed for the new process's
 start-up and the steps after the resume only, so the images it did not train are added at the
 run's steady speed: an estimate, see Run.train_time) with its spread (min..max over repeats),
@@ -151,13 +152,17 @@ def read_run(path: Path) -> Run:
 
 def group_variants(runs: list[Run]) -> list[Variant]:
     """Runs -> variants named by the overrides that differ between runs (repeats merged),
-    in the order their first run appears (a sweep's job order)."""
+    in the order their first run appears (a sweep's job order). Runs that differ in repeat
+    keys only (one variant's repeats, e.g. the baseline's folders alone) are one variant,
+    named by the overrides they share, or `all runs` when they share none."""
     keys = sorted({k for r in runs for k in r.overrides if k not in REPEAT_KEYS})
     varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
+    if not varying:
+        name = " ".join(f"{k.lstrip('+')}={runs[0].overrides[k]}" for k in keys) or "all runs"
+        return [Variant(name, list(runs))]
     variants: dict[str, Variant] = {}
     for run in runs:
-        parts = [f"{k.lstrip('+')}={run.overrides.get(k, '-')}" for k in varying]
-        name = " ".join(parts) or run.path.name
+        name = " ".join(f"{k.lstrip('+')}={run.overrides.get(k, '-')}" for k in varying)
         variants.setdefault(name, Variant(name)).runs.append(run)
     return list(variants.values())
 
