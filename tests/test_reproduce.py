@@ -158,6 +158,27 @@ def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, caps
     assert f"{stopped} holds 1 epoch(s) but no summary.json" in err and "resume=auto" in err
 
 
+def test_report_refuses_a_baseline_that_matches_several_variants(tmp_path, capsys):
+    """README's `--baseline storage=slow_disk` over two sweeps (logger.group differs) took the
+    first sweep's slow_disk and normalised the other sweep's runs to it."""
+    runs = []
+    for sweep, slow in ((1, 20), (2, 30)):
+        for job, storage in enumerate(["slow_disk", "disk"]):
+            runs.append(fake_run(tmp_path / f"small-{sweep}", job,
+                                 [f"storage={storage}", f"logger.group=s{sweep}", "+repeat=0"],
+                                 [slow if storage == "slow_disk" else 10]))  # fmt: skip
+    args = [str(r) for r in runs] + ["--out", str(tmp_path / "report")]
+    assert report_main([*args, "--baseline", "storage=slow_disk"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "error: --baseline 'storage=slow_disk' matches 2"
+    )
+    assert "logger.group=s1 storage=slow_disk; logger.group=s2 storage=slow_disk" in err
+    assert report_main([*args, "--baseline", "storage=slow_disk logger.group=s2"]) == 0
+    rows = json.loads((tmp_path / "report" / "report.json").read_text())["rows"]
+    assert [r["variant"] for r in rows if r["baseline"]] == ["logger.group=s2 storage=slow_disk"]
+
+
 def test_report_refuses_an_out_folder_it_cannot_write(tmp_path, capsys):
     run = fake_run(tmp_path, 0, ["loader=bg"], [1.0])
     (tmp_path / "a-file").write_text("")

@@ -171,9 +171,16 @@ def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
     if baseline is None:
         return variants[0]
     wanted = set(baseline.lower().split())  # Hydra writes booleans as True / False
-    for v in variants:
-        if wanted <= set(v.name.lower().split()):
-            return v
+    matches = [v for v in variants if wanted <= set(v.name.lower().split())]
+    exact = [v for v in matches if wanted == set(v.name.lower().split())]
+    if len(matches) == 1 or len(exact) == 1:
+        return exact[0] if exact else matches[0]
+    if matches:  # taking the first would normalise, e.g., two sweeps' runs to one sweep's
+        names = "; ".join(v.name for v in matches)
+        raise ReportError(
+            f"--baseline {baseline!r} matches {len(matches)} variants: {names}. Name one "
+            f"whole, e.g. --baseline {matches[0].name!r}, or report one sweep's run folders."
+        )
     names = ", ".join(v.name for v in variants)
     raise ReportError(f"--baseline {baseline!r} matches no variant; the variants are: {names}.")
 

@@ -22,7 +22,8 @@ def parse(argv=None):
     p.add_argument(
         "--baseline",
         default=None,
-        help="the variant to normalise to, e.g. loader=baseline (default: the first)",
+        help="the variant to normalise to, e.g. loader=baseline; it must match one variant "
+        "(several overrides narrow it: 'storage=disk logger.group=G'; default: the first)",
     )
     p.add_argument("--title", default="", help="the charts' and table's title")  # fmt: skip
     return p.parse_args(argv)
