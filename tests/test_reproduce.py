@@ -36,7 +36,7 @@ def fake_run(
         {
             "epoch": i,
             "epoch_time_s": t,
-            "images_per_s": 100 / t,
+            "images_per_s": (images or 100) / t,
             "data_wait_share": 0.1 * t,
             "gpu_util_mean": None,
             "val_acc1": metric,
@@ -139,6 +139,22 @@ def test_the_repeats_of_one_variant_alone_are_one_variant(tmp_path):
     bare = [fake_run(tmp_path / "bare", j, [f"+repeat={j}"], [1.0]) for j in range(2)]
     (row,) = build_report(bare, tmp_path / "bare-report")["rows"]
     assert (row["variant"], row["runs"]) == ("all runs", 2)
+
+
+def test_rates_are_the_steady_epochs_totals_over_their_seconds(tmp_path):
+    """Steady epochs of 2 s and 8 s with 1,000 images each: the mean of their rates read
+    312 images/s (500 and 125), the truth is 2,000 / 10 s = 200; the data wait likewise."""
+    runs = [fake_run(tmp_path, 0, ["loader=bg"], [9, 2, 8], images=1000),
+            fake_run(tmp_path, 1, ["loader=baseline"], [9, 5, 5], images=1000)]  # fmt: skip
+    rows = [json.loads(x) for x in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    for r, wait, util in zip(rows, [0, 1.0, 1.0], [0, 90, 40], strict=True):
+        r.update(data_wait_s=wait, data_wait_share=wait / r["epoch_time_s"], gpu_util_mean=util)
+    (runs[0] / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bg, base = build_report(runs, tmp_path / "report")["rows"]
+    assert bg["images_per_s"] == pytest.approx(200) and base["images_per_s"] == pytest.approx(200)
+    assert bg["data_wait_share"] == pytest.approx(2 / 10)  # the mean of shares: 0.3125
+    assert bg["gpu_util_mean"] == pytest.approx((90 * 2 + 40 * 8) / 10)  # not 65
+    assert bg["epoch_time_s"] == 5
 
 
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):
