@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CONF, REPO, compose_config
+from matplotlib.container import BarContainer, ErrorbarContainer
 from omegaconf import OmegaConf
 
 from fastload.report import build_report
@@ -155,6 +156,30 @@ def test_rates_are_the_steady_epochs_totals_over_their_seconds(tmp_path):
     assert bg["data_wait_share"] == pytest.approx(2 / 10)  # the mean of shares: 0.3125
     assert bg["gpu_util_mean"] == pytest.approx((90 * 2 + 40 * 8) / 10)  # not 65
     assert bg["epoch_time_s"] == 5
+
+
+def test_the_time_chart_says_each_bars_run_count_and_draws_no_spread_for_one_run(
+    tmp_path, monkeypatch
+):
+    """The title said "median of 3 run(s)" (the largest count) over a bar of 1 run, which got
+    a zero-length error bar: the look of a tight spread."""
+    from fastload.report import charts
+
+    figures = []
+    monkeypatch.setattr(charts.plt, "close", figures.append)
+    runs = [
+        fake_run(tmp_path, j, ["loader=baseline", f"+repeat={j}"], [5, 5 + j]) for j in range(3)
+    ]
+    runs.append(fake_run(tmp_path, 3, ["loader=bg", "+repeat=0"], [4, 4]))
+    build_report(runs, tmp_path / "report", title="t")
+    ax = figures[0].axes[0]
+    assert "median of 1–3 runs" in ax.get_title() and "hatched = 1 run" in ax.get_title()
+    (bars,) = [c for c in ax.containers if isinstance(c, BarContainer)]
+    assert [b.get_hatch() for b in bars] == [None, "//"]
+    (errors,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    xs = {x for seg in errors.lines[2][0].get_segments() for x, _ in seg}
+    assert xs == {0}  # the baseline's 3 runs only
+    assert [t.get_text() for t in ax.texts] == ["1.00×\nn=3", "0.73×\nn=1"]
 
 
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The report's PNG charts (matplotlib, headless): normalised training time with the
-repeats' spread as error bars and the baseline marked; epoch time, GPU utilisation and
+repeats' spread as error bars, each bar's run count and the baseline marked (a bar of a
+single run is hatched, without an error bar); epoch time, GPU utilisation and
 data-wait share per variant. Every axis says its unit; a missing value (no GPU) is drawn as
 an empty bar labelled n/a rather than left out, so the variants line up across panels."""
 
@@ -54,29 +55,53 @@ def _bar(ax, rows, key: str, scale: float, unit: str, title: str) -> None:
         ax.set_ylim(0, top * 1.18 if top > 0 else 1)
 
 
+def runs_text(rows) -> str:
+    """How many runs each bar's median is of: the range when the bars differ."""
+    lo, hi = min(r["runs"] for r in rows), max(r["runs"] for r in rows)
+    if lo == hi:
+        return f"median of {lo} run{'s' if lo > 1 else ''}"
+    return f"median of {lo}–{hi} runs"
+
+
 def normalized_chart(rows, out: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(rows)), 4.2), dpi=110)
     xs = list(range(len(rows)))
     med = [r["normalized"] or 0 for r in rows]
-    err = [
-        [m - (r["normalized_min"] or m) for m, r in zip(med, rows, strict=True)],
-        [(r["normalized_max"] or m) - m for m, r in zip(med, rows, strict=True)],
-    ]
     colours = [BASE_COLOUR if r["baseline"] else OTHER_COLOUR for r in rows]
-    ax.bar(xs, med, yerr=err, capsize=4, color=colours)
+    # a single run has no spread: hatched and without an error bar, since a bar whose
+    # min = max = median draws the caps of a spread too tight to see
+    single = [r["runs"] < 2 for r in rows]
+    bars = ax.bar(xs, med, color=colours)
+    for bar, one in zip(bars, single, strict=True):
+        if one:
+            bar.set_hatch("//")
+            bar.set_alpha(0.55)
+    spread = [i for i, one in enumerate(single) if not one]
+    if spread:
+        ax.errorbar(
+            [xs[i] for i in spread],
+            [med[i] for i in spread],
+            yerr=[
+                [med[i] - (rows[i]["normalized_min"] or med[i]) for i in spread],
+                [(rows[i]["normalized_max"] or med[i]) - med[i] for i in spread],
+            ],
+            fmt="none",
+            ecolor="black",
+            capsize=4,
+        )
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="baseline = 1.0")
     for x, m, r in zip(xs, med, rows, strict=True):
         top = max(m, r["normalized_max"] or m)  # above the error bar, not on it
-        ax.annotate(f"{m:.2f}×", (x, top), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 3), textcoords="offset points")  # fmt: skip
+        ax.annotate(f"{m:.2f}×\nn={r['runs']}", (x, top), ha="center", va="bottom",
+                    fontsize=8, xytext=(0, 3), textcoords="offset points")  # fmt: skip
     ax.set_xticks(xs, _labels(rows), fontsize=8, rotation=20, ha="right")
     ax.set_xlabel(_axis_name(rows), fontsize=9)
     ax.set_ylabel("training time ÷ baseline's\n(lower is better)")
     top = max([1.0] + [r["normalized_max"] or 0 for r in rows])
-    ax.set_ylim(0, top * 1.22)
-    runs = max(r["runs"] for r in rows)
-    ax.set_title(f"{title}: training time vs baseline (grey)\nmedian of {runs} run(s), "
-                 f"error bars = min–max", fontsize=10)  # fmt: skip
+    ax.set_ylim(0, top * 1.3)
+    note = ", hatched = 1 run (no spread)" if any(single) else ""
+    ax.set_title(f"{title}: training time vs baseline (grey)\n{runs_text(rows)} (n per bar), "
+                 f"error bars = min–max{note}", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     path = out / "normalized_time.png"
