@@ -135,7 +135,7 @@ def test_the_repeats_of_one_variant_alone_are_one_variant(tmp_path):
         fake_run(tmp_path, j, ["loader=baseline", f"+repeat={j}"], [9, 4 + j]) for j in range(3)
     ]
     (row,) = build_report(runs, tmp_path / "report", baseline="loader=baseline")["rows"]
-    assert (row["variant"], row["runs"], row["baseline"]) == ("loader=baseline", 3, True)
+    assert (row["variant"], row["runs"], row["baseline"]) == ("all runs", 3, True)
     assert (row["train_s"], row["train_s_min"], row["train_s_max"]) == (14, 13, 15)
     bare = [fake_run(tmp_path / "bare", j, [f"+repeat={j}"], [1.0]) for j in range(2)]
     (row,) = build_report(bare, tmp_path / "bare-report")["rows"]

@@ -4,16 +4,16 @@ Each run directory (what train.py writes: metrics.jsonl, summary.json, .hydra/ov
 becomes one run; runs whose overrides differ only in `+repeat=` or `resume=` (a repeat that
 was interrupted and finished with resume=auto) are repeats of one variant.
 The variant's name is the overrides that differ between the variants (so `loader=bg`, not the
-30 overrides every run shares); when all runs are one variant's repeats, the overrides they
-share (or `all runs`). Per variant: the median of the runs' training time (every epoch's
-`epoch_time_s`, summed; an epoch resumed inside of is timed for the new process's start-up
-and the steps after the resume only, so the images it did not train are added at the run's
-steady speed: an estimate, see Run.train_time) with its spread (min..max over repeats), that
-time normalised to the baseline variant's median, and the medians of the runs' steady-state
-epoch time (the mean over the epochs without a process's start-up), images/s and data-wait
-share (those epochs' images and data wait summed over their seconds summed) and GPU
-utilisation (their means weighted by their seconds). Written as report.md (the table),
-report.json and PNG charts (fastload/report/charts.py); the table is printed.
+30 overrides every run shares); when all runs are one variant's repeats, `all runs`. Per
+variant: the median of the runs' training time (every epoch's `epoch_time_s`, summed; an
+epoch resumed inside of is timed for the new process's start-up and the steps after the
+resume only, so the images it did not train are added at the run's steady speed: an
+estimate, see Run.train_time) with its spread (min..max over repeats), that time normalised
+to the baseline variant's median, and the medians of the runs' steady-state epoch time (the
+mean over the epochs without a process's start-up), images/s and data-wait share (those
+epochs' images and data wait summed over their seconds summed) and GPU utilisation (their
+means weighted by their seconds). Written as report.md (the table), report.json and PNG charts
+(fastload/report/charts.py); the table is printed.
 """
 
 from __future__ import annotations
@@ -129,6 +129,14 @@ class Variant:
     name: str
     runs: list[Run] = field(default_factory=list)
 
+    def tokens(self) -> set[str]:
+        """What --baseline matches: its name's `key=value`s and every override its runs
+        share (a lone variant named `all runs` is still `loader=baseline`), lower case, as
+        Hydra writes booleans True / False."""
+        shared = set.intersection(*({f"{k.lstrip('+')}={v}" for k, v in r.overrides.items()
+                                     if k not in REPEAT_KEYS} for r in self.runs))  # fmt: skip
+        return {t.lower() for t in shared | set(self.name.split())}
+
     def steady_speed(self) -> float | None:
         """The median of its runs' steady speeds: for a resumed repeat that has none of its
         own (a 2-epoch run resumed inside its second epoch)."""
@@ -177,12 +185,11 @@ def group_variants(runs: list[Run]) -> list[Variant]:
     """Runs -> variants named by the overrides that differ between runs (repeats merged),
     in the order their first run appears (a sweep's job order). Runs that differ in repeat
     keys only (one variant's repeats, e.g. the baseline's folders alone) are one variant,
-    named by the overrides they share, or `all runs` when they share none."""
+    `all runs` (the overrides they share, which name it, are a sweep's dozen or more)."""
     keys = sorted({k for r in runs for k in r.overrides if k not in REPEAT_KEYS})
     varying = [k for k in keys if len({r.overrides.get(k) for r in runs}) > 1]
     if not varying:
-        name = " ".join(f"{k.lstrip('+')}={runs[0].overrides[k]}" for k in keys) or "all runs"
-        return [Variant(name, list(runs))]
+        return [Variant("all runs", list(runs))]
     variants: dict[str, Variant] = {}
     for run in runs:
         name = " ".join(f"{k.lstrip('+')}={run.overrides.get(k, '-')}" for k in varying)
@@ -194,7 +201,7 @@ def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
     if baseline is None:
         return variants[0]
     wanted = set(baseline.lower().split())  # Hydra writes booleans as True / False
-    matches = [v for v in variants if wanted <= set(v.name.lower().split())]
+    matches = [v for v in variants if wanted <= v.tokens()]
     exact = [v for v in matches if wanted == set(v.name.lower().split())]
     if len(matches) == 1 or len(exact) == 1:
         return exact[0] if exact else matches[0]
@@ -205,6 +212,8 @@ def pick_baseline(variants: list[Variant], baseline: str | None) -> Variant:
             f"whole, e.g. --baseline {matches[0].name!r}, or report one sweep's run folders."
         )
     names = ", ".join(v.name for v in variants)
+    if len(variants) == 1:  # `all runs`: what it could be named by
+        names += f" (its overrides: {' '.join(sorted(variants[0].tokens() - {'all', 'runs'}))})"
     raise ReportError(f"--baseline {baseline!r} matches no variant; the variants are: {names}.")
 
 
