@@ -182,6 +182,50 @@ def test_the_time_chart_says_each_bars_run_count_and_draws_no_spread_for_one_run
     assert [t.get_text() for t in ax.texts] == ["1.00×\nn=3", "0.73×\nn=1"]
 
 
+def test_report_json_says_what_made_it_and_where_each_run_came_from(tmp_path, capsys, monkeypatch):
+    """report.json held rows and folder paths only: not the commit, host or date it was
+    made from, nor where its runs were made."""
+    import datetime
+    import socket
+
+    runs = []
+    for job, (host, rev) in enumerate(
+        [("node-a", "abc1234"), ("node-b", "abc1234"), ("node-b", None)]
+    ):
+        run = fake_run(tmp_path, job, [f"loader={'bg' if job else 'baseline'}"], [2, 2])
+        (run / ".fastload-run.json").write_text(json.dumps({"launch": "x", "host": host, "pid": 1}))
+        if rev:
+            (run / "summary.json").write_text(json.dumps({"metric": "val_acc1", "git_rev": rev}))
+        runs.append(run)
+    assert report_main([*map(str, runs), "--out", str(tmp_path / "report")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: the runs come from 2 hosts (node-a, node-b)" in err and "commits" not in err
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    described = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip() or None  # fmt: skip
+    assert report["made"]["commit"] == described and report["made"]["host"] == socket.gethostname()
+    assert datetime.datetime.fromisoformat(report["made"]["date"]).tzinfo is not None
+    assert report["runs"] == [
+        {
+            "folder": str(runs[0]),
+            "variant": "loader=baseline",
+            "host": "node-a",
+            "commit": "abc1234",
+        },
+        {"folder": str(runs[1]), "variant": "loader=bg", "host": "node-b", "commit": "abc1234"},
+        {"folder": str(runs[2]), "variant": "loader=bg", "host": "node-b", "commit": None},
+    ]
+    assert (
+        len(report["warnings"]) == 1
+        and "Warning: the runs come from 2 hosts" in (tmp_path / "report" / "report.md").read_text()
+    )
+    from fastload.report import _git_describe
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    (tmp_path / "no-git").mkdir()
+    assert _git_describe(tmp_path / "no-git") is None  # outside a checkout: null
+
+
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):
     empty = tmp_path / "not-a-run"
     empty.mkdir()

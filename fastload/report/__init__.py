@@ -12,20 +12,26 @@ estimate, see Run.train_time) with its spread (min..max over repeats), that time
 to the baseline variant's median, and the medians of the runs' steady-state epoch time (the
 mean over the epochs without a process's start-up), images/s and data-wait share (those
 epochs' images and data wait summed over their seconds summed) and GPU utilisation (their
-means weighted by their seconds). Written as report.md (the table), report.json and PNG charts
-(fastload/report/charts.py); the table is printed.
+means weighted by their seconds). Written as report.md (the table),
+report.json and PNG charts (fastload/report/charts.py); the table is printed. report.json
+also says what made it (`made`: the report tool's `git describe --always --dirty`, null
+outside git, the host and the date) and each run's folder, variant and the host and commit
+its folder records (null where none); runs from several hosts or commits get a warning.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import statistics
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from fastload.errors import FastloadError
+from fastload.host import hostname
 from fastload.telemetry.report import steady_epochs
 
 # overrides that make a repeat, not a variant: its number; resume=auto finishing it
@@ -42,6 +48,7 @@ class Run:
     overrides: dict[str, str]
     epochs: list[dict]
     summary: dict
+    origin: dict = field(default_factory=dict)  # host / commit, where the folder records them
 
     def train_time(self, fallback_speed: float | None = None) -> float:
         """The epochs' measured times summed; for an epoch resumed inside of
@@ -178,7 +185,54 @@ def read_run(path: Path) -> Run:
         for item in OmegaConf.load(overrides_file) or []:
             key, _, value = str(item).partition("=")
             overrides[key] = value
-    return Run(path, overrides, epochs, summary)
+    return Run(path, overrides, epochs, summary, _origin(path, summary))
+
+
+# where a run folder may say what made it: summary.json (train.py's end-of-run record) and
+# .fastload-run.json (the launch that claimed the folder: fastload/run_folder.py)
+ORIGIN_KEYS = {"host": ("host", "hostname"), "commit": ("commit", "git_describe", "git_rev")}
+
+
+def _origin(path: Path, summary: dict) -> dict:
+    """The host and commit the run's folder records, each None where it records none."""
+    try:
+        marker = json.loads((path / ".fastload-run.json").read_text())
+    except (OSError, ValueError):
+        marker = {}
+    sources = [s for s in (summary, marker) if isinstance(s, dict)]
+    return {
+        what: next((str(s[k]) for s in sources for k in keys if s.get(k)), None)
+        for what, keys in ORIGIN_KEYS.items()
+    }
+
+
+def _git_describe(folder: Path) -> str | None:
+    """`git describe --always --dirty` of the checkout holding `folder`; None outside git."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=folder,
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
+
+
+def provenance(runs: list[Run]) -> tuple[dict, list[str]]:
+    """What made the report and its runs, and a warning for each origin the runs differ in
+    (times from two machines or two commits compare those as well as the variants)."""
+    made = {
+        "commit": _git_describe(Path(__file__).parent),  # the report tool's own checkout
+        "host": hostname(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+    warnings = []
+    for what in ORIGIN_KEYS:
+        seen = sorted({r.origin[what] for r in runs if r.origin.get(what)})
+        if len(seen) > 1:
+            warnings.append(
+                f"the runs come from {len(seen)} {what}s ({', '.join(seen)}): their times "
+                f"compare those as well as the variants (report.json's runs say which is which)."
+            )
+    return made, warnings
 
 
 def group_variants(runs: list[Run]) -> list[Variant]:
@@ -294,10 +348,23 @@ def build_report(run_dirs, out: Path, baseline: str | None = None, title: str = 
     try:
         out.mkdir(parents=True, exist_ok=True)
         charts = write_charts(rows, out, title or "experiment")
+        made, warnings = provenance(runs)
         md = table + "\n" + "".join(f"![{c.stem}]({c.name})\n" for c in charts)
+        md += (f"\nReport made {made['date']} on {made['host']} from commit "
+               f"{made['commit'] or 'n/a (not a git checkout)'}.\n")  # fmt: skip
+        md += "".join(f"\nWarning: {w}\n" for w in warnings)
         (out / "report.md").write_text(md)
-        report = {"title": title, "rows": rows, "charts": [c.name for c in charts],
-                  "runs": [str(r.path) for r in runs]}  # fmt: skip
+        variant_of = {id(r): v.name for v in variants for r in v.runs}
+        report = {
+            "title": title,
+            "rows": rows,
+            "charts": [c.name for c in charts],
+            "made": made,
+            "warnings": warnings,
+            "runs": [
+                {"folder": str(r.path), "variant": variant_of[id(r)], **r.origin} for r in runs
+            ],  # fmt: skip
+        }
         (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     except OSError as exc:  # the runs were read: only the output folder can be at fault here
         raise ReportError(

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
         print(f"error: {error.user_message}", file=sys.stderr)
         return 2
     print(report["table"])
+    for warning in report["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"written: {out / 'report.md'}, {out / 'report.json'}, "
           + ", ".join(str(out / c) for c in report["charts"]))  # fmt: skip
     return 0
