@@ -32,7 +32,7 @@ from fastload.data.transforms import check_transforms
 from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
-from fastload.host import global_rank
+from fastload.host import code_version, global_rank, hostname
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import (
@@ -646,6 +646,9 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
         "decoder": history[-1].get("decoder") if history else None,
         "world_size": history[-1].get("world_size") if history else None,
         "run_dir": str(run_dir),
+        # what made the figures: `python -m fastload.report` says when runs differ in them
+        "host": hostname(),
+        "commit": code_version(),
     }
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 MB = 2**20
@@ -75,6 +76,17 @@ def auto_num_workers(cores: int, local_ranks: int) -> int:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+def code_version() -> str | None:
+    """`git describe --always --dirty` of the checkout fastload runs from ("-dirty": with
+    uncommitted changes, whose figures are not the commit's); None outside git."""
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (done.stdout.strip() or None) if done.returncode == 0 else None
 
 
 def total_ram() -> int:

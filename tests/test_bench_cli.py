@@ -598,6 +598,7 @@ def test_the_machine_record_says_when_the_tree_had_uncommitted_changes(tmp_path,
     code did not give it."""
     import subprocess
 
+    from fastload import host
     from fastload.bench import common
 
     def git(*args):
@@ -608,7 +609,7 @@ def test_the_machine_record_says_when_the_tree_had_uncommitted_changes(tmp_path,
     git("init", "-q")
     git("add", "a.py")
     git("commit", "-qm", "a")
-    monkeypatch.setattr(common, "__file__", str(tmp_path / "a.py"))
+    monkeypatch.setattr(host, "__file__", str(tmp_path / "a.py"))
     clean = common.machine()["git_rev"]
     (tmp_path / "a.py").write_text("x = 2\n")
     assert common.machine()["git_rev"] == clean + "-dirty" and len(clean) >= 7

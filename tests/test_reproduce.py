@@ -219,11 +219,12 @@ def test_report_json_says_what_made_it_and_where_each_run_came_from(tmp_path, ca
         len(report["warnings"]) == 1
         and "Warning: the runs come from 2 hosts" in (tmp_path / "report" / "report.md").read_text()
     )
-    from fastload.report import _git_describe
+    from fastload import host
 
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
     (tmp_path / "no-git").mkdir()
-    assert _git_describe(tmp_path / "no-git") is None  # outside a checkout: null
+    monkeypatch.setattr(host, "__file__", str(tmp_path / "no-git" / "host.py"))
+    assert host.code_version() is None  # outside a checkout: null
 
 
 def test_report_refuses_what_is_not_a_run_and_an_unknown_baseline(tmp_path, capsys):

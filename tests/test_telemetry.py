@@ -778,6 +778,10 @@ def test_the_summarys_rates_are_the_steady_epochs_totals_over_their_seconds(tmp_
     assert summary["images_per_s"] == pytest.approx(200.0)
     assert summary["data_wait_share"] == pytest.approx(0.2)
     assert summary["gpu_util_mean"] == pytest.approx(90.0)
+    # what made them, which `python -m fastload.report` compares across runs
+    import socket
+
+    assert summary["host"] == socket.gethostname() and "commit" in summary
 
 
 def test_progress_bar_postfix_and_disabled(capsys, monkeypatch):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fastload.host import usable_cores
+from fastload.host import code_version, usable_cores
 
 
 def machine() -> dict:
@@ -26,17 +26,6 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    try:
-        rev = subprocess.run(
-            # "-dirty" when the tree holds uncommitted changes: a figure measured on them is
-            # not the commit's
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except OSError:
-        rev = ""
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "cpu": cpu,
@@ -44,7 +33,7 @@ def machine() -> dict:
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "git_rev": rev,
+        "git_rev": code_version() or "",
     }
 
 

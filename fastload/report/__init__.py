@@ -24,14 +24,13 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from fastload.errors import FastloadError
-from fastload.host import hostname
+from fastload.host import code_version, hostname
 from fastload.telemetry.report import steady_epochs
 
 # overrides that make a repeat, not a variant: its number; resume=auto finishing it
@@ -206,21 +205,11 @@ def _origin(path: Path, summary: dict) -> dict:
     }
 
 
-def _git_describe(folder: Path) -> str | None:
-    """`git describe --always --dirty` of the checkout holding `folder`; None outside git."""
-    try:
-        done = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=folder,
-                              capture_output=True, text=True, timeout=30)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (done.stdout.strip() or None) if done.returncode == 0 else None
-
-
 def provenance(runs: list[Run]) -> tuple[dict, list[str]]:
     """What made the report and its runs, and a warning for each origin the runs differ in
     (times from two machines or two commits compare those as well as the variants)."""
     made = {
-        "commit": _git_describe(Path(__file__).parent),  # the report tool's own checkout
+        "commit": code_version(),  # the report tool's own checkout
         "host": hostname(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
