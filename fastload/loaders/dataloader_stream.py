@@ -315,9 +315,10 @@ class DataLoaderStream:
         split = "training" if self.train else "evaluation"
         return DatasetError(
             f"the {split} data ended after {got} of epoch {epoch}'s {planned} batches: the "
-            f"DataLoader stopped early, which a StopIteration raised while loading a sample "
-            f"does (in the dataset, a transform or a storage reader; it ends any iteration it "
-            f"reaches). Raise another exception for a sample that cannot be loaded."
+            f"DataLoader stopped early. A StopIteration raised while loading a sample (in the "
+            f"dataset, a transform or a storage reader) does that, as it ends any iteration "
+            f"it reaches: raise another exception for a sample that cannot be loaded; so does "
+            f"a storage that holds fewer samples than its index says (re-pack it)."
         )
 
     def _close_stream(self) -> None:
