@@ -337,6 +337,31 @@ def run_script(name: str, tmp_path: Path) -> Path:
     return sweep
 
 
+@pytest.mark.parametrize(
+    "name, wanted, unwanted",
+    [
+        # the experiment's batch (32) at every size: the size's (256) replaced it
+        ("workers", [], ["trainer.batch_size=256"]),
+        # packs at twice ImageNet's 224 px crop: the experiment's 128 px (twice the synthetic
+        # set's 64 px crop) had every ImageNet crop upscaled from a smaller image
+        ("preprocessing", ["preresize_side=448"], []),
+    ],
+)
+def test_full_size_keeps_what_the_experiment_is_about(name, wanted, unwanted, tmp_path):
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"  # records every command line the script runs, runs nothing
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "DATA": str(tmp_path),
+           "FASTLOAD_REPRODUCE_DIR": str(tmp_path / "out")}  # fmt: skip
+    out = subprocess.run(["bash", str(SCRIPTS / f"{name}.sh"), "full"], capture_output=True,
+                         text=True, env=env, timeout=60, cwd=tmp_path)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    sweep = calls.read_text().splitlines()[0].split()
+    assert "dataset=imagenet" in sweep and all(w in sweep for w in wanted), sweep
+    assert not any(u in sweep for u in unwanted), sweep
+
+
 def test_combined_tiny_runs_end_to_end(tmp_path):
     run_script("combined", tmp_path)
 
