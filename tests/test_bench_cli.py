@@ -494,6 +494,11 @@ def test_the_suites_are_the_modules_with_a_main_and_help_lists_them(capsys):
         ("storage", ["--repeats", "0"], "argument --repeats: '0': use a whole number >= 1"),
         ("storage", ["--workers", "-1"], "argument --workers: '-1': use a whole number >= 0"),
         ("backends", ["--size", "0"], "argument --size: '0': use a whole number >= 1"),
+        (
+            "storage",
+            ["--quality", "101"],
+            "argument --quality: '101': use a whole number from 1 to 100",
+        ),
     ],
 )
 def test_numbers_out_of_range_are_refused_naming_the_option(suite, argv, message, capsys):

@@ -242,6 +242,10 @@ def test_doctor_refuses_the_options_train_py_refuses(tiny_folder, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert err.endswith(f"{command}: error: --local-ranks 0: use a whole number >= 1\n")
+    # a step of nan ms passed the `< 0` check
+    with pytest.raises(SystemExit) as exc:
+        doctor_main(["pipeline", "--step-ms", "nan"])
+    assert exc.value.code == 2 and "--step-ms nan: use milliseconds >= 0" in capsys.readouterr().err
 
 
 def test_doctor_help_lists_the_commands_and_exits_0(capsys):

@@ -334,7 +334,7 @@ def parse(argv):
         "variant (turbo+cv2+fast, ...)",
     )
     p.add_argument("--max-side", type=at_least(1), default=256, help="shards-jpeg: re-encode side")
-    p.add_argument("--quality", type=at_least(1), default=90)
+    p.add_argument("--quality", type=at_least(1, at_most=100), default=90, help="JPEG quality")
     p.add_argument(
         "--raw-size", type=at_least(1), default=256, help="shards-raw: stored longer side"
     )

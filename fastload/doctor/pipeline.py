@@ -107,7 +107,7 @@ def parse(argv):
     for opt in ("images", "batches", "model_steps"):
         if getattr(args, opt) < 1:
             p.error(f"--{opt.replace('_', '-')} {getattr(args, opt)}: use a whole number >= 1")
-    if args.step_ms is not None and args.step_ms < 0:
+    if args.step_ms is not None and not args.step_ms >= 0:  # nan is not >= 0 either
         p.error(f"--step-ms {args.step_ms}: use milliseconds >= 0")
     return args
 
