@@ -261,48 +261,40 @@ def peer_failed(args, peer: str, result: dict) -> None:
 def ffcv_rates(args, root: Path) -> list[dict]:
     """FFCV on the same files in the same run (scripts/bench_ffcv.py in --ffcv-python's env):
     raw pixels at the shards-raw size, and full-size JPEG; whole epochs after the JIT one."""
-    rows = []
-    with packs_folder(root) as cache:
-        for mode, res, name in (
-            ("raw", args.raw_size, f"ffcv-raw-{args.raw_size}"),
-            ("jpg", 512, "ffcv-jpeg-full"),
-        ):
-            result = run_ffcv(
-                args.ffcv_python,
-                root,
-                args.crop,
-                args.workers,
-                *("--epochs", str(1 + args.repeats), "--write-mode", mode),
-                *("--batch-size", str(args.batch_size)),
-                *("--max-resolution", str(res), "--beton", str(cache / f"{name}.beton")),
-            )
-            peer_failed(args, "ffcv", result)
-            rows.append(peer_row(name, result, result.get("beton_bytes")))
-    return [r for r in rows if r]
+    size = args.raw_size
+    return peer_rates(args, root, "ffcv", run_ffcv, lambda cache: [
+        ("raw", f"ffcv-raw-{size}", ["--max-resolution", str(size),
+                                     "--beton", str(cache / f"ffcv-raw-{size}.beton")]),
+        ("jpg", "ffcv-jpeg-full", ["--max-resolution", "512",
+                                   "--beton", str(cache / "ffcv-jpeg-full.beton")]),
+    ])  # fmt: skip
 
 
 def dali_rates(args, root: Path) -> list[dict]:
     """DALI's CPU pipeline on the same files in the same run (scripts/bench_dali.py in
     --dali-python's env): the JPEG files as they are, and decoded pixels at the shards-raw
     size (.npy files, written once beside the other packs); whole epochs after a warm-up."""
+    size = ["--max-resolution", str(args.raw_size)]
+    return peer_rates(args, root, "dali", run_dali, lambda cache: [
+        ("raw", f"dali-raw-{args.raw_size}",
+         [*size, "--npy-dir", str(cache / f"dali-npy-{args.raw_size}")]),
+        ("jpg", "dali-jpeg", size),
+    ])  # fmt: skip
+
+
+def peer_rates(args, root: Path, peer: str, run, modes) -> list[dict]:
+    """A peer's rows, one per (write mode, row name, its options) of `modes(packs folder)`:
+    the same crop, workers, batch and epochs (an untimed one, then --repeats) as ours."""
     rows = []
     with packs_folder(root) as cache:
-        npy = ["--npy-dir", str(cache / f"dali-npy-{args.raw_size}")]
-        for mode, name, extra in (
-            ("raw", f"dali-raw-{args.raw_size}", npy),
-            ("jpg", "dali-jpeg", []),
-        ):
-            result = run_dali(
-                args.dali_python,
-                root,
-                args.crop,
-                args.workers,
+        for mode, name, extra in modes(cache):
+            result = run(
+                getattr(args, f"{peer}_python"), root, args.crop, args.workers,
                 *("--epochs", str(1 + args.repeats), "--write-mode", mode),
-                *("--batch-size", str(args.batch_size)),
-                *("--max-resolution", str(args.raw_size), *extra),
-            )
-            peer_failed(args, "dali", result)
-            rows.append(peer_row(name, result))
+                *("--batch-size", str(args.batch_size)), *extra,
+            )  # fmt: skip
+            peer_failed(args, peer, result)
+            rows.append(peer_row(name, result, result.get("beton_bytes")))
     return [r for r in rows if r]
 
 
