@@ -136,8 +136,9 @@ def train_one_epoch(step, loader, ctx, span: EpochSpan, *, stopper, timer, progr
                     budget, hooks=None, after_step=None) -> EpochResult:  # fmt: skip
     """Steps span.first_step .. span.max_steps of one epoch; `hooks[k]()` runs just before
     step k (the evaluation loader's warm start), `after_step(k, files)` after it, with this
-    rank's files skipped so far (checkpoints inside the epoch). It ends early, on every rank at the same step, on a signal, a
-    non-finite loss (`watch`) or too many skipped samples (`budget`)."""
+    rank's files skipped so far (checkpoints inside the epoch). It ends early, on every rank
+    at the same step, on a signal, a non-finite loss (`watch`) or too many skipped samples
+    (`budget`)."""
     totals = None  # the step's sums (loss sum, ..., count), on the device: no host sync
     skipped, counts, steps, hooks = 0, {}, span.first_step, hooks or {}
     skipped_files: list[str] = []
@@ -415,6 +416,7 @@ CHOICES = {
 
 
 def check_choices(cfg: DictConfig) -> None:
+    """ConfigError naming an option of CHOICES set to another value, and the values."""
     absent = object()
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key, default=absent)
