@@ -45,8 +45,10 @@ from fastload.pipeline import (
 )
 from fastload.preflight import preflight
 from fastload.telemetry.report import (
+    AMOUNTS,
     ProgressBar,
     format_summary_table,
+    over_seconds,
     steady_epochs,
     whole_epochs,
 )
@@ -617,25 +619,21 @@ def summarize(history: list[dict], run_dir: Path, best: float | None, task) -> d
         vals = [r[key] for r in rows if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    def over_time(key, rows, total=None):
-        """The steady epochs' `total` (e.g. train_images) over their seconds, or `key` (a
-        per-epoch rate) weighted by each epoch's seconds: a mean of per-epoch rates would
-        count a 2 s epoch as much as an 8 s one (two epochs of 1,000 images: 312 img/s for
-        a true 200)."""
-        rows = [r for r in rows if r.get(total or key) is not None and r.get("epoch_time_s")]
-        seconds = sum(r["epoch_time_s"] for r in rows)
-        if not seconds:
-            return mean(key, steady)  # rows of runs that predate the sums
-        weighted = (r[total] if total else r[key] * r["epoch_time_s"] for r in rows)
-        return sum(weighted) / seconds
+    def over_time(key):
+        """Over the steady epochs' seconds (telemetry/report.py: over_seconds); rows of runs
+        that predate the amounts (train_images, data_wait_s): the mean of their rates."""
+        amount = AMOUNTS.get(key)
+        if amount and not any(r.get(amount) is not None for r in steady):
+            return mean(key, steady)
+        return over_seconds(steady, key)
 
     steady = steady_epochs(history)
     return {
         "epochs": len(history),
         "epoch_time_s_mean": mean("epoch_time_s", whole_epochs(history)),
-        "images_per_s": over_time("images_per_s", steady, total="train_images"),
-        "data_wait_share": over_time("data_wait_share", steady, total="data_wait_s"),
-        "gpu_util_mean": over_time("gpu_util_mean", steady),
+        "images_per_s": over_time("images_per_s"),
+        "data_wait_share": over_time("data_wait_share"),
+        "gpu_util_mean": over_time("gpu_util_mean"),
         "peak_pss_mib": max((r["peak_pss_mib"] or 0 for r in history), default=None) or None,
         "peak_rss_sum_mib": max((r["peak_rss_sum_mib"] or 0 for r in history), default=0) or None,
         "metric": task.metric,

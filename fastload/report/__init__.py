@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from fastload.errors import FastloadError
 from fastload.host import code_version, hostname
-from fastload.telemetry.report import steady_epochs
+from fastload.telemetry.report import over_seconds, steady_epochs, whole_epochs
 
 # overrides that make a repeat, not a variant: its number; resume=auto finishing it
 REPEAT_KEYS = ("+repeat", "repeat", "resume", "+resume")
@@ -64,7 +64,11 @@ class Run:
         whole = [r.get("train_images") for r in self.epochs if "resumed_at_step" not in r]
         whole = [n for n in whole if n]
         full = statistics.median(whole) if whole else None
-        speed = self.steady_speed() or fallback_speed or _speed(_whole_rows(self.epochs))
+        speed = (
+            self.steady_speed()
+            or fallback_speed
+            or over_seconds(whole_epochs(self.epochs), "images_per_s")
+        )
         total = 0.0
         for r in self.epochs:
             t, n = float(r["epoch_time_s"]), r.get("train_images")
@@ -78,7 +82,7 @@ class Run:
         images summed over their times summed; None when the run has no such epoch."""
         rows = [r for i, r in enumerate(self.epochs)
                 if i and not r.get("start_up_epoch") and "resumed_at_step" not in r]  # fmt: skip
-        return _speed(rows)
+        return over_seconds(rows, "images_per_s")
 
     def steady(self, key: str) -> float | None:
         """The mean over the epochs without a process's start-up (the first, and the first
@@ -88,46 +92,9 @@ class Run:
         return statistics.fmean(vals) if vals else None
 
     def steady_rate(self, key: str) -> float | None:
-        """Images/s (`key` images_per_s) or data-wait share (data_wait_share) over the same
-        epochs as `steady`: their amounts summed over their seconds summed. A mean of the
-        epochs' own rates counts a 2 s epoch as much as an 8 s one (two epochs of 1,000
-        images read 312 images/s for a true 200). GPU utilisation: its epochs' means
-        weighted by their seconds."""
-        rows = steady_epochs(self.epochs)
-        if key == "images_per_s":
-            return _speed(rows)
-        amounts = [(_amount(r, key), float(r["epoch_time_s"])) for r in rows]
-        amounts = [(a, t) for a, t in amounts if a is not None]
-        seconds = sum(t for _, t in amounts)
-        return sum(a for a, _ in amounts) / seconds if seconds > 0 else None
-
-
-def _images(r: dict) -> float | None:
-    """An epoch row's trained images (rows without `train_images`: images/s x time)."""
-    if r.get("train_images") is not None:
-        return float(r["train_images"])
-    if r.get("images_per_s") is not None:
-        return float(r["images_per_s"]) * float(r["epoch_time_s"])
-    return None
-
-
-def _amount(r: dict, key: str) -> float | None:
-    """An epoch row's `key` (a share, a percent) times its seconds; data wait: the seconds
-    it measured (`data_wait_s`) where the row holds them."""
-    if key == "data_wait_share" and r.get("data_wait_s") is not None:
-        return float(r["data_wait_s"])
-    return None if r.get(key) is None else float(r[key]) * float(r["epoch_time_s"])
-
-
-def _speed(rows: list[dict]) -> float | None:
-    """Images/s over `rows`: summed images / summed time, so a long epoch weighs as long."""
-    rows = [r for r in rows if _images(r) is not None]
-    seconds = sum(float(r["epoch_time_s"]) for r in rows)
-    return sum(_images(r) for r in rows) / seconds if seconds > 0 else None
-
-
-def _whole_rows(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if "resumed_at_step" not in r]
+        """Images/s, data-wait share or GPU utilisation over the same epochs as `steady`,
+        weighted by their seconds (telemetry/report.py: over_seconds), not a mean of rates."""
+        return over_seconds(steady_epochs(self.epochs), key)
 
 
 @dataclass
