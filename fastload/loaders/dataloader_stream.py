@@ -298,15 +298,15 @@ class DataLoaderStream:
                 raise self._ended_early(epoch, host.count, planned)
             done = True
         finally:
-            # The stream goes on into the next epoch; the next `__iter__` takes it when
-            # `set_epoch` names that epoch (without, it yields the same epoch again).
-            if done and stream.advance():
-                pass
-            elif done:  # the plan's last epoch: run it out (frees abandoned slots), stop it
+            # An early break or an error: stop threads and workers, persistent or not. The
+            # plan's last epoch done: run the stream out (frees abandoned slots), stop it.
+            # Otherwise the stream goes on into the next epoch: the next `__iter__` takes it
+            # when `set_epoch` names that epoch (without, it yields the same epoch again).
+            if not done:
+                self.close()
+            elif not stream.advance():
                 next(stream.host, None)
                 self._close_stream()
-            else:  # an early break or an error: stop threads and workers, persistent or not
-                self.close()
 
     def _ended_early(self, epoch: int, got: int, planned: int) -> DatasetError:
         """The DataLoader stopped before the epoch's planned batches: a dataset (or a

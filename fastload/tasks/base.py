@@ -374,3 +374,14 @@ class SumsEvaluator(Evaluator):
 
     def result(self, ctx) -> dict:
         return self.finish(dist.all_reduce(self.totals.tolist(), ctx))
+
+
+def packed_side(storage) -> tuple[str, int | None] | None:
+    """How a pack storage bounds its images' longer side: ("size", N) for raw pixels,
+    ("max_side", N) for re-encoded JPEGs (None: as they are); None for a storage that does
+    not pack."""
+    options = getattr(storage, "pack_options", lambda: None)()
+    if not options:
+        return None
+    key = "size" if options.get("kind") == "raw" else "max_side"
+    return key, options.get(key)

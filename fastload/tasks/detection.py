@@ -32,7 +32,7 @@ from fastload.data.detection import (
     dropped_counts,
 )
 from fastload.errors import ConfigError
-from fastload.tasks.base import Evaluator, Task, TrainStep
+from fastload.tasks.base import Evaluator, Task, TrainStep, packed_side
 
 log = logging.getLogger("fastload")
 
@@ -92,13 +92,9 @@ class DetectionTask(Task):
         """A pack stored smaller than the training resize's shorter side (storage.kind=raw
         keeps 256 px by default, an ImageNet size) is upscaled on every image: a blurred
         training set, said once before any work."""
-        options = getattr(storage, "pack_options", lambda: None)()
-        if not options:
-            return
-        stored = options.get("size") if options.get("kind") == "raw" else options.get("max_side")
+        key, stored = packed_side(storage) or (None, None)
         wanted = self.data.train_transform.get("min_size")
         if stored and wanted and stored < wanted:
-            key = "size" if options.get("kind") == "raw" else "max_side"
             log.warning(
                 "storage=%s stores the images at most %d px on their longer side "
                 "(storage.%s=%d), but dataset.train_transform.min_size=%d resizes their shorter "

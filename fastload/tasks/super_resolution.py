@@ -31,7 +31,7 @@ from fastload.data.batch import IMAGE, TARGET
 from fastload.data.pairs import PairDataset, collate_pairs
 from fastload.errors import ConfigError
 from fastload.models.srcnn import bicubic_up
-from fastload.tasks.base import SumsEvaluator, Task, TrainStep
+from fastload.tasks.base import SumsEvaluator, Task, TrainStep, packed_side
 
 log = logging.getLogger("fastload")
 
@@ -86,17 +86,14 @@ class SuperResolutionTask(Task):
         store less, but PSNR then scores the packed pixels, not the dataset's: on the same
         pairs 31.2 dB packed raw at 256 px against 33.4 dB from the files. Said once,
         before any training."""
-        options = getattr(storage, "pack_options", lambda: None)()
-        if not options:
-            return
-        key = "size" if options.get("kind") == "raw" else "max_side"
-        if options.get(key) is not None:
+        key, stored = packed_side(storage) or (None, None)
+        if stored is not None:
             log.warning(
                 "storage=%s storage.%s=%s resizes%s the super-resolution pairs as it packs "
                 "them: val_psnr and val_psnr_bicubic score those pixels, not the dataset's, "
                 "and compare only with runs on the same pack. storage.%s=null keeps the "
                 "pairs as they are.",
-                storage.name, key, options[key],
+                storage.name, key, stored,
                 "" if key == "size" else " and re-encodes (JPEG)", key,
             )  # fmt: skip
 
