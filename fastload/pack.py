@@ -19,7 +19,8 @@ given (same kind; a pair resized stays exact: LR = HR / scale). See
 fastload/data/sources.py and the layouts in fastload/storage/{shards,lmdb_store,webdataset}.py.
 
 SRC is a dataset root holding split folders (train/, val/ in ImageFolder layout) or one split
-folder; DST gets one pack per split (DST/<split>/), in the same sample order as storage=disk.
+folder (`--splits .` says which when its class folders hold only subfolders); DST gets one
+pack per split (DST/<split>/), in the same sample order as storage=disk.
 Each split is written into a temporary sibling folder and renamed into place when complete,
 so an interrupted pack is never mistaken for a finished one. Record kinds (jpeg as is, jpeg
 re-encoded at --max-side, raw pixels at --size): fastload/storage/packing.py.
@@ -39,6 +40,7 @@ import time
 from pathlib import Path
 
 from fastload.atomic import folder_id
+from fastload.data.folder import IMG_EXTENSIONS
 from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import DatasetError, FastloadError, StorageError
 from fastload.storage import lmdb_store, shards
@@ -53,11 +55,23 @@ SPLIT_NAMES = {"train", "val", "valid", "validation", "test", "train2017", "val2
 
 def split_dirs(src: Path) -> list[Path]:
     """The split folders of a dataset root (train/, val/, ...), or src itself if it is one:
-    a root when every subfolder holds folders, or when one is named as a split (ImageNet's
-    flat test/ holds images only and is left out, said so, not taken for a class)."""
+    a root when every subfolder holds folders and no image (a class folder may hold both:
+    ImageFolder reads its subfolders too), or when one is named as a split (ImageNet's flat
+    test/ holds images only and is left out, said so, not taken for a class). Subfolders
+    holding only folders, none named as a split, are ambiguous (splits, or classes whose
+    images sit in subfolders): taken as splits, said so with the way to pack SRC as one."""
     subs = sorted(p for p in src.iterdir() if p.is_dir()) if src.is_dir() else []
     splits = [p for p in subs if any(c.is_dir() for c in p.iterdir())]
     if splits and len(splits) == len(subs):
+        if any(holds_images(p) for p in splits):
+            return [src]
+        if not any(p.name.lower() in SPLIT_NAMES for p in splits):
+            names = ", ".join(p.name for p in splits[:4]) + (", ..." if len(splits) > 4 else "")
+            print(
+                f"{src}: packing its folders {names} as splits (none is named like one: "
+                f"train, val, ...); if {src} is one split whose class folders hold "
+                f"subfolders, pass --splits . to pack it as one."
+            )
         return splits
     if any(p.name.lower() in SPLIT_NAMES for p in splits):
         for p in subs:
@@ -65,6 +79,10 @@ def split_dirs(src: Path) -> list[Path]:
                 print(f"left out {p}: no class folders in it (pass --splits to choose)")
         return splits
     return [src]
+
+
+def holds_images(folder: Path) -> bool:
+    return any(c.is_file() and c.name.lower().endswith(IMG_EXTENSIONS) for c in folder.iterdir())
 
 
 def make_storage(args):
@@ -248,7 +266,11 @@ def parse(argv):
     p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
     p.add_argument("--shard-mb", type=int, default=1024)
     p.add_argument("--shard-samples", type=int, help="webdataset: at most N samples per shard")
-    p.add_argument("--splits", default=None, help="comma-separated split folders (default: all)")
+    p.add_argument(
+        "--splits",
+        default=None,
+        help="comma-separated split folders of SRC (default: all); '.' packs SRC as one split",
+    )
     p.add_argument(
         "--split-name", help="coco/div2k: the pack's split folder (default: the source's name)"
     )

@@ -94,6 +94,30 @@ def test_pack_command_repacks_an_outdated_pack_and_keeps_a_current_one(tmp_path,
     assert json.loads((dst / "train" / "meta.json").read_text())["count"] == 11
 
 
+def test_pack_takes_a_split_whose_class_folders_hold_subfolders_as_one_split(tmp_path, capsys):
+    """ImageFolder reads a class folder's subfolders too; such a split was packed as a root
+    whose 'splits' were its classes (one pack per class, every label from the subfolders)."""
+    from fastload.pack import main as pack_main
+
+    split = make_image_folder(tmp_path / "data", classes=("cat", "dog"), per_split=(2, 1))
+    split = split / "train"
+    for cls in ("cat", "dog"):
+        nested = split / cls / "more"
+        nested.mkdir()
+        (split / cls / f"{cls}_001.jpg").rename(nested / f"{cls}_001.jpg")
+    assert pack_main(["shards", str(split), str(tmp_path / "packs")]) == 0
+    assert sorted(p.name for p in (tmp_path / "packs").iterdir()) == ["train"]
+    assert json.loads((tmp_path / "packs" / "train" / "meta.json").read_text())["count"] == 4
+
+    # classes whose images all sit in subfolders look like splits: said so, with the way out
+    for cls in ("cat", "dog"):
+        (split / cls / f"{cls}_000.jpg").rename(split / cls / "more" / f"{cls}_000.jpg")
+    assert pack_main(["shards", str(split), str(tmp_path / "p2")]) == 0
+    assert "pass --splits . to pack it as one" in capsys.readouterr().out
+    assert pack_main(["shards", str(split), str(tmp_path / "p3"), "--splits", "."]) == 0
+    assert sorted(p.name for p in (tmp_path / "p3").iterdir()) == ["train"]
+
+
 # 2. A corrupted checkpoint is loaded ------------------------------------------------------
 
 
