@@ -293,8 +293,9 @@ def test_a_peer_script_gives_its_json_or_an_error_row(tmp_path):
     words.write_text("#!/bin/sh\necho 'Traceback: ModuleNotFoundError: nvidia.dali'\n")
     words.chmod(0o755)
     assert run_dali(str(words), tmp_path, 224, 2) == {
-        "error": ["Traceback: ModuleNotFoundError: nvidia.dali"]
+        "error": "Traceback: ModuleNotFoundError: nvidia.dali"
     }
+    assert run_dali("/bin/false", tmp_path, 224, 2) == {"error": "bench_dali.py: exit 1"}
 
 
 def test_storage_rounds_run_both_peers_in_turn(monkeypatch):

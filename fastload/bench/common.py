@@ -237,18 +237,15 @@ def run_peer(
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
-        return {"error": [f"{script}: {e}"]}
+        return {"error": f"{script}: {e}"}
     last = (out.stdout.strip().splitlines() or [""])[-1]
     if out.returncode == 0:
         try:
             return json.loads(last)
         except json.JSONDecodeError:
             pass
-    return {
-        "error": ((out.stderr or out.stdout).strip().splitlines() or [f"exit {out.returncode}"])[
-            -1:
-        ]
-    }
+    lines = (out.stderr or out.stdout).strip().splitlines()
+    return {"error": lines[-1] if lines else f"{script}: exit {out.returncode}"}
 
 
 def run_ffcv(

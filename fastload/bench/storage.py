@@ -255,7 +255,7 @@ def peer_failed(args, peer: str, result: dict) -> None:
     """Keep a peer's error (the last line of its output) for the targets it leaves unjudged:
     args.peer_errors[peer]."""
     if "error" in result:
-        args.peer_errors = {**getattr(args, "peer_errors", {}), peer: result["error"][-1]}
+        args.peer_errors = {**getattr(args, "peer_errors", {}), peer: result["error"]}
 
 
 def ffcv_rates(args, root: Path) -> list[dict]:
