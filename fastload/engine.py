@@ -321,6 +321,26 @@ def find_resume(cfg) -> tuple[Path, dict] | None:
     return path, payload
 
 
+def keep_results(run_dir: Path, found: tuple[Path, dict] | None) -> None:
+    """Refuse to train in a folder holding another run's results (hydra.run.dir= naming a
+    finished run's folder): the run would replace its metrics.jsonl, summary and best
+    weights with its own. Resuming a checkpoint of that folder continues the run there, and
+    a torchrun or SLURM restart continues its own launch."""
+    held = run_folder.results_in(run_dir)
+    if not held or run_folder.restarted():
+        return
+    resumed = found[0].absolute() if found is not None else None
+    if resumed is not None and run_dir.absolute() in resumed.parents:
+        return
+    what = f"resume= continues {found[0]}, whose history" if found else "a fresh run here"
+    raise ConfigError(
+        f"the run directory {run_dir} holds a run's results ({', '.join(sorted(held))}): "
+        f"{what} would replace them. Continue that run with "
+        f"resume={run_dir / 'checkpoints' / 'last.pt'}, or pass another hydra.run.dir= (or "
+        f"none: every run gets its own folder under output_root/name/)."
+    )
+
+
 def same_checkpoint(found: tuple[Path, dict] | None, cfg, ctx) -> None:
     """Every rank found the same checkpoint (or none): a rank that resumed another state, or
     started fresh beside ranks that resume, would train with its own schedule and optimizer
@@ -945,6 +965,8 @@ def fit(cfg: DictConfig) -> dict:
         return evaluate_only(cfg, ctx, run_dir)
     found = dist.agreed(ctx, "finding the checkpoint to resume", lambda: find_resume(cfg))
     same_checkpoint(found, cfg, ctx)
+    dist.agreed(ctx, "checking the run directory's results",
+                (lambda: keep_results(run_dir, found)) if ctx.is_main else None)  # fmt: skip
     if nothing_left(found, cfg):
         return finished_already(found[0], run_dir, cfg, ctx)
     plan, model, channels_last, amp = set_up(cfg, ctx, splits=("train", "val"))

@@ -8,7 +8,8 @@ metrics.jsonl, summary and checkpoints. So each launch *claims* its folder: it p
 can win. The ranks of one launch carry the same launch identity and all use the folder; a
 different launch that finds the default folder taken uses `<run id>-1`, `-2`, ...; one that
 was given the folder explicitly (hydra.run.dir=...) is refused while the owner lives, and
-takes it over once the owner is gone (a run continued in the same folder).
+takes it over once the owner is gone (a run continued in the same folder; one holding
+results trains only to continue them: fastload/engine.py keep_results).
 
 The same record tells `resume=` who still writes a checkpoint: a run that would resume a
 checkpoint its live owner is still writing is refused, naming the owner.

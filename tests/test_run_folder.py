@@ -139,6 +139,35 @@ def test_resuming_a_checkpoint_its_live_run_writes_is_refused_then_a_finished_ru
     assert "best top-1" not in out.stdout  # no old table reprinted
     assert not third.exists()
 
+    # a fresh run given the finished run's folder (hydra.run.dir=): refused, nothing replaced
+    kept = {f: (first / f).read_bytes() for f in ("metrics.jsonl", "summary.json")}
+    out = run_train(tiny_overrides(root, first, "trainer.epochs=1"))
+    assert_clean_failure(out, f"the run directory {first} holds a run's results",
+                         f"resume={first / 'checkpoints' / 'last.pt'}")  # fmt: skip
+    assert out.returncode == 2
+    assert {f: (first / f).read_bytes() for f in kept} == kept
+
+
+def test_a_folder_with_results_is_trained_in_only_by_the_run_that_continues_it(
+    tmp_path, monkeypatch
+):
+    from fastload.engine import keep_results
+
+    folder = tmp_path / "run"
+    keep_results(folder, None)  # not there yet: a fresh run's own
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / "train.log").write_text("")
+    keep_results(folder, None)  # what a launch writes before training is no result
+    (folder / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    with pytest.raises(ConfigError, match="a fresh run here would replace them"):
+        keep_results(folder, None)
+    elsewhere = tmp_path / "other" / "checkpoints" / "last.pt"
+    with pytest.raises(ConfigError, match=f"resume= continues {elsewhere}, whose history"):
+        keep_results(folder, (elsewhere, {}))
+    keep_results(folder, (folder / "checkpoints" / "last.pt", {}))  # the run continued there
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    keep_results(folder, None)  # a restart of the launch that wrote them
+
 
 @pytest.mark.parametrize("rank, local", [("0", "0"), ("3", "1"), ("2", "0")])
 def test_each_rank_logs_to_its_own_file_and_other_ranks_warnings_only(monkeypatch, tmp_path, rank,
