@@ -110,22 +110,40 @@ class CheckRunDir(Callback):
         wanted = Path(config.hydra.run.dir).absolute()
         self._check(str(wanted))
         # Claim it for this launch (fastload/run_folder.py); run_job then uses what this sets.
-        from fastload import run_folder
-        from fastload.errors import FastloadError
-
-        named_by_us = "fastload_run_id" in str(config.hydra.run._get_node("dir")._value())
-        try:
-            chosen = run_folder.claim(wanted, named_by_us)
-        except FastloadError as exc:
-            print(f"error: {exc.user_message}", file=sys.stderr)
-            sys.exit(2)
+        chosen = self._claim(wanted, config.hydra.run)
         with read_write(config.hydra.run):
             config.hydra.run.dir = str(chosen)
         HydraConfig.instance().set_config(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        """A sweep's folder is claimed as a run's is: two sweeps launched in the same second
+        would otherwise run their jobs in the same <sweep>/<N>/ folders."""
         HydraConfig.instance().set_config(config)
-        self._check(config.hydra.sweep.dir)
+        wanted = Path(config.hydra.sweep.dir).absolute()
+        self._check(str(wanted))
+        chosen = self._claim(wanted, config.hydra.sweep)
+        if chosen == wanted:
+            return
+        with read_write(config.hydra):
+            config.hydra.sweep.dir = str(chosen)
+            # the launcher composes each job's config again from these overrides (Hydra's
+            # load_sweep_config): without one the jobs would go back to the unclaimed name
+            quoted = str(chosen).replace("\\", "\\\\").replace("'", "\\'")
+            config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+        HydraConfig.instance().set_config(config)
+
+    @staticmethod
+    def _claim(wanted: Path, node) -> Path:
+        """The folder this launch writes (fastload/run_folder.py); a user error exits 2."""
+        from fastload import run_folder
+        from fastload.errors import FastloadError
+
+        named_by_us = "fastload_run_id" in str(node._get_node("dir")._value())
+        try:
+            return run_folder.claim(wanted, named_by_us)
+        except FastloadError as exc:
+            print(f"error: {exc.user_message}", file=sys.stderr)
+            sys.exit(2)
 
     @staticmethod
     def _check(run_dir: str) -> None:

@@ -166,7 +166,7 @@ def results_in(folder: Path) -> set[str]:
 def check_not_held(checkpoint: Path) -> None:
     """Refuse to resume a checkpoint whose run is still going (it keeps writing it)."""
     folder = Path(checkpoint).absolute().parent.parent  # <run>/checkpoints/last.pt
-    who = owner(folder)
+    who = owner(folder) or owner(folder.parent)  # a sweep's job: its sweep folder's claim
     if who is None or who.get("launch") == launch_identity()["launch"] or not alive(who):
         return
     raise CheckpointError(

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from test_train import assert_clean_failure, read_jsonl
 
 from fastload import run_folder
-from fastload.errors import ConfigError
+from fastload.errors import CheckpointError, ConfigError
 
 CLAIM = """
 import sys, time
@@ -86,6 +86,34 @@ def test_a_reused_launch_id_does_not_write_over_the_earlier_runs_results(tmp_pat
     assert run_folder.claim(path, named_by_us=True) == second  # and every other
     assert (path / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
     assert run_folder.claim(path, named_by_us=False) == path  # hydra.run.dir=: as asked
+
+
+def test_a_sweep_whose_folder_another_live_launch_holds_runs_its_jobs_in_its_own(
+    tiny_folder, tmp_path
+):
+    """Two `train.py -m` launches in one second: the second's sweep folder is `<stamp>-1`,
+    and every job of it runs there (Hydra composes each job's config again)."""
+    out = tmp_path / "out"
+    stamp = out / "multirun" / "sweep7"
+    holder = claimer(stamp, True, 0.0, hold_s=120)  # the first launch, still running
+    try:
+        assert holder.stdout.readline().strip() == str(stamp)
+        args = tiny_overrides(tiny_folder, tmp_path / "unused", "trainer.epochs=1")
+        args = [a for a in args if not a.startswith(("hydra.run.dir=", "output_root="))]
+        got = run_train(["-m", *args, f"output_root={out}", "seed=0,1"],
+                        env={"FASTLOAD_RUN_ID": "sweep7"})  # fmt: skip
+        # a job of the live sweep: resuming its checkpoint is refused, as a live run's
+        with pytest.raises(CheckpointError, match=f"pid {holder.pid}"):
+            run_folder.check_not_held(stamp / "0" / "checkpoints" / "last.pt")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert got.returncode == 0, got.stderr[-3000:]
+    own = stamp.with_name("sweep7-1")
+    assert sorted(p.name for p in stamp.iterdir()) == [run_folder.MARKER]  # not written in
+    for job in ("0", "1"):
+        assert len(read_jsonl(own / job / "metrics.jsonl")) == 1
+    assert run_folder.owner(own)["launch"] == "env:sweep7"
 
 
 def test_concurrent_runs_of_one_name_write_separate_folders(tiny_folder, tmp_path):
