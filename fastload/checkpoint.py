@@ -152,13 +152,14 @@ def checksum(payload: dict) -> str:
     return h.hexdigest()
 
 
-def _nbytes(obj) -> int:
+def tensor_bytes(obj) -> int:
+    """The bytes of the tensors in a (nested) state dict, as torch.save writes them."""
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
+        return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
+        return sum(tensor_bytes(v) for v in obj)
     return 64
 
 
@@ -178,7 +179,7 @@ def save_atomic(state: dict, path: Path) -> None:
     except (OSError, RuntimeError) as exc:
         if is_disk_full(exc):
             raise CheckpointError(
-                no_space_message("the checkpoint", path, _nbytes(state))
+                no_space_message("the checkpoint", path, tensor_bytes(state))
                 + " (set output_root=<a folder with room>)"
             ) from None
         raise

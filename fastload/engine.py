@@ -32,7 +32,7 @@ from fastload.data.transforms import check_transforms
 from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
-from fastload.host import code_version, global_rank, hostname
+from fastload.host import code_version, global_rank, hostname, size_text
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import (
@@ -464,8 +464,41 @@ def check_writable(run_dir: Path) -> None:
             f"cannot write to the run directory {run_dir} ({exc.strerror}); set "
             f"output_root=<a writable folder> (or hydra.run.dir=...)."
         ) from None
-    if shutil.disk_usage(run_dir).free < 100 * 2**20:
-        log.warning("less than 100 MB free under %s: checkpoints may not fit", run_dir)
+
+
+def optimizer_copies(optimizer) -> int:
+    """Tensors of a parameter's size an optimizer keeps for it once stepping (in last.pt)."""
+    name, group = type(optimizer).__name__.lower(), optimizer.param_groups[0]
+    if "sgd" in name:
+        return 1 if group.get("momentum") else 0
+    return 3 if group.get("amsgrad") else 2  # Adam's two moments (and AMSGrad's maximum)
+
+
+def check_checkpoint_room(run_dir: Path, cfg: DictConfig, state: TrainState) -> None:
+    """Refuse a run whose checkpoints do not fit where they go, before it trains an epoch
+    to lose at the first write; warn when the second copy an atomic replace writes beside
+    the last one does not fit."""
+    t = cfg.trainer
+    if not (t.checkpoint_every > 0 or t.checkpoint_every_steps > 0):
+        return
+    weights = ckpt.tensor_bytes(state.model.state_dict())
+    params = sum(p.numel() * p.element_size() for p in state.model.parameters())
+    copies = 1 + (state.ema is not None)
+    last = weights * copies + params * optimizer_copies(state.optimizer)
+    best = weights * copies if t.get("keep_best", True) else 0
+    need, free = last + best, shutil.disk_usage(run_dir).free
+    what = f"last.pt ~{size_text(last)}" + (f", best weights ~{size_text(best)}" if best else "")
+    if free < need:
+        raise CheckpointError(
+            f"{run_dir} has {size_text(free)} free, but this run's checkpoints need about "
+            f"{size_text(need)} ({what}): the first one would fail after training up to it. "
+            f"Free some space there, set output_root=<a folder with room>, or "
+            f"trainer.checkpoint_every=0 (no checkpoints)."
+        )
+    if free < need + last:
+        log.warning("%s free under %s: enough for this run's checkpoints (%s), not for the "
+                    "new last.pt written beside the old one before it replaces it",
+                    size_text(free), run_dir, what)  # fmt: skip
 
 
 BEST_FILE = {"model": ckpt.BEST, "ema": ckpt.BEST_EMA}
@@ -786,7 +819,7 @@ class Epochs:
             state.epoch, state.step, state.epoch_skipped = epoch, steps, skipped_files
             self.stop(stopper, f"at epoch {epoch} step {steps}")
         state.epoch, state.step, state.stretches, state.epoch_skipped = epoch + 1, 0, [], []
-        row = {"epoch": epoch, **metrics, "lr": lr}
+        row, new_bests = {"epoch": epoch, **metrics, "lr": lr}, []
         if span.first_step or continued:  # resumed inside it: the numbers cover what is left
             row["resumed_at_step"] = span.first_step
         if self.start_up:  # workers, caches, compilation: left out of the steady-state means
@@ -797,16 +830,20 @@ class Epochs:
             self.budget.check(epoch, "validation", val_skipped, val_seen, val_files)
             row.update(val, val_skipped_corrupt=val_skipped)
             row["eval_time_s"] = time.perf_counter() - t0
-            state.best_metric = self.better(state.best_metric, row, state.model, "model", epoch)
+            state.best_metric = self.better(state.best_metric, row, state.model, "model",
+                                            epoch, new_bests)  # fmt: skip
             if state.ema is not None:
                 state.best_ema_metric = self.better(state.best_ema_metric, row, state.ema.model,
-                                                    "ema", epoch)  # fmt: skip
+                                                    "ema", epoch, new_bests)  # fmt: skip
             self.warm.measured(timing, data.val)
         row.update(reduce_timing(timing, resources, ctx))
         row.update(world_size=ctx.world_size, **data.epoch_stats(ctx, epoch))
         state.history.append(row)
         self.record.epoch(row)
         self.record.skipped(epoch, skipped_files)
+        # after the row: weights that do not fit on the disk lose the epoch's numbers no more
+        for model, of, value in new_bests:
+            self.record.save_best(model, of, epoch, value)
         last = epoch + 1 == cfg.trainer.epochs
         every = cfg.trainer.checkpoint_every
         saved = bool(every and (last or (epoch + 1) % every == 0))
@@ -818,13 +855,15 @@ class Epochs:
         if not last and signal_agreed(stopper, ctx):
             self.stop(stopper, f"after epoch {epoch}", saved=saved)
 
-    def better(self, best: float | None, row: dict, model, of: str, epoch: int) -> float | None:
+    def better(self, best: float | None, row: dict, model, of: str, epoch: int,
+               new_bests: list) -> float | None:  # fmt: skip
         """The best value of the task's metric (of the model or of its EMA) after this
-        evaluation; when it is a new best, its weights are kept (RunRecord.save_best)."""
+        evaluation; when it is a new best, (model, of, value) goes to `new_bests`, whose
+        weights are kept once the epoch's row is written (RunRecord.save_best)."""
         value = row[("ema_" if of == "ema" else "") + self.task.metric]
         new = self.task.best(best, value)
         if new != best and new == value:
-            self.record.save_best(model, of, epoch, value)
+            new_bests.append((model, of, value))
         return new
 
     def continued(self, epoch: int, span: EpochSpan) -> None:
@@ -985,6 +1024,8 @@ def fit(cfg: DictConfig) -> dict:
     if found is not None:
         state.load_state_dict(found[1], found[0], rank=ctx.rank)
         log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
+    dist.agreed(ctx, "checking the room for checkpoints",
+                (lambda: check_checkpoint_room(run_dir, cfg, state)) if ctx.is_main else None)  # fmt: skip
     record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
     if found is not None:
         record.carry_best(found[0], state.history)

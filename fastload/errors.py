@@ -45,6 +45,10 @@ class CheckpointError(FastloadError):
     """A checkpoint cannot be read or does not fit this run."""
 
 
+class OutputError(FastloadError):
+    """A run's own files (metrics, summary, skipped-file list) cannot be written."""
+
+
 class StorageError(FastloadError):
     """A store (staged copy, LMDB, packed shards) is missing, does not fit, or is corrupt."""
 

@@ -360,6 +360,81 @@ def test_a_full_disk_while_checkpointing_is_one_message_and_keeps_the_last(tmp_p
     assert path.read_bytes() == before and [p.name for p in path.parent.iterdir()] == ["last.pt"]
 
 
+FULL_FOR_BEST = """
+import errno, torch
+save = torch.save
+def full_for_best(obj, f, *a, **k):
+    if "best.pt.pending" in str(getattr(f, "name", f)):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return save(obj, f, *a, **k)
+torch.save = full_for_best
+"""
+
+
+def test_best_weights_that_do_not_fit_keep_the_epochs_row(tiny_folder, tmp_path):
+    """The new best's weights are written after the epoch's row: a full disk there stops
+    the run with one message, and the epoch trained and evaluated is in metrics.jsonl."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FULL_FOR_BEST)
+    run_dir = tmp_path / "out" / "n" / "run"
+    args = [sys.executable, str(REPO / "train.py"), *tiny_overrides(tiny_folder, run_dir)]
+    env = {**os.environ, "WANDB_SILENT": "true", "PYTHONPATH": str(inject)}
+    # a process of its own (not a fork of the tests' fork server): sitecustomize runs in it
+    out = subprocess.run([*args, "trainer.epochs=1"], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "no space left to write the checkpoint" in out.stderr and "Traceback" not in out.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0] and rows[0]["val_acc1"] is not None
+
+
+def test_run_files_on_a_full_disk_are_one_message_and_keep_what_was_written(tmp_path, monkeypatch):
+    from fastload.errors import OutputError
+    from fastload.telemetry import sinks
+
+    files = sinks.MetricsFiles(tmp_path / "run")
+    files.append_epoch({"epoch": 0, "loss": 1.0})
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks.os, "fsync", no_space)
+    for write in (lambda: files.append_epoch({"epoch": 1}), lambda: files.write_summary({}),
+                  lambda: files.rewrite_epochs([])):  # fmt: skip
+        with pytest.raises(OutputError, match="no space left to write .*output_root="):
+            write()
+    monkeypatch.undo()
+    assert [r["epoch"] for r in files.read_epochs()][0] == 0
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_checkpoints_that_cannot_fit_are_refused_before_training(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from fastload import engine
+    from fastload.errors import CheckpointError
+
+    model = torch.nn.Linear(1000, 1000)  # 4.0 MB of weights
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = SimpleNamespace(model=model, optimizer=sgd, ema=None)
+    cfg = OmegaConf.create({"trainer": {"checkpoint_every": 1, "checkpoint_every_steps": 0}})
+
+    def free(n):
+        monkeypatch.setattr(engine.shutil, "disk_usage", lambda p: SimpleNamespace(free=n))
+
+    free(10 * 2**20)  # last.pt ~8 MB (weights, momentum) + best.pt ~4 MB
+    with pytest.raises(CheckpointError, match=r"need about 11\.5 MiB .*checkpoint_every=0"):
+        engine.check_checkpoint_room(tmp_path, cfg, state)
+    free(100 * 2**20)
+    engine.check_checkpoint_room(tmp_path, cfg, state)
+    cfg.trainer.checkpoint_every = 0
+    free(0)
+    engine.check_checkpoint_room(tmp_path, cfg, state)  # no checkpoints: nothing to fit
+
+
 def test_a_full_disk_while_packing_or_staging_is_one_message(tmp_path, monkeypatch):
     from fastload.errors import StorageError
     from fastload.storage import shards, tmpfs

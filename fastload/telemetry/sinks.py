@@ -9,14 +9,20 @@ checkpoint's history holds and drops the others: it redoes those epochs and writ
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import numbers
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from fastload.atomic import is_disk_full
+from fastload.errors import OutputError
+from fastload.host import size_text
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,30 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def room_needed(file: str):
+    """A MetricsFiles write of `file` on a full disk (or quota) as one clear OutputError
+    naming it, instead of a traceback; the run's files so far stay as they are."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def write(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                free = size_text(shutil.disk_usage(self.run_dir).free)
+                raise OutputError(
+                    f"no space left to write {self.run_dir / file} ({exc.strerror}; {free} "
+                    f"free): free some space there, or set output_root=<a folder with room>. "
+                    f"The run's files written before are kept."
+                ) from None
+
+        return write
+
+    return wrap
+
+
 class MetricsFiles:
     """``run_dir/metrics.jsonl`` (one line per epoch) and ``run_dir/summary.json``.
 
@@ -101,6 +131,7 @@ class MetricsFiles:
         self.skipped_path = self.run_dir / SKIPPED_FILE
         self._checked_tail = False
 
+    @room_needed(METRICS_FILE)
     def append_epoch(self, metrics: Mapping[str, Any]) -> None:
         """Append one JSON line and fsync it."""
         line = json.dumps(to_jsonable(dict(metrics)), allow_nan=False) + "\n"
@@ -135,6 +166,7 @@ class MetricsFiles:
                     records.append(record)
         return records
 
+    @room_needed(METRICS_FILE)
     def rewrite_epochs(self, records: list[Mapping[str, Any]]) -> None:
         """Replace metrics.jsonl atomically, e.g. to drop epochs past a resumed checkpoint,
         and keep skipped_files.txt's lines of those epochs only."""
@@ -143,6 +175,7 @@ class MetricsFiles:
         self._checked_tail = True
         self.keep_skipped(records)
 
+    @room_needed(SKIPPED_FILE)
     def keep_skipped(self, records: Sequence[Mapping[str, Any]], source: Path | None = None):
         """skipped_files.txt with the lines of `records`' epochs only, taken from `source` (a
         resumed run's folder's list; default this folder's)."""
@@ -155,11 +188,13 @@ class MetricsFiles:
         if source != self.skipped_path or len(kept) != len(listed):
             write_text_atomic(self.skipped_path, "".join(kept))
 
+    @room_needed(SKIPPED_FILE)
     def append_skipped(self, epoch: int, files: Sequence[str]) -> None:
         """An epoch's skipped files, a line each: "epoch N<TAB>file"."""
         with open(self.skipped_path, "a", encoding="utf-8") as f:
             f.writelines(f"epoch {epoch}\t{where}\n" for where in files)
 
+    @room_needed(SUMMARY_FILE)
     def write_summary(self, summary: Mapping[str, Any]) -> None:
         """Write summary.json atomically (temporary name, fsync, os.replace)."""
         write_json_atomic(self.summary_path, dict(summary))
