@@ -37,6 +37,7 @@ LAST = "last.pt"
 # resume: {"kind": "weights", "model": state_dict, "epoch", "metric", "value", ...}.
 BEST = "best.pt"
 BEST_EMA = "best_ema.pt"
+PENDING = ".pending"  # best.pt.pending: a new best that no checkpoint holds yet
 WEIGHTS = "weights"
 
 # Config keys that change how fast a run goes or where it writes, not what it computes.
@@ -312,12 +313,14 @@ def candidates(output_root: Path, name: str) -> list[Path]:
 
 
 def remove_dead_temps(output_root: Path, name: str) -> list[Path]:
-    """The temporary checkpoint files that writers killed mid-write (SIGKILL, a lost node)
-    left in the runs called `name` (each as large as a checkpoint): removed when their
+    """The temporary checkpoint and best-weights files that writers killed mid-write
+    (SIGKILL, a lost node) left in the runs called `name` (each as large as the model or a
+    checkpoint): removed when their
     writer is dead on this host (or, for another host's, untouched for a day)."""
     removed = []
     for folder in (Path(output_root) / name).glob("*/checkpoints"):
-        removed += remove_stale(folder / LAST)
+        for final in (LAST, BEST, BEST_EMA, BEST + PENDING, BEST_EMA + PENDING):
+            removed += remove_stale(folder / final)
     if removed:
         log.info("removed %d checkpoint file(s) left half-written by dead runs: %s",
                  len(removed), ", ".join(str(p) for p in removed))  # fmt: skip

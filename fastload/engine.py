@@ -502,7 +502,7 @@ def check_checkpoint_room(run_dir: Path, cfg: DictConfig, state: TrainState) -> 
 
 
 BEST_FILE = {"model": ckpt.BEST, "ema": ckpt.BEST_EMA}
-PENDING = ".pending"  # best.pt.pending: a new best that no checkpoint holds yet
+PENDING = ckpt.PENDING
 
 
 class RunRecord:

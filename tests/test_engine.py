@@ -108,11 +108,15 @@ def test_a_killed_checkpoint_writers_file_is_removed_by_the_next_run(tmp_path, c
     stale = temp_path(last[0], pid=dead.pid)
     live = temp_path(last[1], pid=os.getpid())  # a run writing right now
     other = tmp_path / "exp" / "r1" / "checkpoints" / "notes.txt"
-    for p in (stale, live, other):
+    # best weights are written the same way (best.pt.pending, then copies of best.pt)
+    bests = [temp_path(folders[1] / n, pid=dead.pid)
+             for n in ("best.pt.pending", "best_ema.pt.pending", "best.pt")]  # fmt: skip
+    for p in (stale, live, other, *bests):
         p.write_bytes(b"partial")
     with caplog.at_level("INFO", logger="fastload"):
-        assert ckpt.remove_dead_temps(tmp_path, "exp") == [stale]
+        assert sorted(ckpt.remove_dead_temps(tmp_path, "exp")) == sorted([stale, *bests])
     assert not stale.exists() and live.exists() and other.exists()
+    assert not any(p.exists() for p in bests)
     assert str(stale) in caplog.text
 
 
