@@ -16,6 +16,14 @@
 #   that pulls in "pillow" puts plain Pillow back on top: re-run this script afterwards.
 set -euo pipefail
 
+# It takes no arguments: any (--help included) prints the header above and changes nothing.
+if [[ $# -gt 0 ]]; then
+    sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+    [[ "$1" == "-h" || "$1" == "--help" ]] && exit 0
+    echo "install_pillow_simd.sh takes no arguments (got: $*); set PYTHON= or PILLOW_SIMD_VERSION= instead" >&2
+    exit 2
+fi
+
 PYTHON="${PYTHON:-python}"
 VERSION="${PILLOW_SIMD_VERSION:-12.1.1.post0}"
 DEBS="libjpeg-dev zlib1g-dev libpng-dev libtiff-dev libfreetype-dev liblcms2-dev libwebp-dev"

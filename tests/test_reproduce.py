@@ -428,3 +428,14 @@ def test_report_keeps_a_sweeps_job_order(tmp_path):
     shell_order = sorted(runs, key=lambda p: p.name)  # what a glob gives: 0, 1, 10, 11, 2, ...
     rows = build_report(shell_order, tmp_path / "report")["rows"]
     assert [r["variant"] for r in rows] == [f"loader.num_workers={j}" for j in range(12)]
+
+
+def test_install_pillow_simd_prints_its_help_and_changes_nothing():
+    """`--help` ran the install (apt-get, pip uninstall pillow): it takes no arguments."""
+    script = str(REPO / "scripts" / "install_pillow_simd.sh")
+    env = {**os.environ, "PYTHON": "/bin/false"}  # had it started installing, it would stop
+    out = subprocess.run(["bash", script, "--help"], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "Replace Pillow by Pillow-SIMD" in out.stdout, out
+    assert "[install_pillow_simd]" not in out.stdout + out.stderr
+    out = subprocess.run(["bash", script, "now"], capture_output=True, text=True, env=env)
+    assert out.returncode == 2 and "takes no arguments (got: now)" in out.stderr
