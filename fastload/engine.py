@@ -103,17 +103,29 @@ class GracefulStop:
             signal.signal(s, h)
 
 
-def amp_dtype(precision: str, device: torch.device):
+def amp_dtype(precision: str, device: torch.device, input_dtype: str = "fp32"):
+    """trainer.precision's autocast dtype on `device` (None: fp32, no autocast). A model
+    input of loader.input_dtype bf16/fp16 needs autocast: without it the first convolution
+    fails on the dtype after the data is ready, so that is refused here."""
     if precision == "auto":
-        if device.type != "cuda":
-            return None
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-    if precision not in dtypes:
-        raise ConfigError(f"trainer.precision={precision!r}: use auto, fp32, bf16 or fp16.")
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError("trainer.precision=fp16 needs CUDA; on CPU use bf16 or fp32.")
-    return dtypes[precision]
+        amp = None
+        if device.type == "cuda":
+            amp = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    else:
+        dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if precision not in dtypes:
+            raise ConfigError(f"trainer.precision={precision!r}: use auto, fp32, bf16 or fp16.")
+        if precision == "fp16" and device.type != "cuda":
+            raise ConfigError("trainer.precision=fp16 needs CUDA; on CPU use bf16 or fp32.")
+        amp = dtypes[precision]
+    if amp is None and input_dtype != "fp32":
+        raise ConfigError(
+            f"loader.input_dtype={input_dtype} needs autocast, but trainer.precision="
+            f"{precision} trains in fp32 on {device.type}: the model's fp32 weights cannot "
+            f"take a {input_dtype} input. Set trainer.precision=bf16 (or fp16 on a GPU) too, "
+            f"or loader.input_dtype=fp32."
+        )
+    return amp
 
 
 @dataclass(frozen=True)
@@ -1059,10 +1071,11 @@ def set_up(cfg, ctx, splits: tuple[str, ...]):
     # options); everything below takes the plan, not the config.
     plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
     model = plan.task.build_model(cfg)  # so is a model made for another task
+    amp = amp_dtype(cfg.trainer.precision, ctx.device, cfg.loader.input_dtype)
     prepare_data(cfg, ctx, plan.storage, splits=splits)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
     channels_last = ctx.device.type == "cuda" if channels_last == "auto" else bool(channels_last)
-    return plan, model, channels_last, amp_dtype(cfg.trainer.precision, ctx.device)
+    return plan, model, channels_last, amp
 
 
 def plain_death(exc: RuntimeError, ctx) -> Exception:

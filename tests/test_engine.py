@@ -26,6 +26,9 @@ def test_precision_choices():
         amp_dtype("fp16", cpu)
     with pytest.raises(ConfigError, match="trainer.precision='fp8'"):
         amp_dtype("fp8", cpu)
+    assert amp_dtype("bf16", cpu, "bf16") is torch.bfloat16  # the input of autocast's dtype
+    with pytest.raises(ConfigError, match="loader.input_dtype=fp16 needs autocast"):
+        amp_dtype("auto", cpu, "fp16")  # auto is fp32 on a CPU
 
 
 def test_apex_options_explain_how_to_get_apex():

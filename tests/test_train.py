@@ -268,6 +268,7 @@ def test_two_process_ddp_on_cpu(tiny_folder, tmp_path):
         "unwritable_output",
         "other_model_checkpoint",
         "root_not_set",
+        "input_dtype_without_autocast",
     ],
 )
 def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
@@ -302,6 +303,9 @@ def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
     elif case == "root_not_set":
         extra = ["dataset=imagenet", "dataset.num_classes=3"]
         needles = ["dataset.root must be set", "dataset.root=/data/imagenet"]
+    elif case == "input_dtype_without_autocast":  # was a traceback from the first conv
+        extra = ["loader.input_dtype=bf16", "trainer.precision=fp32"]
+        needles = ["loader.input_dtype=bf16 needs autocast", "trainer.precision=bf16"]
     args = tiny_overrides(root, run_dir, *extra)
     if case == "root_not_set":
         args = [a for a in args if not a.startswith(("dataset.root=", "dataset.prepare="))]

@@ -261,7 +261,7 @@ def make_step(s: Setup, step_ms: float | None):
 
     if step_ms is not None:
         return SleepStep(step_ms, s.ctx.device)
-    amp = amp_dtype(s.cfg.trainer.precision, s.ctx.device)
+    amp = amp_dtype(s.cfg.trainer.precision, s.ctx.device, s.cfg.loader.input_dtype)
     state = TrainState.create(s.cfg, s.ctx.device, 1, 1000, amp=amp,
                               channels_last=s.channels_last)  # fmt: skip
     return s.task.step(state, s.cfg, s.ctx, amp)
