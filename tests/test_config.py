@@ -29,6 +29,18 @@ def test_every_group_option_composes(group, option, tmp_path):
         assert "_target_" in resolved[key], f"{key} has no _target_"
 
 
+@pytest.mark.parametrize("dataset", options("dataset"))
+def test_debug_fast_is_a_short_run_on_every_dataset(dataset, tmp_path):
+    """debug=fast on a real dataset (ImageNet's 1.28M images) trained whole epochs in one
+    process; each dataset has its debug_dataset shrink (a generated set's size, a subset, or
+    capped steps)."""
+    overrides = ["debug=fast", f"dataset={dataset}", f"hydra.run.dir={tmp_path}"]
+    cfg = compose_config(overrides, tmp_path)
+    assert cfg.hydra.runtime.choices.get("debug_dataset") == f"fast_{dataset}"
+    prepare, layout = cfg.dataset.get("prepare"), cfg.dataset.get("layout") or {}
+    assert prepare or layout.get("subset") or cfg.trainer.max_steps_per_epoch
+
+
 def test_groups_named_in_design_exist():
     expected = {
         "dataset",
