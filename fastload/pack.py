@@ -314,6 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         dirs = split_dirs(args.src)
         if args.splits:
             dirs = [args.src / s for s in args.splits.split(",")]
+        src = args.src.resolve()
+        for d in dirs:  # DST/<split> in SRC: folders of the dataset; SRC in it: replaced
+            out = (args.dst / d.name).resolve()
+            if src == out or src in out.parents or out in src.parents:
+                where = "inside" if src in out.parents else "in place of"
+                raise StorageError(
+                    f"DST {args.dst} would put the pack {out} {where} SRC {args.src}: its "
+                    f"folders would become classes of the dataset, or the dataset's folders "
+                    f"part of the pack. Give DST outside SRC, e.g. "
+                    f"{src.parent / (src.name + '.packs')}."
+                )
         created = not args.dst.exists()
         try:
             for d in dirs:

@@ -94,6 +94,24 @@ def test_pack_command_repacks_an_outdated_pack_and_keeps_a_current_one(tmp_path,
     assert json.loads((dst / "train" / "meta.json").read_text())["count"] == 11
 
 
+def test_pack_refuses_an_output_folder_inside_its_source(tmp_path, capsys):
+    """DST under SRC wrote train/ and val/ beside the class folders: the next run counted
+    them as classes."""
+    from fastload.pack import main as pack_main
+
+    root = make_image_folder(tmp_path / "SMALL", classes=FOUR, per_split=(1, 1))
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    for dst in (root / "train", root / "packs", root):
+        assert pack_main(["shards", str(root), str(dst)]) == 2
+        err = capsys.readouterr().err
+        assert f"DST {dst} would put the pack" in err and "Give DST outside SRC" in err
+    # one split packed into its dataset's folder: the pack would replace the split
+    assert pack_main(["shards", str(root / "train"), str(root)]) == 2
+    assert "in place of SRC" in capsys.readouterr().err
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before
+    assert pack_main(["shards", str(root), str(tmp_path)]) == 0  # beside it: tmp_path/train
+
+
 def test_pack_takes_a_split_whose_class_folders_hold_subfolders_as_one_split(tmp_path, capsys):
     """ImageFolder reads a class folder's subfolders too; such a split was packed as a root
     whose 'splits' were its classes (one pack per class, every label from the subfolders)."""
