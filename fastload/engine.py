@@ -55,6 +55,8 @@ from fastload.telemetry.report import (
 from fastload.telemetry.sampler import ResourceSampler
 from fastload.telemetry.sinks import MetricsFiles, NullSink
 from fastload.telemetry.timer import StepTimer
+from fastload.telemetry.wandb_sink import check_login as check_logger_login
+from fastload.telemetry.wandb_sink import check_options as check_logger_options
 from fastload.train_checks import (
     LossWatch,
     SkipBudget,
@@ -993,13 +995,14 @@ def finished_already(path: Path, run_dir: Path, cfg, ctx) -> dict:
 
 def check_config(cfg: DictConfig) -> None:
     """The checks of the config alone that every run makes before any work: `???` values,
-    the trainer's, optimiser's and skip-share numbers."""
+    the trainer's, optimiser's, skip-share and logger's (logger=wandb) options."""
     check_required(cfg)
     check_trainer(cfg)
     check_choices(cfg)
     check_optim_options(cfg.optim)
     check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)
+    check_logger_options(cfg.get("logger"))
 
 
 def fit(cfg: DictConfig) -> dict:
@@ -1014,6 +1017,9 @@ def fit(cfg: DictConfig) -> dict:
     dist.agreed(ctx, "checking the run directory", check_run_dir if ctx.is_main else None)
     if cfg.get("evaluate"):
         return evaluate_only(cfg, ctx, run_dir)
+    # logger.mode=online without a W&B login: said now, not after the data work (rank 0 logs)
+    login = (lambda: check_logger_login(cfg.get("logger"))) if ctx.is_main else None
+    dist.agreed(ctx, "checking the W&B login", login)
     found = dist.agreed(ctx, "finding the checkpoint to resume", lambda: find_resume(cfg))
     same_checkpoint(found, cfg, ctx)
     dist.agreed(ctx, "checking the run directory's results",

@@ -685,6 +685,23 @@ def test_wandb_sink_rejects_unknown_mode():
         WandbSink(mode="cloud")
 
 
+def test_wandb_sink_takes_one_word_as_one_tag():
+    """logger.tags=baseline was eight one-letter tags."""
+    from omegaconf import OmegaConf
+
+    from fastload.errors import ConfigError
+
+    assert WandbSink(tags="baseline").tags == ["baseline"]
+    assert WandbSink(tags=OmegaConf.create(["a", 7])).tags == ["a", "7"]
+    assert WandbSink(tags=None).tags == []
+    with pytest.raises(ConfigError, match=r"logger.tags=5: use one tag \(logger.tags=baseline\)"):
+        WandbSink(tags=5)
+    with pytest.raises(ConfigError, match="logger.tags: {'a': 1} is not a tag"):
+        WandbSink(tags=[{"a": 1}])
+    with pytest.raises(ConfigError, match="has 65 characters; W&B takes tags of 1 to 64"):
+        WandbSink(tags=["x" * 65])
+
+
 # --------------------------------------------------------------------------- report
 
 

@@ -312,6 +312,11 @@ def test_a_resume_refuses_a_model_setting_that_changes_what_is_computed(tmp_path
         ("dataset.train_transform.scale=[1.5,0.2]", "scale=[1.5, 0.2]: use [low, high] with 0 <"),
         ("dataset.train_transform.ratio=[0,1]", "dataset.train_transform.ratio=[0, 1]"),
         ("dataset.train_transform.hflip=2", "dataset.train_transform.hflip=2: use a probability"),
+        ("logger.mode=ofline", "logger.mode='ofline': use one of offline, online, disabled"),
+        ("logger.init_timeout_s=0", "logger.init_timeout_s=0: use a number of seconds > 0"),
+        ("logger.init_timeout_s=soon", "logger.init_timeout_s='soon': use a number of seconds"),
+        ("logger.tags=5", "logger.tags=5: use one tag (logger.tags=baseline) or a list"),
+        ("logger.tags=[[a]]", "logger.tags: ['a'] is not a tag"),
     ],
 )
 def test_an_option_out_of_its_values_is_refused_by_name(override, message):
@@ -333,6 +338,56 @@ def test_every_shipped_dataset_config_passes_the_option_checks(dataset):
     cfg = compose_config([f"dataset={dataset}"])
     check_choices(cfg)
     check_transforms(cfg.dataset)
+
+
+def wandb_logged_out(tmp_path) -> dict:
+    """An environment in which W&B finds no credentials (no key, no netrc, no settings)."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {"HOME": str(home), "NETRC": str(home / "netrc"), "WANDB_API_KEY": "",
+            "WANDB_CONFIG_DIR": str(home / "wandb"), "WANDB_IDENTITY_TOKEN_FILE": ""}  # fmt: skip
+
+
+def test_logger_mode_online_without_a_wandb_login_is_refused(tmp_path, monkeypatch):
+    """Looked up as wandb does, without a network call: the environment variable, or the
+    netrc entry `wandb login` writes."""
+    wandb = pytest.importorskip("wandb")
+    from fastload.telemetry.wandb_sink import check_login
+
+    for var, value in wandb_logged_out(tmp_path).items():
+        monkeypatch.setenv(var, value)
+    online = compose_config(["logger=wandb", "logger.mode=online"]).logger
+    wandb.teardown()  # settings read afresh from this environment
+    try:
+        with pytest.raises(ConfigError) as err:
+            check_login(online)
+        message = err.value.user_message
+        assert "`wandb login`" in message and "WANDB_API_KEY" in message, message
+        assert "logger.mode=offline" in message
+        check_login(compose_config(["logger=wandb"]).logger)  # offline: no login needed
+        netrc = tmp_path / "home" / "netrc"
+        netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n")
+        netrc.chmod(0o600)
+        check_login(online)
+        netrc.unlink()
+        monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+        check_login(online)
+    finally:
+        wandb.teardown()
+
+
+@pytest.mark.parametrize("override", ["logger.mode=ofline", "logger.mode=online"])
+def test_a_bad_logger_option_stops_train_py_before_any_work(tmp_path, override):
+    """logger.mode=ofline was refused when the sink was built: after the data preparation,
+    the loader=auto probe, the model and the loaders (26 s on a tiny dataset, the staging
+    and packing on a real one), leaving a run folder with an empty metrics.jsonl."""
+    root = make_image_folder(tmp_path / "d", classes=("a", "b", "c"), per_split=(1, 1))
+    run_dir = tmp_path / "out" / "x" / "run"
+    out = run_train(tiny_overrides(root, run_dir, "logger=wandb", override),
+                    env=wandb_logged_out(tmp_path))  # fmt: skip
+    assert_clean_failure(out, "logger.mode=")
+    assert out.returncode == 2
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_a_misnamed_device_stops_train_py_before_any_work(tmp_path):

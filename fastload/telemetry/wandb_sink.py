@@ -15,6 +15,7 @@ shortened, and the resolved config is written at start to ``files/resolved_confi
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import threading
@@ -28,6 +29,7 @@ from fastload.telemetry.sinks import to_jsonable, write_json_atomic
 
 MODES = ("offline", "online", "disabled")
 CONFIG_FILE = "resolved_config.json"
+TAG_CHARS = 64  # W&B refuses a longer (or empty) tag at wandb.init
 # Seconds between flushes of wandb's record log (wandb's default: 15 s). Epoch-level
 # logging makes flushing cheap; a crash then loses at most this much of the W&B record.
 _FLUSH_INTERVAL_S = 2.0
@@ -36,6 +38,112 @@ _TEARDOWN_TIMEOUT_S = 60.0
 
 class WandbTimeout(TimeoutError):
     pass
+
+
+def checked_mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise ConfigError(
+            f"logger.mode={mode!r}: use one of {', '.join(MODES)} (logger=none: no W&B at all)."
+        )
+    return mode
+
+
+def checked_timeout(seconds: Any) -> float:
+    ok = isinstance(seconds, int | float) and not isinstance(seconds, bool)
+    if not (ok and math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(
+            f"logger.init_timeout_s={seconds!r}: use a number of seconds > 0 (how long "
+            f"wandb.init may take before the run goes on without W&B), e.g. 60."
+        )
+    return float(seconds)
+
+
+def checked_tags(tags: Any) -> list[str]:
+    """logger.tags as W&B takes them: one word is one tag (logger.tags=baseline), a list is
+    its tags (logger.tags=[baseline,bs256])."""
+    if tags is None:
+        return []
+    fix = "use one tag (logger.tags=baseline) or a list of them (logger.tags=[baseline,bs256])"
+    if isinstance(tags, str):
+        tags = [tags]
+    elif not isinstance(tags, Sequence):  # Hydra passes a list as a ListConfig
+        raise ConfigError(f"logger.tags={tags!r}: {fix}.")
+    out = []
+    for tag in tags:
+        if isinstance(tag, bool) or not isinstance(tag, str | int | float):
+            raise ConfigError(f"logger.tags: {tag!r} is not a tag; {fix}.")
+        if not 1 <= len(str(tag)) <= TAG_CHARS:
+            raise ConfigError(
+                f"logger.tags: {str(tag)!r} has {len(str(tag))} characters; W&B takes tags of "
+                f"1 to {TAG_CHARS}."
+            )
+        out.append(str(tag))
+    return out
+
+
+def is_wandb(options: Mapping[str, Any] | None) -> bool:
+    """Whether the config's `logger` node builds this sink (logger=wandb)."""
+    return bool(options) and options.get("_target_") == f"{__name__}.WandbSink"
+
+
+def check_options(options: Mapping[str, Any] | None) -> None:
+    """logger=wandb's options (the config's `logger` node), refused by name before any work
+    (engine.check_config); a logger of another _target_ is not checked."""
+    if not is_wandb(options):
+        return
+    checked_mode(options.get("mode", "offline"))
+    checked_timeout(options.get("init_timeout_s", 60.0))
+    checked_tags(options.get("tags"))
+
+
+def credentials_missing() -> str | None:
+    """For logger.mode=online: what to do when wandb would find no credentials, else None.
+
+    wandb.init looks in the same places (wandb.sdk.lib.wbauth's system auth): the
+    WANDB_API_KEY or WANDB_IDENTITY_TOKEN_FILE environment variable, the netrc entry that
+    `wandb login` writes for the W&B host, an api_key in wandb's settings file. Looked up
+    without a network call and without a prompt; a wandb version whose lookup this cannot
+    reach gives None (the run then tries, and a failure is in train.log and summary.json).
+    wandb.login(prompt=False) is not used: it asks the server who the user is."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return None  # start() says the package is missing
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        settings = wandb_setup.singleton().settings
+        found = wbauth.authenticate_session(
+            host=settings.base_url, source="fastload", prompt=False, update_session=False
+        )
+    except ImportError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - e.g. a malformed key in the netrc file
+        if type(exc).__name__ != "AuthenticationError":
+            return None
+        return (
+            f"logger.mode=online: W&B cannot use its credentials ({exc}). Run `wandb login "
+            f"--relogin`, set WANDB_API_KEY, or log offline with logger.mode=offline."
+        )
+    if found is not None:
+        return None
+    return (
+        f"logger.mode=online: no W&B API key for {settings.base_url}. Run `wandb login` (or "
+        f"set WANDB_API_KEY), or log offline with logger.mode=offline (the default; the run "
+        f"prints the `wandb sync` command that uploads it later)."
+    )
+
+
+def check_login(options: Mapping[str, Any] | None) -> None:
+    """logger=wandb logger.mode=online without W&B credentials: refused before any work
+    (the run would train, then find out at wandb.init); no network call."""
+    if is_wandb(options) and options.get("mode") == "online":
+        missing = credentials_missing()
+        if missing:
+            raise ConfigError(missing)
 
 
 def _settings(wandb: Any, init_timeout_s: float) -> Any:
@@ -119,21 +227,17 @@ class WandbSink:
         mode: str = "offline",
         entity: str | None = None,
         name: str | None = None,
-        tags: Sequence[str] | None = (),
+        tags: Sequence[str] | str | None = (),
         group: str | None = None,
         init_timeout_s: float = 60.0,
     ) -> None:
-        if mode not in MODES:
-            raise ConfigError(f"logger.mode={mode!r}: must be one of {', '.join(MODES)}")
-        if not init_timeout_s > 0:
-            raise ConfigError(f"logger.init_timeout_s={init_timeout_s!r}: must be > 0")
         self.project = project
-        self.mode = mode
+        self.mode = checked_mode(mode)
         self.entity = entity
         self.name = name
-        self.tags = [str(t) for t in (tags or ())]  # Hydra passes a ListConfig
+        self.tags = checked_tags(tags)
         self.group = group
-        self.init_timeout_s = float(init_timeout_s)
+        self.init_timeout_s = checked_timeout(init_timeout_s)
         self._run: Any = None
         self._log_failed = False
         self.sync_dir: str | None = None  # wandb's folder for this run, once started
