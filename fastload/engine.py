@@ -672,6 +672,7 @@ class RunRecord:
         if self.ctx.is_main:
             summary["wandb_sync"] = self.sink.finish(summary)
             summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
+            summary["wandb_error"] = getattr(self.sink, "error", None)  # why W&B failed
             self.files.write_summary(summary)
             print(format_summary_table(summary), flush=True)
         return summary

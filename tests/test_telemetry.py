@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import subprocess
 import sys
@@ -589,20 +590,23 @@ def test_wandb_sink_offline_writes_config_at_start_and_metrics(tmp_path, wandb_e
         assert json.loads(summary_file.read_text())["loss"] == 0.5
 
 
-def test_wandb_sink_falls_back_when_init_raises(tmp_path, wandb_env, monkeypatch):
+def test_wandb_sink_falls_back_when_init_raises(tmp_path, wandb_env, monkeypatch, caplog):
     def boom(**kwargs):
         raise RuntimeError("no backend")
 
     monkeypatch.setattr(wandb_env, "init", boom)
     sink = WandbSink(mode="offline", init_timeout_s=5)
-    with pytest.warns(RuntimeWarning, match="W&B init failed.*no backend"):
+    with caplog.at_level(logging.WARNING, logger="fastload"):
         sink.start(config={"a": 1}, run_dir=tmp_path)
+    # the fastload logger's (train.log), not a Python warning only stderr showed
+    assert "W&B init failed (RuntimeError: no backend)" in caplog.text
+    assert sink.error == "init failed (RuntimeError: no backend)"  # for summary.json
     assert not sink.active
     sink.log({"loss": 1.0}, step=0)  # no-op, no error
     assert sink.finish() is None
 
 
-def test_wandb_sink_times_out_a_hanging_init(tmp_path, wandb_env, monkeypatch):
+def test_wandb_sink_times_out_a_hanging_init(tmp_path, wandb_env, monkeypatch, caplog):
     late_finished = threading.Event()
 
     class LateRun:
@@ -616,8 +620,9 @@ def test_wandb_sink_times_out_a_hanging_init(tmp_path, wandb_env, monkeypatch):
     monkeypatch.setattr(wandb_env, "init", hang)
     sink = WandbSink(mode="offline", init_timeout_s=0.1)
     t0 = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="did not return"):
+    with caplog.at_level(logging.WARNING, logger="fastload"):
         sink.start(config={"a": 1}, run_dir=tmp_path)
+    assert "did not return" in caplog.text and "did not return" in sink.error
     assert time.monotonic() - t0 < 1.9  # deadline: 0.1 * 1.1 + 1 s
     assert not sink.active
     sink.log({"loss": 1.0}, step=0)
@@ -626,7 +631,7 @@ def test_wandb_sink_times_out_a_hanging_init(tmp_path, wandb_env, monkeypatch):
     assert late_finished.wait(5)
 
 
-def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monkeypatch):
+def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monkeypatch, caplog):
     calls = []
 
     class FailingRun:
@@ -653,8 +658,9 @@ def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monke
     monkeypatch.setitem(sys.modules, "wandb", fake)
     sink = WandbSink(mode="offline")
     sink.start(config={"a": [1, 2]}, run_dir=tmp_path)
-    with pytest.warns(RuntimeWarning, match="W&B log failed.*disk full"):
+    with caplog.at_level(logging.WARNING, logger="fastload"):
         sink.log({"loss": 1.0}, step=0)
+    assert "W&B log failed (OSError: disk full)" in caplog.text
     sink.log({"loss": 0.5}, step=1)  # not attempted again
     assert sink.finish() == f"wandb sync {tmp_path / 'wandb' / 'offline-run-x'}"
     assert calls == ["save", "log", "finish", "teardown"]
@@ -662,11 +668,12 @@ def test_wandb_sink_log_failure_stops_logging_but_still_finishes(tmp_path, monke
     assert json.loads(saved.read_text()) == {"a": [1, 2]}
 
 
-def test_wandb_sink_without_wandb_package_warns(tmp_path, monkeypatch):
+def test_wandb_sink_without_wandb_package_warns(tmp_path, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     sink = WandbSink()
-    with pytest.warns(RuntimeWarning, match="pip install wandb"):
+    with caplog.at_level(logging.WARNING, logger="fastload"):
         sink.start(config={}, run_dir=tmp_path)
+    assert "pip install wandb" in caplog.text and "pip install wandb" in sink.error
     assert not sink.active and sink.finish() is None
 
 
@@ -735,6 +742,26 @@ def test_format_summary_table_renders_values_and_na():
 
     empty = format_summary_table({})
     assert all(line.split()[-1] == "n/a" for line in empty.splitlines())
+
+
+def test_the_summary_table_says_when_wandb_failed():
+    """A failed W&B start read "W&B  n/a", as logger=none."""
+
+    def wandb_row(**summary):
+        (row,) = [
+            line for line in format_summary_table(summary).splitlines() if line.startswith("W&B")
+        ]
+        return row.split("  ", 1)[1].strip()
+
+    assert wandb_row() == "n/a"
+    assert (
+        wandb_row(wandb_error="init failed (UsageError: bad)")
+        == "failed: init failed (UsageError: bad)"
+    )
+    assert wandb_row(
+        wandb_error="closing the run took over 120 s", wandb_sync="wandb sync /r/w"
+    ) == ("failed: closing the run took over 120 s; wandb sync /r/w")
+    assert len(wandb_row(wandb_error="x" * 500)) == len("failed: ") + 100
 
 
 def test_the_summary_table_says_peak_memory_is_one_ranks_under_ddp():

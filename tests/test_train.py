@@ -106,6 +106,28 @@ def test_short_run_learns_and_writes_every_artifact(tiny_folder, tmp_path):
     assert "best top-1" in out.stdout.lower() or "best_acc1" in out.stdout
 
 
+def test_a_wandb_start_failure_is_in_train_log_summary_and_table(tiny_folder, tmp_path):
+    """A W&B that failed to start was a Python warning on stderr only: train.log had no
+    word of it, summary.json said "wandb_sync": null and the table "W&B  n/a", as for
+    logger=none. (An invalid project name makes wandb.init fail at once, offline too.)"""
+    run_dir = tmp_path / "run"
+    out = run_train(
+        tiny_overrides(tiny_folder, run_dir, "trainer.epochs=1", "logger=wandb",
+                       "logger.project=a/b"),
+        env={"WANDB_DIR": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+             "WANDB_CACHE_DIR": str(tmp_path / "cache")},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (
+        "W&B init failed (UsageError: Invalid project name 'a/b'"
+        in (run_dir / "train.log").read_text()
+    )
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["wandb_error"].startswith("init failed (UsageError: Invalid project name")
+    (row,) = [line for line in out.stdout.splitlines() if line.startswith("W&B ")]
+    assert row.split(None, 1)[1].startswith("failed: init failed (UsageError: Invalid project"), row
+
+
 def test_sigterm_in_an_epochs_last_step_writes_the_checkpoint_it_reports(tiny_folder, tmp_path):
     """A signal that lands in an epoch's last step (or during its evaluation) is seen after
     the epoch; with trainer.checkpoint_every=2 no checkpoint was due there, so the stop

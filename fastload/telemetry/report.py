@@ -158,7 +158,8 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
       ``metric_label`` / ``metric_unit`` (default: top-1, percent; ``best_acc1`` also read),
       ``best_ema_metric`` (the same for the EMA of the weights, a row only when present),
       ``run_dir`` (str), ``wandb_dir`` (W&B run folder), ``wandb_sync`` (sync command;
-      shown instead of ``wandb_dir`` when present).
+      shown instead of ``wandb_dir`` when present), ``wandb_error`` (why W&B failed: the
+      W&B row says so, not n/a as for logger=none).
     """
 
     def fmt(key: str, spec: str, scale: float = 1.0, unit: str = "") -> str:
@@ -186,6 +187,14 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
             "" if rss is None else f" (summed RSS {rss:,.0f} MiB)"
         )
 
+    def wandb() -> str:
+        where, error = text("wandb_sync", "wandb_dir"), summary.get("wandb_error")
+        if not error:
+            return where
+        error = str(error).splitlines()[0]
+        error = error if len(error) <= 100 else error[:99] + "…"
+        return f"failed: {error}" + ("" if where == "n/a" else f"; {where}")
+
     epochs = summary.get("epochs")
     rows = [
         ("epochs", str(epochs) if epochs is not None else "n/a"),
@@ -197,7 +206,7 @@ def format_summary_table(summary: Mapping[str, Any]) -> str:
         best_metric_row(summary, fmt),
         *ema_metric_row(summary, fmt),
         ("run directory", text("run_dir")),
-        ("W&B", text("wandb_sync", "wandb_dir")),
+        ("W&B", wandb()),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -15,17 +15,19 @@ shortened, and the resolved config is written at start to ``files/resolved_confi
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shlex
 import threading
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fastload.errors import ConfigError
 from fastload.telemetry.sinks import to_jsonable, write_json_atomic
+
+log = logging.getLogger("fastload")
 
 MODES = ("offline", "online", "disabled")
 CONFIG_FILE = "resolved_config.json"
@@ -217,8 +219,10 @@ def without_none(values: Mapping[str, Any]) -> dict:
 class WandbSink:
     """Logs the resolved config and per-epoch metrics to W&B; rank 0 only.
 
-    Any W&B failure (package missing, init error or timeout, a failing log call) warns
-    once and turns the sink into a no-op; the local metrics files remain the record.
+    Any W&B failure (package missing, init error or timeout, a failing log call, a failing
+    close) is logged once (the `fastload` logger: the console and train.log) and turns the
+    sink into a no-op; the local metrics files remain the record.
+    `error` keeps the first one, for summary.json and the final table.
     """
 
     def __init__(
@@ -240,6 +244,7 @@ class WandbSink:
         self.init_timeout_s = checked_timeout(init_timeout_s)
         self._run: Any = None
         self._log_failed = False
+        self.error: str | None = None  # the first failure that cost W&B data, in short
         self.sync_dir: str | None = None  # wandb's folder for this run, once started
         self.config_path: Path | None = None  # our copy of the config, written at start
 
@@ -257,9 +262,10 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            self._warn(
+            self._fail(
+                "the wandb package is not installed (pip install wandb)",
                 "logger=wandb but the wandb package is not installed (pip install wandb); "
-                "logging locally only"
+                "logging locally only",
             )
             return
         run_dir = Path(run_dir)
@@ -281,7 +287,8 @@ class WandbSink:
         try:
             run = _call_with_deadline(wandb.init, kwargs, deadline_s, "wandb.init")
         except Exception as exc:
-            self._warn(f"W&B init failed ({type(exc).__name__}: {exc}); logging locally only")
+            cause = f"{type(exc).__name__}: {exc}"
+            self._fail(f"init failed ({cause})", f"W&B init failed ({cause}); logging locally only")
             return
         self._run = run
         try:
@@ -304,7 +311,8 @@ class WandbSink:
             # overwrite, the summary that finish() sets
             self._run.log(data, step=step, commit=True)
         except Exception as exc:
-            self._warn(f"W&B log failed ({type(exc).__name__}: {exc}); W&B logging stopped")
+            cause = f"{type(exc).__name__}: {exc}"
+            self._fail(f"log failed ({cause})", f"W&B log failed ({cause}); W&B logging stopped")
             self._log_failed = True  # keep the run: finish() still closes it
 
     def finish(self, summary: Mapping[str, Any] | None = None) -> str | None:
@@ -323,7 +331,8 @@ class WandbSink:
         try:
             run.finish()
         except Exception as exc:
-            self._warn(f"W&B finish failed ({type(exc).__name__}: {exc})")
+            cause = f"{type(exc).__name__}: {exc}"
+            self._fail(f"finish failed ({cause})", f"W&B finish failed ({cause})")
         # wandb 0.31's finish() returns before its service has closed the run's record log
         # (the last rows and the exit record are written asynchronously); teardown waits for
         # that, so the files are complete when we print the sync command.
@@ -332,7 +341,8 @@ class WandbSink:
 
             _call_with_deadline(wandb.teardown, {}, _TEARDOWN_TIMEOUT_S, "wandb.teardown")
         except Exception as exc:
-            self._warn(f"W&B teardown failed ({type(exc).__name__}: {exc})")
+            cause = f"{type(exc).__name__}: {exc}"
+            self._fail(f"teardown failed ({cause})", f"W&B teardown failed ({cause})")
         try:
             offline = bool(run.offline)
         except Exception:
@@ -341,6 +351,12 @@ class WandbSink:
             return f"wandb sync {shlex.quote(self.sync_dir)}"
         return None
 
+    def _fail(self, short: str, message: str) -> None:
+        """A failure that costs W&B data: logged, and the first one kept as `error`."""
+        if self.error is None:
+            self.error = short
+        self._warn(message)
+
     @staticmethod
     def _warn(message: str) -> None:
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
