@@ -581,11 +581,12 @@ class RunRecord:
         if self.ctx.is_main and resumed.parent.parent.absolute() != self.run_dir.absolute():
             self.files.keep_skipped(history, resumed.parent.parent / self.files.skipped_path.name)
 
-    def stopped(self) -> None:
-        """A run stopped by a signal (its checkpoint written): the logger is closed, so that
-        its record of the epochs so far is complete (an offline W&B run, its sync command)."""
+    def stopped(self, exit_code: int) -> None:
+        """A run stopped by a signal (its checkpoint written): the logger is closed with the
+        process's exit code (W&B shows the run as failed, not finished), so that its record
+        of the epochs so far is complete (an offline W&B run, its sync command)."""
         if self.ctx.is_main:
-            sync = self.sink.finish(None)
+            sync = self.sink.finish(None, exit_code=exit_code)
             if sync:
                 log.info("W&B (offline) of the epochs so far: %s", sync)
 
@@ -1053,8 +1054,8 @@ def fit(cfg: DictConfig) -> dict:
         Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
     except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket
         raise plain_death(exc, ctx) from None
-    except TrainingInterrupted:
-        record.stopped()
+    except TrainingInterrupted as exc:
+        record.stopped(exc.exit_code)
         raise
     finally:
         data.close()

@@ -252,5 +252,5 @@ class RecordingSink(NullSink):
     def log(self, metrics, step=None):
         self._write(call="log", step=step)
 
-    def finish(self, summary=None):
-        self._write(call="finish", epochs=(summary or {}).get("epochs"))
+    def finish(self, summary=None, exit_code=0):
+        self._write(call="finish", epochs=(summary or {}).get("epochs"), exit_code=exit_code)

@@ -318,7 +318,8 @@ def test_a_run_resumed_in_a_new_folder_carries_every_epochs_record(tmp_path):
                          "SIGTERM_AFTER_READS": "17"})  # fmt: skip
     assert out.returncode == 143, out.stderr[-3000:]
     calls = [json.loads(x) for x in (tmp_path / "first.jsonl").read_text().splitlines()]
-    assert calls[-1] == {"call": "finish", "epochs": None}  # closed: its record is complete
+    # closed, its record complete; with the exit code, so W&B shows the run as stopped
+    assert calls[-1] == {"call": "finish", "epochs": None, "exit_code": 143}
     second = tmp_path / "out" / "carry" / "r2"
     out = run_train(tiny_overrides(root, second, *args, "resume=auto"),
                     env={"RECORDING_SINK": str(tmp_path / "second.jsonl")})  # fmt: skip
@@ -327,7 +328,7 @@ def test_a_run_resumed_in_a_new_folder_carries_every_epochs_record(tmp_path):
     assert lines == [f"epoch {e}\t{bad}" for e in range(3)], lines
     calls = [json.loads(x) for x in (tmp_path / "second.jsonl").read_text().splitlines()]
     assert [c.get("step") for c in calls if c["call"] == "log"] == [0, 1, 2]
-    assert calls[-1] == {"call": "finish", "epochs": 3}
+    assert calls[-1] == {"call": "finish", "epochs": 3, "exit_code": 0}
 
 
 def test_a_restart_from_a_checkpoint_inside_the_epoch_lists_the_files_skipped_before_it(tmp_path):

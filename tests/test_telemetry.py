@@ -709,6 +709,57 @@ def test_wandb_sink_takes_one_word_as_one_tag():
         WandbSink(tags=["x" * 65])
 
 
+class FakeRun:
+    """A wandb run whose finish() records its exit code and can be made to hang."""
+
+    offline = True
+
+    def __init__(self, folder: Path, hang_s: float = 0.0):
+        self.settings = types.SimpleNamespace(sync_dir=str(folder), files_dir=str(folder / "f"))
+        self.summary, self.hang_s, self.exit_codes = {}, hang_s, []
+
+    def save(self, *args, **kwargs):
+        pass
+
+    def finish(self, exit_code=None):
+        self.exit_codes.append(exit_code)
+        time.sleep(self.hang_s)
+
+
+def fake_wandb(monkeypatch, run: FakeRun) -> list:
+    """`import wandb` gives a module whose init returns `run`; the list records teardowns."""
+    teardowns: list = []
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kwargs: kwargs
+    fake.init = lambda **kwargs: run
+    fake.teardown = lambda: teardowns.append(True)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return teardowns
+
+
+def test_wandb_sink_passes_the_exit_code_to_the_run(tmp_path, monkeypatch):
+    run = FakeRun(tmp_path / "wandb" / "offline-run-x")
+    fake_wandb(monkeypatch, run)
+    sink = WandbSink(mode="offline")
+    sink.start(config={}, run_dir=tmp_path)
+    sink.finish(None, exit_code=143)
+    assert run.exit_codes == [143] and sink.error is None
+
+
+def test_a_stopped_runs_offline_wandb_record_holds_its_exit_code(tmp_path, wandb_env):
+    """A run stopped by SIGTERM was recorded in W&B with exit code 0 (finished, not failed)."""
+    run_dir = tmp_path / "run"
+    sink = WandbSink(project="fastload-test", mode="offline", init_timeout_s=60)
+    sink.start(config={"seed": 0}, run_dir=run_dir)
+    sink.log({"epoch": 0, "loss": 1.5}, step=0)
+    sink.finish(None, exit_code=143)
+    (record_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [
+        r.exit for r in read_wandb_records(record_file) if r.WhichOneof("record_type") == "exit"
+    ]
+    assert [e.exit_code for e in exits] == [143], exits
+
+
 # --------------------------------------------------------------------------- report
 
 

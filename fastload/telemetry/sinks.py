@@ -214,7 +214,9 @@ class MetricsSink(Protocol):
 
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None: ...
 
-    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None: ...
+    def finish(
+        self, summary: Mapping[str, Any] | None = None, exit_code: int = 0
+    ) -> str | None: ...
 
 
 class NullSink:
@@ -230,5 +232,5 @@ class NullSink:
     def log(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         pass
 
-    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None:
+    def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> str | None:
         return None

@@ -315,10 +315,12 @@ class WandbSink:
             self._fail(f"log failed ({cause})", f"W&B log failed ({cause}); W&B logging stopped")
             self._log_failed = True  # keep the run: finish() still closes it
 
-    def finish(self, summary: Mapping[str, Any] | None = None) -> str | None:
+    def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> str | None:
         """Close the run; return ``"wandb sync <dir>"`` for an offline run, else None.
         `summary` (summary.json's numbers: steady-state means, the best metric) becomes the
-        run's summary; W&B would otherwise show the last epoch's values in its runs table."""
+        run's summary; W&B would otherwise show the last epoch's values in its runs table.
+        `exit_code`: the process's (128 + the signal of a stopped run), what W&B shows as the
+        run's state."""
         run, self._run = self._run, None
         if run is None:
             return None
@@ -329,7 +331,7 @@ class WandbSink:
             except Exception as exc:
                 self._warn(f"W&B summary failed ({type(exc).__name__}: {exc})")
         try:
-            run.finish()
+            run.finish(exit_code=int(exit_code))
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             self._fail(f"finish failed ({cause})", f"W&B finish failed ({cause})")
