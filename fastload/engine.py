@@ -671,9 +671,19 @@ class RunRecord:
             summary["best_ema_metric"] = state.best_ema_metric
             summary["best_ema_" + self.task.metric.removeprefix("val_")] = state.best_ema_metric
         if self.ctx.is_main:
-            summary["wandb_sync"] = self.sink.finish(summary)
+            # written before the logger closes: a W&B close that hangs, fails or is cut short
+            # by Ctrl-C leaves the summary of a run that trained every epoch
+            summary["wandb_sync"] = summary["wandb_error"] = None
             summary["wandb_dir"] = getattr(self.sink, "sync_dir", None)
-            summary["wandb_error"] = getattr(self.sink, "error", None)  # why W&B failed
+            self.files.write_summary(summary)
+            try:
+                summary["wandb_sync"] = self.sink.finish(summary)  # within a deadline
+            except KeyboardInterrupt:
+                log.warning("Ctrl-C while W&B closed its run: its record may lack the last "
+                            "rows; metrics.jsonl and summary.json hold every epoch")  # fmt: skip
+                summary["wandb_error"] = "closing the run was interrupted (Ctrl-C)"
+            if getattr(self.sink, "error", None):
+                summary["wandb_error"] = self.sink.error
             self.files.write_summary(summary)
             print(format_summary_table(summary), flush=True)
         return summary

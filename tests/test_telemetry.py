@@ -737,6 +737,25 @@ def fake_wandb(monkeypatch, run: FakeRun) -> list:
     return teardowns
 
 
+def test_wandb_sink_gives_up_on_a_close_that_takes_too_long(tmp_path, monkeypatch, caplog):
+    """run.finish() had no deadline: a slow W&B close held the end of a trained run."""
+    from fastload.telemetry import wandb_sink
+
+    monkeypatch.setattr(wandb_sink, "_FINISH_TIMEOUT_S", 0.3)
+    run = FakeRun(tmp_path / "wandb" / "offline-run-x", hang_s=3.0)
+    teardowns = fake_wandb(monkeypatch, run)
+    sink = WandbSink(mode="offline")
+    sink.start(config={}, run_dir=tmp_path)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        sync = sink.finish({"epochs": 2})
+    assert time.monotonic() - t0 < 2.0
+    assert sync == f"wandb sync {tmp_path / 'wandb' / 'offline-run-x'}"  # uploads what it holds
+    assert "W&B did not close its run within 0.3 s" in caplog.text
+    assert sink.error == "closing the run took over 0.3 s"
+    assert not teardowns  # it would wait for the same stuck service
+
+
 def test_wandb_sink_passes_the_exit_code_to_the_run(tmp_path, monkeypatch):
     run = FakeRun(tmp_path / "wandb" / "offline-run-x")
     fake_wandb(monkeypatch, run)
@@ -793,6 +812,44 @@ def test_format_summary_table_renders_values_and_na():
 
     empty = format_summary_table({})
     assert all(line.split()[-1] == "n/a" for line in empty.splitlines())
+
+
+def test_summary_json_is_written_before_wandb_closes_and_survives_a_ctrl_c_there(tmp_path, capsys):
+    """summary.json and the final table were written only once W&B had closed its run: a
+    Ctrl-C during a slow close lost both, although every epoch had trained."""
+    from conftest import compose_config, tiny_overrides
+    from omegaconf import open_dict
+
+    from fastload.dist import DistContext
+    from fastload.engine import RunRecord
+    from fastload.tasks.base import build_task
+
+    run_dir = tmp_path / "out" / "x" / "r"
+    cfg = compose_config(tiny_overrides(tmp_path, run_dir), run_dir)
+    with open_dict(cfg):
+        del cfg["hydra"]  # as train.py's run sees it
+    record = RunRecord(cfg, DistContext(), run_dir, [], build_task(cfg))
+    seen = []
+
+    class CtrlCWhileClosing(NullSink):
+        sync_dir = "/r/wandb/offline-run-x"
+
+        def finish(self, summary=None, exit_code=0):
+            seen.append(json.loads((run_dir / "summary.json").read_text()))
+            raise KeyboardInterrupt
+
+    record.sink = CtrlCWhileClosing()
+    row = {"epoch": 0, "epoch_time_s": 2.0, "images_per_s": 10.0, "val_acc1": 50.0,
+           "train_loss": 1.0, "peak_pss_mib": None, "peak_rss_sum_mib": None}  # fmt: skip
+    state = types.SimpleNamespace(history=[row], best_metric=50.0, ema=None)
+    summary = record.finish(state)
+    assert seen[0]["epochs"] == 1 and seen[0]["best_acc1"] == 50.0  # before the close
+    written = json.loads((run_dir / "summary.json").read_text())
+    assert written == json.loads(json.dumps(summary))
+    assert written["wandb_error"] == "closing the run was interrupted (Ctrl-C)"
+    assert written["wandb_dir"] == "/r/wandb/offline-run-x" and written["wandb_sync"] is None
+    table = capsys.readouterr().out
+    assert "failed: closing the run was interrupted (Ctrl-C); /r/wandb/offline-run-x" in table
 
 
 def test_the_summary_table_says_when_wandb_failed():

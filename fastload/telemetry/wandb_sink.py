@@ -36,6 +36,9 @@ TAG_CHARS = 64  # W&B refuses a longer (or empty) tag at wandb.init
 # logging makes flushing cheap; a crash then loses at most this much of the W&B record.
 _FLUSH_INTERVAL_S = 2.0
 _TEARDOWN_TIMEOUT_S = 60.0
+# How long run.finish() may take (online: the last uploads) before the run goes on without it;
+# `wandb sync <dir>` then uploads what the run folder holds.
+_FINISH_TIMEOUT_S = 120.0
 
 
 class WandbTimeout(TimeoutError):
@@ -219,9 +222,9 @@ def without_none(values: Mapping[str, Any]) -> dict:
 class WandbSink:
     """Logs the resolved config and per-epoch metrics to W&B; rank 0 only.
 
-    Any W&B failure (package missing, init error or timeout, a failing log call, a failing
-    close) is logged once (the `fastload` logger: the console and train.log) and turns the
-    sink into a no-op; the local metrics files remain the record.
+    Any W&B failure (package missing, init error or timeout, a failing log call, a close
+    that fails or takes too long) is logged once (the `fastload` logger: the console and
+    train.log) and turns the sink into a no-op; the local metrics files remain the record.
     `error` keeps the first one, for summary.json and the final table.
     """
 
@@ -316,11 +319,11 @@ class WandbSink:
             self._log_failed = True  # keep the run: finish() still closes it
 
     def finish(self, summary: Mapping[str, Any] | None = None, exit_code: int = 0) -> str | None:
-        """Close the run; return ``"wandb sync <dir>"`` for an offline run, else None.
-        `summary` (summary.json's numbers: steady-state means, the best metric) becomes the
-        run's summary; W&B would otherwise show the last epoch's values in its runs table.
-        `exit_code`: the process's (128 + the signal of a stopped run), what W&B shows as the
-        run's state."""
+        """Close the run; return ``"wandb sync <dir>"`` for an offline run (or one whose
+        close did not end in time), else None. `summary` (summary.json's numbers:
+        steady-state means, the best metric) becomes the run's summary; W&B would otherwise
+        show the last epoch's values in its runs table. `exit_code`: the process's (128 +
+        the signal of a stopped run), what W&B shows as the run's state."""
         run, self._run = self._run, None
         if run is None:
             return None
@@ -331,7 +334,18 @@ class WandbSink:
             except Exception as exc:
                 self._warn(f"W&B summary failed ({type(exc).__name__}: {exc})")
         try:
-            run.finish(exit_code=int(exit_code))
+            kwargs = {"exit_code": int(exit_code)}
+            _call_with_deadline(run.finish, kwargs, _FINISH_TIMEOUT_S, "wandb finish")
+        except WandbTimeout:
+            left = (
+                f"; `wandb sync {shlex.quote(self.sync_dir)}` uploads it" if self.sync_dir else ""
+            )
+            self._fail(
+                f"closing the run took over {_FINISH_TIMEOUT_S:g} s",
+                f"W&B did not close its run within {_FINISH_TIMEOUT_S:g} s; the run goes on "
+                f"without it (its record may lack the last rows{left})",
+            )
+            return f"wandb sync {shlex.quote(self.sync_dir)}" if self.sync_dir else None
         except Exception as exc:
             cause = f"{type(exc).__name__}: {exc}"
             self._fail(f"finish failed ({cause})", f"W&B finish failed ({cause})")
