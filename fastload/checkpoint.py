@@ -231,8 +231,23 @@ def load(path: str | os.PathLike, option: str = "resume") -> dict:
     return verified(read(path, option), path, option)
 
 
+def in_run_folder(path: Path) -> Path:
+    """resume=<a run folder> (or its checkpoints/): its checkpoints/last.pt; a file: itself."""
+    for candidate in (path / "checkpoints" / LAST, path / LAST):
+        if path.is_dir() and candidate.is_file():
+            return candidate
+    return path
+
+
 def read(path: Path, option: str):
     """The file's contents, read without pickle (weights_only)."""
+    if path.is_dir():
+        files = (BEST, LAST) if option == "evaluate" else (LAST,)
+        raise CheckpointError(
+            f"{option}={path} is a folder without a checkpoint to take from it: pass a "
+            f"checkpoint file ({' or '.join(f'<run>/checkpoints/{f}' for f in files)})"
+            + (", or resume=auto (the newest of this run's name)." if option == "resume" else ".")
+        )
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check the {option}= path.")
     try:

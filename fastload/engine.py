@@ -313,7 +313,7 @@ def find_resume(cfg) -> tuple[Path, dict] | None:
     if cfg.resume in (None, "", "null"):
         return None
     if cfg.resume != "auto":
-        path = Path(cfg.resume)
+        path = ckpt.in_run_folder(Path(cfg.resume))  # a run folder: its last.pt
         payload = ckpt.load(path)
         ckpt.refuse_weights(path, payload)
     else:

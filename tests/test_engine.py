@@ -73,6 +73,24 @@ def test_checkpoint_write_is_atomic_and_loads_without_pickle(tmp_path):
         ckpt.load(tmp_path / "missing.pt")
 
 
+def test_resume_takes_a_run_folder_for_its_last_checkpoint(tmp_path):
+    """resume=<run folder> said the folder "does not exist"."""
+    from omegaconf import OmegaConf
+
+    from fastload.engine import find_resume
+
+    run = tmp_path / "out" / "n" / "2026-11-27_05-00-00"
+    last = run / "checkpoints" / "last.pt"
+    ckpt.save_atomic({"format": ckpt.FORMAT, "x": torch.ones(2)}, last)
+    for given in (run, run / "checkpoints", last):
+        cfg = OmegaConf.create({"resume": str(given), "output_root": str(tmp_path / "out")})
+        assert find_resume(cfg)[0] == last
+    with pytest.raises(CheckpointError, match=r"is a folder without a checkpoint.*resume=auto"):
+        ckpt.load(tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"checkpoints/best\.pt or <run>"):
+        ckpt.load_weights(run)  # evaluate=<a folder>: which files to pass
+
+
 def test_an_option_added_since_a_checkpoint_and_off_is_no_config_difference():
     saved = {"optim.base_lr": 0.2}  # written before optim.clip_grad_norm existed
     assert (
