@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -189,8 +190,20 @@ def test_storage_targets_take_each_rounds_ratio_then_the_median(capsys):
     with pytest.raises(SystemExit):
         storage.parse(["--rounds", "0"])
     with pytest.raises(SystemExit):  # the peers read train: val against them compares nothing
-        storage.parse(["--split", "val", "--ffcv-python", "python"])
+        storage.parse(["--split", "val", "--ffcv-python", sys.executable])
     assert "FFCV and DALI read the train split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["storage", "backends"])
+def test_a_peer_python_that_is_not_there_is_refused_before_any_work(suite, capsys):
+    """README's placeholder path ran the whole benchmark, then said the row failed (exit 0)."""
+    module = importlib.import_module(f"fastload.bench.{suite}")
+    for option, script in (("--ffcv-python", "bench_ffcv.py"), ("--dali-python", "bench_dali.py")):
+        with pytest.raises(SystemExit) as stop:
+            module.parse([option, "/path/to/env/bin/python"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and option in err and f"scripts/{script} --help" in err
+    assert module.parse(["--ffcv-python", sys.executable]).ffcv_python == sys.executable
 
 
 def test_rounds_take_turns_at_going_first(monkeypatch):
@@ -210,7 +223,7 @@ def test_rounds_take_turns_at_going_first(monkeypatch):
 
     monkeypatch.setattr(storage, "measure_store", store)
     monkeypatch.setattr(storage, "ffcv_rates", ffcv)
-    args = storage.parse(["--stores", "disk,shards-raw", "--ffcv-python", "python"])
+    args = storage.parse(["--stores", "disk,shards-raw", "--ffcv-python", sys.executable])
     rows = [storage.round_rows(r, Path("."), args) for r in range(3)]
     order = ["disk", "shards-raw", "ffcv", "ffcv", "disk", "shards-raw", "disk", "shards-raw"]
     assert calls == [*order, "ffcv"]
@@ -227,7 +240,7 @@ def test_rounds_take_turns_at_going_first(monkeypatch):
         "run_ffcv",
         lambda *a, **k: calls.append("ffcv") or peer_args.append(a) or {"images_per_s": 1.0},
     )
-    args = backends.parse(["--rounds", "3", "--ffcv-python", "python", "--repeats", "4",
+    args = backends.parse(["--rounds", "3", "--ffcv-python", sys.executable, "--repeats", "4",
                            "--batch-size", "32"])  # fmt: skip
     got = backends.target_rounds(
         args, Path("."), "pil", object(), (224, 2, 32, 4), lambda *a, **k: None
@@ -258,7 +271,9 @@ def test_peer_rounds_rotate_and_the_peer_targets_hold_in_every_round(monkeypatch
         "run_dali",
         lambda *a, **k: calls.append("dali") or {"images_per_s": next(dali_rates)},
     )
-    args = backends.parse(["--rounds", "3", "--ffcv-python", "py", "--dali-python", "py"])
+    args = backends.parse(
+        ["--rounds", "3", "--ffcv-python", sys.executable, "--dali-python", sys.executable]
+    )
     got = backends.target_rounds(
         args, Path("."), "pil", object(), (224, 2, 64, 1), lambda *a, **k: rows.append(a)
     )
@@ -321,7 +336,9 @@ def test_storage_rounds_run_both_peers_in_turn(monkeypatch):
     )
     monkeypatch.setattr(storage, "ffcv_rates", peer("ffcv"))
     monkeypatch.setattr(storage, "dali_rates", peer("dali"))
-    args = storage.parse(["--stores", "disk", "--ffcv-python", "p", "--dali-python", "p"])
+    args = storage.parse(
+        ["--stores", "disk", "--ffcv-python", sys.executable, "--dali-python", sys.executable]
+    )
     rounds = [storage.round_rows(r, Path("."), args) for r in range(2)]
     assert calls == ["disk", "ffcv", "dali", "dali", "ffcv", "disk"]
     targets = storage.target_ratios(rounds, args)

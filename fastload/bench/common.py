@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -149,6 +150,23 @@ def at_least(low: float, kind: type = int, at_most: float | None = None):
                 or (at_most is not None and value > at_most)):  # fmt: skip
             raise argparse.ArgumentTypeError(f"{text!r}: use {what} {bounds}")
         return value
+
+    return parse
+
+
+def peer_python(script: str):
+    """An argparse `type=` for --ffcv-python / --dali-python: an interpreter that is there
+    (a path, or a name on PATH). A wrong one was found only after the whole benchmark ran,
+    its rows then missing with exit 0."""
+
+    def parse(text: str) -> str:
+        found = shutil.which(text)
+        if found is None:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not an executable python; make that environment first "
+                f"(`python scripts/{script} --help` says how) and pass its bin/python"
+            )
+        return text
 
     return parse
 
