@@ -371,7 +371,13 @@ def check_dataset_fs(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     name = DATASET_FS
     root = cfg.dataset.get("root")
     if not facts.dataset_fs:
-        return Check(name, OK, f"{root} is not there yet (generated or mounted later)")
+        if cfg.dataset.get("prepare") is not None:
+            return Check(name, OK, f"{root} is not there yet (generated on first use)")
+        if cfg.storage.get("url"):
+            return Check(name, OK, f"{root} is not there (the data comes from storage.url)")
+        return Check(name, WARN, f"dataset.root {root} does not exist",
+                     "Set dataset.root=<the dataset's folder> (the run stops there), or mount "
+                     "it first if it comes later.")  # fmt: skip
     try:
         from hydra.utils import instantiate
 

@@ -161,6 +161,12 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(mo
     whole = checks(["backend=turbo", "backend.roi=off"], roi_decode=both)["decoders"].message
     assert "decoded whole by simplejpeg" in whole and "nvImageCodec" not in whole
     assert "libjpeg" in checks(["backend=pil"])["decoders"].message
+    # a real dataset's root that is not there (no prepare step makes it): said, with the fix
+    gone = checks(["dataset=imagenet", "dataset.root=/nope"], dataset_fs="")["dataset file system"]
+    assert gone.status == "warn" and "/nope does not exist" in gone.message
+    assert "dataset.root=" in gone.fix
+    made = checks(dataset_fs="")["dataset file system"]  # the built-in set: generated
+    assert made.status == "ok" and "generated on first use" in made.message
     nfs = checks(dataset_fs="nfs4")["dataset file system"]
     assert nfs.status == "warn" and "storage=tmpfs" in nfs.fix and "storage=shards" in nfs.fix
     # the storage judges it: staged to RAM or packed, the root is read once, not per epoch
