@@ -300,9 +300,11 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-def wrap_ddp(model, cfg, ctx):
-    if not ctx.distributed:
-        return model
+def ddp_class(cfg):
+    """trainer.ddp's DistributedDataParallel class; ConfigError for another value, or for
+    apex where it is not importable. Checked before any work (engine.check_config), also by
+    a single process, which wraps nothing: the same command under torchrun would fail after
+    its data work."""
     if cfg.trainer.ddp == "apex":
         try:
             from apex.parallel import DistributedDataParallel as ApexDDP
@@ -312,8 +314,17 @@ def wrap_ddp(model, cfg, ctx):
                 "PyPI: use an NVIDIA PyTorch container (it ships apex) or build apex from source "
                 "(github.com/NVIDIA/apex); or use trainer.ddp=native."
             ) from None
-        return ApexDDP(model)
+        return ApexDDP
     if cfg.trainer.ddp != "native":
         raise ConfigError(f"trainer.ddp={cfg.trainer.ddp!r}: use native or apex.")
+    return torch.nn.parallel.DistributedDataParallel
+
+
+def wrap_ddp(model, cfg, ctx):
+    if not ctx.distributed:
+        return model
+    if cfg.trainer.ddp == "apex":
+        return ddp_class(cfg)(model)
+    ddp_class(cfg)
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)

@@ -1015,6 +1015,7 @@ def check_config(cfg: DictConfig) -> None:
     check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)
     check_logger_options(cfg.get("logger"))
+    dist.ddp_class(cfg)  # trainer.ddp=apex where apex is missing: said by a single process too
 
 
 def fit(cfg: DictConfig) -> dict:

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from fastload import checkpoint as ckpt
 from fastload.config import run_id
 from fastload.dist import DistContext, wrap_ddp
-from fastload.engine import GracefulStop, amp_dtype
+from fastload.engine import GracefulStop, amp_dtype, check_config
 from fastload.errors import CheckpointError, ConfigError
 from fastload.optim import apex_fused_sgd, param_groups, warmup_cosine
 
@@ -42,6 +42,10 @@ def test_apex_options_explain_how_to_get_apex():
     cfg = OmegaConf.create({"trainer": {"ddp": "apex"}})
     with pytest.raises(ConfigError, match="trainer.ddp=apex needs NVIDIA apex.*trainer.ddp=native"):
         wrap_ddp(torch.nn.Linear(2, 2), cfg, DistContext(world_size=2))
+    # before any work, also in a single process (which wraps nothing): it passed silently
+    full = compose_config(["trainer.ddp=apex"])
+    with pytest.raises(ConfigError, match="trainer.ddp=apex needs NVIDIA apex"):
+        check_config(full)
     with pytest.raises(ConfigError, match="optim=apex_sgd needs NVIDIA apex"):
         apex_fused_sgd([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
