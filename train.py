@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
 import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
-from fastload.errors import hydra_one_line, user_error
+from fastload.errors import hydra_one_line, to_log_files, user_error
 from fastload.host import global_rank
 
 
@@ -55,6 +55,7 @@ def main(cfg: DictConfig) -> None:
         if error is None:
             raise
         print(f"error: {error.user_message}", file=sys.stderr, flush=True)
+        to_log_files(f"error: {error.user_message}")
         sys.exit(2)
     finally:
         dist.cleanup()

@@ -57,6 +57,18 @@ class LoaderStallError(FastloadError):
     """The loader produced no batch within loader.timeout; the message names the stuck worker."""
 
 
+def to_log_files(line: str) -> None:
+    """A line train.py prints to stderr alone (the error that ends a run) written to the
+    run's log files too: train.log is rank 0's log "as on the console", and a run's folder
+    would otherwise not say why it stopped."""
+    import logging
+
+    for handler in {*logging.getLogger().handlers, *logging.getLogger("fastload").handlers}:
+        if isinstance(handler, logging.FileHandler):
+            record = {"name": "fastload", "levelno": logging.ERROR, "levelname": "ERROR"}
+            handler.handle(logging.makeLogRecord({**record, "msg": line}))
+
+
 def user_error(exc: BaseException | None) -> FastloadError | None:
     """The FastloadError behind `exc`: itself, or the cause Hydra's InstantiationException
     wraps when a yaml's _target_ refused its options; None for anything else."""

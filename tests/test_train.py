@@ -335,6 +335,9 @@ def test_bad_input_gets_one_clear_message(case, tmp_path, tiny_folder):
         args = [a for a in args if not a.startswith("hydra.run.dir=")]
     out = run_train(args)
     assert_clean_failure(out, *needles)
+    if case != "unwritable_output":  # the run folder says why the run stopped
+        logged = (run_dir / "train.log").read_text()
+        assert "[ERROR] - error: " in logged and needles[0] in logged, logged
 
 
 def test_skip_corrupt_counts_and_trains(tmp_path):
