@@ -285,6 +285,10 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         parts.append("the tmpfs staging (size not known in time)")
     want = f"needs about {need / MB:,.0f} MB: " + " + ".join(parts) if parts else ""
     fix = SHM_FIX.format(size=shm_size_text(max(need, 256 * MB)))
+    if stage and free >= need - stage:  # the staged copy is what does not fit
+        fix = (SHM_FIX.split("; or lower")[0] + "; or stage elsewhere: storage.target_dir="
+               "<a larger tmpfs>, or read the dataset where it is: storage=disk (or a pack: "
+               "storage=shards).")  # fmt: skip
     if need and free < need:  # free, not total: other processes' segments take room too
         return Check(name, FATAL, f"{have}, but the run {want}; workers would die with "
                      "'Bus error' or hang", fix)  # fmt: skip

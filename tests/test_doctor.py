@@ -135,6 +135,16 @@ def test_pillow_simd_without_avx2_warns_and_on_arm_is_fatal():
     assert checks(["backend=pil"], cpu_flags=no_avx2)["CPU flags"].status == "ok"
 
 
+def test_a_staged_copy_that_does_not_fit_in_dev_shm_says_where_else_to_stage(tiny_folder):
+    """The shortfall is the staging, not the batches: fewer workers (none here) cannot help."""
+    over = ["storage=tmpfs", f"dataset.root={tiny_folder}", "dataset.prepare=null",
+            "storage.target_dir=/dev/shm/fastload-doctor-test", "loader.num_workers=0"]  # fmt: skip
+    shm = checks(over, shm=(64 * 1024, 16 * 1024))["/dev/shm"]
+    assert shm.status == "fatal" and "tmpfs staging" in shm.message
+    assert "storage.target_dir=" in shm.fix and "storage=disk" in shm.fix
+    assert "loader.num_workers" not in shm.fix
+
+
 def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(monkeypatch):
     no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
     dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]

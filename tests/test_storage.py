@@ -707,6 +707,10 @@ def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch
     assert str(root) in msg and "short on: free space" in msg and "MiB" in msg
     assert "mount -o remount,size=" in msg and "storage.target_dir" in msg
     assert not list((tmp_path / "shm").iterdir())  # nothing half-copied
+    # remount takes the tmpfs's mount point, not the folder inside it that was named
+    point = tmpfs.mount_point(tmp_path / "shm" / "not-made-yet")
+    assert os.path.ismount(point) and point in (tmp_path / "shm").parents
+    assert f"remount,size=<N>G {point}`" in msg
 
 
 def test_a_killed_stagings_leftover_is_removed_before_the_room_check(tmp_path, monkeypatch):

@@ -195,6 +195,17 @@ def room(target_dir: Path) -> dict:
     }
 
 
+def mount_point(path) -> Path:
+    """The mount point a path (or its nearest existing folder) is on: what `mount -o
+    remount` takes, not a folder inside it."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
 def short_of(target_dir: Path, need: int) -> tuple[dict, dict]:
     """(every limit of `room`, those under `need` bytes)."""
     limits = room(target_dir)
@@ -210,7 +221,8 @@ def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
     raise StorageError(
         f"storage=tmpfs: the dataset {root} needs {size_text(need)} (+{size_text(reserve)} "
         f"kept free: storage.reserve_gb) in {target_dir}, but {have}; short on: "
-        f"{', '.join(short)}. Fixes: grow the tmpfs (`mount -o remount,size=<N>G {target_dir}`, "
+        f"{', '.join(short)}. Fixes: grow the tmpfs (`mount -o remount,size=<N>G "
+        f"{mount_point(target_dir)}`, "
         f"or in Docker `--shm-size=<N>g`; scripts/stage_tmpfs.sh mounts one), point "
         f"storage.target_dir at a larger tmpfs, train on a subset, or use storage=disk / "
         f"storage=shards (kind=jpeg with max_side=256 stores several times less)."
