@@ -9,7 +9,6 @@ calls the task's step object (fastload/tasks/; the benchmarks pass their own) on
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -53,7 +52,7 @@ from fastload.telemetry.report import (
     whole_epochs,
 )
 from fastload.telemetry.sampler import ResourceSampler
-from fastload.telemetry.sinks import MetricsFiles, NullSink
+from fastload.telemetry.sinks import MetricsFiles, NullSink, write_json_atomic
 from fastload.telemetry.timer import StepTimer
 from fastload.telemetry.wandb_sink import check_login as check_logger_login
 from fastload.telemetry.wandb_sink import check_options as check_logger_options
@@ -984,7 +983,7 @@ def evaluate_weights(cfg, ctx, path: Path, payload: dict, state: TrainState, ste
            "val_images": seen, "val_skipped_corrupt": skipped, "eval_time_s": seconds,
            "images_per_s": seen / seconds if seconds > 0 else 0.0}  # fmt: skip
     if ctx.is_main:
-        (run_dir / "evaluation.json").write_text(json.dumps(row, indent=2) + "\n")
+        write_json_atomic(run_dir / "evaluation.json", row)  # never half-written
         width = max(map(len, row))
         print("\n".join(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}"
                         for k, v in row.items()), flush=True)  # fmt: skip
