@@ -156,7 +156,8 @@ class CheckRunDir(Callback):
             except OSError:
                 pass
         print(
-            f"error: cannot create the run directory {path} ({existing} is not writable). "
+            f"error: cannot create the run directory {path} ({existing} is "
+            f"{'not writable' if existing.is_dir() else 'a file, not a folder'}). "
             f"Set output_root=<a writable folder> (or hydra.run.dir=...).",
             file=sys.stderr,
         )

@@ -224,3 +224,14 @@ def test_each_rank_logs_to_its_own_file_and_other_ranks_warnings_only(monkeypatc
     assert run_folder.RANK_LOG.fullmatch("train.rank3.log") and not run_folder.RANK_LOG.fullmatch(
         "train.log"
     )
+
+
+def test_an_output_root_that_is_a_file_is_said_to_be_one(tmp_path, capsys):
+    from fastload.config import CheckRunDir
+
+    taken = tmp_path / "outputs"
+    taken.write_text("not a folder")
+    with pytest.raises(SystemExit) as stop:
+        CheckRunDir._check(str(taken / "name" / "run"))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"({taken} is a file, not a folder)" in err
