@@ -501,12 +501,28 @@ def test_local_weights_load_or_fail_naming_the_file(tmp_path):
         (lambda a: a["annotations"][0].update(bbox=[float("nan"), 2, 3, 4]), "has bbox [nan"),
         (lambda a: a.update(categories=[]), "'categories' is empty"),
         (lambda a: a.pop("categories"), "KeyError: 'categories'"),
+        (lambda a: a["annotations"][0].update(id="x"), "ValueError: invalid literal"),
+        (
+            lambda a: [im.update(id=77) for im in a["images"][:2]],
+            "repeated image id(s) 77: pycocotools",
+        ),  # fmt: skip
+        (
+            lambda a: [an.update(id=99) for an in a["annotations"][:2]],
+            "repeated annotation id(s) 99:",
+        ),  # fmt: skip
+        (
+            lambda a: a["annotations"][1].update(category_id=12345),
+            "has category_id 12345, which is not among its 'categories'",
+        ),  # fmt: skip
     ],
 )
 def test_a_broken_annotation_file_is_named_not_trained_on(coco_root, tmp_path, change, needle):
     """Boxes that are not four finite numbers, or no categories: the file is named (a nan
     box would otherwise be dropped as "degenerate", and no categories advised
-    dataset.num_classes=0)."""
+    dataset.num_classes=0). So are repeated ids (pycocotools kept the last image of an id:
+    one file vanished and the other got both images' boxes) and an annotation of a category
+    the file does not list (it failed only when its image was read, for a validation image
+    after a whole training epoch)."""
     from fastload.data.sources import CocoSource
 
     ann = json.loads((coco_root / "annotations" / "instances_train.json").read_text())

@@ -17,6 +17,8 @@ Packing never decodes here; the pack workers read and (re-)encode the files.
   clipped to the image), labels = their category_id (int64). Crowd annotations and
   degenerate boxes (no area inside the image) are dropped and counted (`dropped`); an image
   may have zero boxes. classes = category names in category-id order (`category_ids`).
+  A file whose image or annotation ids repeat, or with an annotation of a category it does
+  not list, is refused (DatasetError naming it) when it is read.
 * `Div2kSource(hr, lr=None, scale=None)`: super-resolution pairs; records = the HR images
   (sorted by name); fields: image, position (the record's place); with `lr` also lr, the LR
   image of the same stem (`0001x2.png`, DIV2K's naming, or `0001.png`) in the LR folder.
@@ -109,7 +111,7 @@ class ImageFolderSource(Source):
 
 def _load_coco(ann_path: Path):
     """pycocotools' COCO index of an instances file, quietly; DatasetError naming the file
-    when it is not one."""
+    when it is not one, or its ids do not fit together (`_check_ids`)."""
     import contextlib
     import io
 
@@ -127,6 +129,7 @@ def _load_coco(ann_path: Path):
         for a in coco.dataset.get("annotations", []):
             int(a["image_id"]), int(a["category_id"])
             _check_bbox(a)
+        _check_ids(ann_path, coco.dataset)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
         raise DatasetError(
             f"{ann_path} is not a COCO instances file ({type(exc).__name__}: {exc}); it needs "
@@ -134,6 +137,40 @@ def _load_coco(ann_path: Path):
             f"category_id) and 'categories' (id, name)."
         ) from None
     return coco
+
+
+def _repeated(values) -> list:
+    seen, twice = set(), []
+    for v in values:
+        if v in seen and v not in twice:
+            twice.append(v)
+        seen.add(v)
+    return twice
+
+
+def _check_ids(ann_path: Path, data: dict) -> None:
+    """DatasetError naming the file when its ids do not each name one thing: pycocotools
+    keeps the last image of a repeated id (one file vanishes and the other gets both
+    images' boxes) and the last annotation of a repeated id (COCOeval's ground truth then
+    differs from the training targets); an annotation's unknown category_id would fail only
+    when its image is read (for a validation image, after a whole training epoch)."""
+    for what, items in (("image", data["images"]), ("annotation", data.get("annotations", []))):
+        twice = _repeated(int(x["id"]) for x in items)
+        if twice:
+            raise DatasetError(
+                f"{ann_path}: repeated {what} id(s) {', '.join(map(str, twice[:5]))}"
+                f"{' ...' if len(twice) > 5 else ''}: pycocotools keeps only the last {what} "
+                f"of an id. Give each {what} its own id."
+            )
+    known = {int(c["id"]) for c in data["categories"]}
+    for a in data.get("annotations", []):
+        if int(a["category_id"]) not in known:
+            raise DatasetError(
+                f"{ann_path}: annotation {a['id']} (image {a['image_id']}) has category_id "
+                f"{a['category_id']}, which is not among its 'categories' (ids "
+                f"{sorted(known)[:8]}{' ...' if len(known) > 8 else ''}). Fix the "
+                f"annotation's category_id or add the category."
+            )
 
 
 def _check_bbox(annotation: dict) -> None:
