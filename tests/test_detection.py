@@ -388,6 +388,27 @@ def test_coco_map_of_a_perfect_and_an_empty_prediction(coco_root):
     assert coco_map(truth.coco(off), off)["val_map"] < 60
 
 
+@pytest.mark.parametrize("unstated", [0, None])
+def test_coco_map_of_images_whose_file_states_no_size(coco_root, tmp_path, unstated):
+    """A width/height of 0 or null is "not stated" (as the source reads it): the detections
+    stay in the decoded image's pixels. They were scaled to nothing by a 0 (mAP 0, silently)
+    and failed with a TypeError on a null, after a whole training epoch."""
+    data = json.loads((coco_root / "annotations" / "instances_val.json").read_text())
+    for im in data["images"]:
+        im["width"] = im["height"] = unstated
+    ann = tmp_path / "instances_val.json"
+    ann.write_text(json.dumps(data))
+    truth = GroundTruth(np.array(CATEGORY_IDS[:3]), ann)
+    source = CocoLayout(str(coco_root)).source("val")
+    images = {}
+    for i in range(len(source)):
+        boxes, cats = source.boxes(i)
+        h, w = 100 + i, 120 + i  # the decoded image's size
+        dets = np.hstack([boxes, np.ones((len(boxes), 1)), cats[:, None]])
+        images[int(source.ids[i])] = (h, w, np.hstack([boxes, cats[:, None]]), dets)
+    assert coco_map(truth.coco(images), images)["val_map"] == pytest.approx(100.0)
+
+
 # -- configuration errors ----------------------------------------------------------------
 
 

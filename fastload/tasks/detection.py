@@ -243,14 +243,16 @@ class CocoEvaluator(Evaluator):
 def coco_map(gt, images: dict) -> dict:
     """COCOeval (bbox) of the detections in `images` against `gt` over those images only
     (a subset run evaluates its subset). Detections are rescaled to the size `gt` records
-    for the image (a pack re-encoded at a max side stores smaller images). 0-100; 0 when
+    for the image (a pack re-encoded at a max side stores smaller images; none where the file
+    states no size, or 0). 0-100; 0 when
     there is nothing to evaluate or nothing was detected."""
     from pycocotools.cocoeval import COCOeval
 
     rows = []
     for image_id, (h, w, _, dets) in images.items():
         info = gt.imgs[image_id]
-        sx, sy = info.get("width", w) / w, info.get("height", h) / h
+        # a width/height of 0 or null is not stated, as CocoSource.sizes reads it
+        sx, sy = (info.get("width") or w) / w, (info.get("height") or h) / h
         for x, y, bw, bh, score, cat in dets.tolist():
             rows.append([image_id, x * sx, y * sy, bw * sx, bh * sy, score, cat])
     if not rows:
