@@ -421,6 +421,18 @@ def test_num_classes_must_match_the_categories(coco_root):
         DetectionTask(data=cfg.dataset).check(reader, reader)
 
 
+def test_a_normalising_mean_and_std_are_refused(coco_root):
+    """The device prep normalised with dataset.mean/std, then the model's transform with
+    its own: the images were normalised twice, silently."""
+    from fastload.tasks.detection import DetectionTask
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}",
+                          "dataset.mean=[0.485,0.456,0.406]", "dataset.std=[0.229,0.224,0.225]"])  # fmt: skip
+    reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
+    with pytest.raises(ConfigError, match=r"dataset.mean=\[0.485, .* normalise it twice"):
+        DetectionTask(data=cfg.dataset).check(reader, reader)
+
+
 def test_classification_model_on_coco_is_refused(coco_root, tmp_path):
     out = run_train(coco_run_args(coco_root, tmp_path / "run", "model=resnet18"))
     assert_one_line_error(out, "model=resnet18 is a classification model", "fcos_tiny")

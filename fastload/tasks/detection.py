@@ -71,7 +71,15 @@ class DetectionTask(Task):
     def check(self, train_reader, val_reader) -> None:
         """dataset.num_classes against the annotation file's categories (a model with too few
         outputs fails mid-epoch; too many trains outputs no label ever uses), and the two
-        splits' categories against each other (labels would mean different things)."""
+        splits' categories against each other (labels would mean different things), and
+        that the device prep does not normalise (the model does)."""
+        d = self.data
+        if list(d.mean) != [0.0] * 3 or list(d.std) != [1.0] * 3:
+            raise ConfigError(
+                f"dataset.mean={list(d.mean)}, dataset.std={list(d.std)}: a detection model "
+                f"normalises its input itself (torchvision's ImageNet mean/std, on x / 255), so "
+                f"these would normalise it twice; keep mean [0, 0, 0] and std [1, 1, 1]."
+            )
         ids = category_ids(train_reader)
         if self.data.num_classes != len(ids):
             raise ConfigError(
