@@ -14,8 +14,8 @@ gets one more output, index 0, the background of torchvision's label convention.
 The dataset transform does all resizing (fastload/data/detection.py ResizeFlip, in the
 workers, in uint8): the model's own GeneralizedRCNNTransform is kept for what it does on the
 device (normalise with ImageNet mean/std, pad the images into one batch) but does not resize
-again; its min_size/max_size are unused, so dataset.train_transform / val_transform alone
-decide the input size.
+again, so dataset.train_transform / val_transform alone decide the input size; torchvision's
+resize options (model.min_size, max_size, fixed_size) are refused, naming those.
 
 weights: a local state-dict file of this very model (e.g. saved from torchvision's
 COCO-trained weights with torch.save(model.state_dict(), ...)); loaded strictly, with
@@ -28,6 +28,8 @@ with its downloaded backbone weights.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torchvision
 from fastload.models.weights import load_weights
@@ -36,7 +38,11 @@ from torchvision.ops.misc import FrozenBatchNorm2d
 
 from fastload.errors import ConfigError
 
+log = logging.getLogger("fastload")
+
 RESNET_LAYERS = ("layer4", "layer3", "layer2", "layer1", "conv1")
+# torchvision's GeneralizedRCNNTransform options that resize: PadNormalize does not resize
+RESIZE_OPTIONS = ("min_size", "max_size", "fixed_size", "_skip_resize")
 WHOLE_MODEL_FITS = (
     "Its classes must match dataset.num_classes + 1 (background), and the arch must be the one "
     "it was saved from; for an ImageNet trunk use model.weights_backbone."
@@ -88,6 +94,27 @@ def build_detector(
         raise ConfigError(
             f"model.arch={arch!r} is not a detection model: use fcos_tiny or one of "
             f"torchvision's ({', '.join(sorted(detection))})."
+        )
+    resizing = [k for k in RESIZE_OPTIONS if k in kwargs]
+    if resizing:
+        raise ConfigError(
+            f"model.{resizing[0]}={kwargs[resizing[0]]!r}: the model does not resize its input "
+            f"here (the dataset's transform does, once, in the workers). Set "
+            f"dataset.train_transform.min_size / max_size and dataset.val_transform.min_size / "
+            f"max_size instead, and drop model.{resizing[0]}."
+        )
+    layers = trainable_backbone_layers
+    if layers is not None and (type(layers) is not int or not 0 <= layers <= 5):
+        raise ConfigError(
+            f"model.trainable_backbone_layers={layers!r}: use 0 to 5 (how many of a ResNet "
+            f"trunk's stages train, from the last; torchvision's default 3)."
+        )
+    if layers is not None and not (weights or weights_backbone):
+        # torchvision warns the same and trains every layer
+        log.warning(
+            "model.trainable_backbone_layers=%s has no effect without model.weights or "
+            "model.weights_backbone: a model trained from scratch trains all its layers.",
+            layers,
         )
     if arch in LOCAL:
         model = LOCAL[arch](num_classes + 1, **kwargs)

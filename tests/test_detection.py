@@ -526,6 +526,28 @@ def test_local_weights_load_or_fail_naming_the_file(tmp_path):
         build_detector("fcos_tiny", 3, weights=str(tmp_path / "missing.pth"))
 
 
+@pytest.mark.parametrize("key, value", [("min_size", 800), ("max_size", 1333),
+                                        ("fixed_size", [512, 512])])  # fmt: skip
+def test_the_models_resize_options_are_refused_for_the_datasets(key, value):
+    """The model's transform does not resize here: model.min_size/max_size were accepted and
+    did nothing, the input size came from dataset.*_transform."""
+    from models.detection import build_detector
+
+    with pytest.raises(ConfigError, match=rf"model.{key}=.*dataset.train_transform.min_size"):
+        build_detector("fcos_tiny", 3, **{key: value})
+
+
+def test_trainable_backbone_layers_without_weights_is_said(caplog):
+    """As torchvision warns: from scratch every layer trains, whatever the option says."""
+    from models.detection import build_detector
+
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        build_detector("fcos_tiny", 3, trainable_backbone_layers=1)
+    assert "model.trainable_backbone_layers=1 has no effect without model.weights" in caplog.text
+    with pytest.raises(ConfigError, match=r"model.trainable_backbone_layers=6: use 0 to 5"):
+        build_detector("fcos_tiny", 3, trainable_backbone_layers=6)
+
+
 @pytest.mark.parametrize(
     "change, needle",
     [
