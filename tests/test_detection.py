@@ -206,6 +206,30 @@ def test_packs_and_tmpfs_give_the_json_targets(coco_root, tmp_path):
                 assert sample(got, i) == sample(want, i)
 
 
+def test_a_box_with_no_area_once_resized_is_left_out_and_counted(coco_root, tmp_path):
+    """A box 1e-6 px wide has area in the file's float64 pixels but none in float32: it
+    reached the model and torchvision's assertion stopped training mid-epoch, naming no
+    file. It is left out of the sample's target and counted in the epoch row."""
+    from models.detection import build_detector
+
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    path = root / "annotations" / "instances_train.json"
+    ann = json.loads(path.read_text())
+    sliver = next(a for a in ann["annotations"] if not a["iscrowd"] and a["bbox"][0] > 20)
+    sliver["bbox"][2] = 1e-6
+    path.write_text(json.dumps(ann))
+    reader = DiskStorage().open(CocoLayout(str(root)), "train")
+    ds = DetectionDataset(reader, PILBackend(), ResizeFlip(64, 96, 0.0), seed=0, train=True)
+    samples = {int(s[1]["image_id"]): s for s in (ds[(0, i)] for i in range(len(ds)))}
+    assert sum(c["dropped_degenerate_resized"] for _, _, c in samples.values()) == 1
+    image, target, _ = samples[sliver["image_id"]]
+    boxes = target["boxes"]
+    assert len(boxes) == len(target["labels"]) and (boxes[:, 2:] > boxes[:, :2]).all()
+    model = build_detector("fcos_tiny", 3).train()
+    model([image.float() / 255], [target])  # torchvision's degenerate-box check passes
+
+
 def test_a_coco_subset_packs_beside_the_whole_set_not_over_it(coco_root, tmp_path):
     """dataset.layout.subset=N and the whole set of one root: each its own default pack
     folder, so neither finds the other's pack out of date and packs over it."""

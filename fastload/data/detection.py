@@ -95,7 +95,8 @@ class DetectionDataset(torch.utils.data.Dataset):
     torchvision's detection reference (`_coco_remove_images_without_annotations`) differs
     at the edges: it keeps an image whose only boxes are crowd ones (trained with no box)
     and leaves out one whose every box is at most 1 px wide or tall (kept here: such boxes
-    are not degenerate).
+    are not degenerate). A box with no area once resized (a sliver whose float32 edges
+    meet) is left out of its sample's target and counted (dropped_degenerate_resized).
     Evaluation keeps every image: detections on an empty image are false positives.
 
     Where the annotation file is here (disk, tmpfs), each decoded image is checked against
@@ -163,6 +164,10 @@ class DetectionDataset(torch.utils.data.Dataset):
         h, w = pixels.shape[:2]
         rng = sample_rng(self.seed, epoch, index)
         pixels, xyxy = self.transform(pixels, xywh_to_xyxy(boxes), rng)
+        # a box with area in the file's float64 pixels can have none in float32 once resized
+        # (torchvision's detectors stop the run on it, naming no file): left out, counted
+        kept = (xyxy[:, 2] > xyxy[:, 0]) & (xyxy[:, 3] > xyxy[:, 1])
+        xyxy, category = xyxy[kept], category[kept]
         if not pixels.flags.writeable:  # a raw record's view of the pack, untransformed
             pixels = pixels.copy()
         image = torch.from_numpy(pixels).permute(2, 0, 1)  # CHW view of HWC uint8
@@ -175,6 +180,7 @@ class DetectionDataset(torch.utils.data.Dataset):
             "orig_size": torch.tensor([h, w], dtype=torch.int64),
         }
         counts = self.backend.pop_counts()
+        counts["dropped_degenerate_resized"] = int(len(kept) - kept.sum())  # on every sample
         if self.stated is not None:  # on every sample: each batch carries the same keys
             counts["stored_frame_images"] = int(stored_frame)
         return (image, target, counts) if counts else (image, target)
