@@ -125,6 +125,35 @@ def test_resize_and_flip_move_the_boxes():
     assert out[:, : x0 - 3].max() < 30 and out[:, x1 + 3 :].max() < 30
 
 
+def test_multi_scale_training_draws_a_min_size_per_image(coco_root):
+    """dataset.train_transform.min_size=[...] (multi-scale training, as ResizeFlip's docstring
+    says) was refused by the config check; one size is drawn per image from its (seed, epoch,
+    index) RNG. Evaluation takes one size; min_size above max_size is said by the option."""
+    from fastload.data.transforms import check_transforms
+    from fastload.tasks.detection import DetectionTask
+
+    cfg = compose_config(["dataset=coco", f"dataset.root={coco_root}",
+                          "dataset.train_transform.min_size=[48,64,80]"])  # fmt: skip
+    check_transforms(cfg.dataset)
+    task = DetectionTask(data=cfg.dataset, seed=0)
+    reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
+    ds = task.dataset("train", reader, PILBackend())
+    shorter = [min(ds[(e, i)][0].shape[1:]) for e in range(3) for i in range(len(ds))]
+    assert set(shorter) == {48, 64, 80}
+    task.check_storage(ShardStorage(kind="raw"))  # compares the stored size with the largest
+    assert [min(ds[(e, i)][0].shape[1:]) for e in range(3) for i in range(len(ds))] == shorter
+    with pytest.raises(ConfigError, match=r"val_transform.min_size=\[48, 64\]: evaluation"):
+        check_transforms(
+            compose_config(["dataset=coco", "dataset.val_transform.min_size=[48,64]"]).dataset
+        )
+    with pytest.raises(
+        ConfigError, match=r"train_transform.min_size=900 is larger than its max_size=224"
+    ):
+        check_transforms(
+            compose_config(["dataset=coco", "dataset.train_transform.min_size=900"]).dataset
+        )
+
+
 def test_collate_keeps_variable_sizes_and_device_prep_keeps_every_target_field(coco_root):
     reader = DiskStorage().open(CocoLayout(str(coco_root)), "train")
     ds = DetectionDataset(reader, PILBackend(), ResizeFlip(64, 96, 0.5), seed=0, train=True)

@@ -30,7 +30,9 @@ class ResizeFlip:
     """Resize so the shorter side is `min_size` unless the longer would pass `max_size`
     (torchvision's GeneralizedRCNNTransform rule, done here once, in uint8, in the workers),
     then flip horizontally with probability `hflip`; the boxes move with the pixels.
-    `min_size` may be a list: one is drawn per sample (multi-scale training)."""
+    `min_size` may be a list: one is drawn per sample from its (seed, epoch, index) RNG
+    (multi-scale training, as torchvision's GeneralizedRCNNTransform and Detectron2's
+    ResizeShortestEdge pick one per image; training only, evaluation takes one size)."""
 
     def __init__(self, min_size=800, max_size: int = 1333, hflip: float = 0.0):
         sizes = [min_size] if isinstance(min_size, (int, float)) else list(min_size)

@@ -84,6 +84,14 @@ def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def _sizes(v) -> bool:
+    """One whole number of pixels, or a non-empty list of them (one drawn per sample)."""
+    if _whole(v):
+        return True
+    many = isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig"
+    return many and len(v) > 0 and all(_whole(x) for x in v)
+
+
 def _range(v) -> bool:
     pair = isinstance(v, (list, tuple)) or type(v).__name__ == "ListConfig"
     if not (pair and len(v) == 2 and all(_number(x) for x in v)):
@@ -98,7 +106,10 @@ def _number(v) -> bool:
 TRANSFORM_OPTIONS = {
     "size": (_whole, "a whole number of pixels >= 1"),
     "resize": (_whole, "a whole number of pixels >= 1 (the shorter side before the crop)"),
-    "min_size": (_whole, "a whole number of pixels >= 1"),
+    "min_size": (
+        _sizes,
+        "a whole number of pixels >= 1, or for training a list of them (one drawn per image)",
+    ),
     "max_size": (_whole, "a whole number of pixels >= 1"),
     "scale": (_range, "[low, high] with 0 < low <= high (shares of the image's area)"),
     "ratio": (_range, "[low, high] with 0 < low <= high (width / height)"),
@@ -123,6 +134,27 @@ def check_transforms(dataset_cfg) -> None:
                     else value
                 )
                 raise ConfigError(f"dataset.{split}_transform.{key}={shown!r}: use {use}.")
+        check_sizes(node, split)
+
+
+def check_sizes(node, split: str) -> None:
+    """A detection resize's min_size against its max_size, and one size for evaluation."""
+    from fastload.errors import ConfigError
+
+    if "min_size" not in node:
+        return
+    sizes = [node.min_size] if _whole(node.min_size) else list(node.min_size)
+    if split != "train" and len(sizes) > 1:
+        raise ConfigError(
+            f"dataset.{split}_transform.min_size={sizes}: evaluation resizes every image to one "
+            f"size; use one number (torchvision's evaluation takes the last, {sizes[-1]})."
+        )
+    if "max_size" in node and max(sizes) > node.max_size:
+        raise ConfigError(
+            f"dataset.{split}_transform.min_size={node.min_size if len(sizes) == 1 else sizes} "
+            f"is larger than its max_size={node.max_size} (the longer side's bound): lower "
+            f"min_size or raise max_size."
+        )
 
 
 class RandomResizedCropFlip:

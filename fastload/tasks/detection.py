@@ -102,6 +102,8 @@ class DetectionTask(Task):
         training set, said once before any work."""
         key, stored = packed_side(storage) or (None, None)
         wanted = self.data.train_transform.get("min_size")
+        if wanted is not None and not isinstance(wanted, int):  # a list: the largest
+            wanted = max(wanted)
         if stored and wanted and stored < wanted:
             log.warning(
                 "storage=%s stores the images at most %d px on their longer side "
