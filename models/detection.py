@@ -17,13 +17,20 @@ device (normalise with ImageNet mean/std, pad the images into one batch) but doe
 again, so dataset.train_transform / val_transform alone decide the input size; torchvision's
 resize options (model.min_size, max_size, fixed_size) are refused, naming those.
 
-weights: a local state-dict file of this very model (e.g. saved from torchvision's
-COCO-trained weights with torch.save(model.state_dict(), ...)); loaded strictly, with
-weights_only=True, then trained as torchvision trains pretrained detectors (frozen trunk
-batch norms, trainable_backbone_layers of a ResNet trunk, default 3). weights_backbone: a local ImageNet classification state dict of the trunk
+weights: a local state-dict file of this very model as built here (its num_classes + 1
+outputs are background and the dataset's categories in id order, 1..K), e.g. an earlier
+run's checkpoint; loaded strictly, with weights_only=True, then trained as torchvision
+trains pretrained detectors (frozen trunk batch norms, trainable_backbone_layers of a ResNet
+trunk, default 3). weights_backbone: a local ImageNet classification state dict of the trunk
 (e.g. resnet50-0676ba61.pth): loaded into the backbone, whose batch norms are then frozen and
 whose first layers stop training (trainable_backbone_layers, default 3), as torchvision does
 with its downloaded backbone weights.
+
+torchvision's COCO-trained detector weights are not such a file: their 91 class outputs are
+indexed by COCO category id (background 0 and the 10 unused ids among 1-90 included), where
+a model for COCO's 80 categories here has 81 (label k: the k-th category in id order), so
+the strict load refuses them. Their trunk does load, as weights_backbone: the entries under
+`backbone.body.`, with that prefix cut, saved with torch.save.
 """
 
 from __future__ import annotations
