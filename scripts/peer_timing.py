@@ -16,6 +16,13 @@ def time_epochs(run_epoch, epochs: int) -> list[float]:
     for epoch in range(epochs):
         t0 = time.perf_counter()
         n = run_epoch()
+        if n == 0:  # a rate of 0 would read as a measurement
+            print(
+                f"error: {sys.argv[0]}: an epoch gave no image: fewer images than --batch-size "
+                f"(the last partial batch is dropped)? Give a larger set or a smaller batch.",
+                file=sys.stderr,
+            )
+            sys.exit(2)
         if epoch > 0:
             rates.append(n / (time.perf_counter() - t0))
     return rates

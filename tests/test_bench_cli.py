@@ -4,6 +4,7 @@ one clear line, the DataLoader rows time whole warm epochs, every result lands i
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -636,3 +637,16 @@ def test_the_machine_record_says_when_the_tree_had_uncommitted_changes(tmp_path,
     clean = common.machine()["git_rev"]
     (tmp_path / "a.py").write_text("x = 2\n")
     assert common.machine()["git_rev"] == clean + "-dirty" and len(clean) >= 7
+
+
+def test_a_peer_epoch_that_gives_no_image_is_an_error_not_a_rate_of_zero(monkeypatch, capsys):
+    """bench_ffcv.py on a set smaller than its batch (drop_last) printed images_per_s 0.0."""
+    spec = importlib.util.spec_from_file_location(
+        "peer_timing", Path(__file__).resolve().parents[1] / "scripts" / "peer_timing.py"
+    )
+    peer_timing = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer_timing)
+    assert len(peer_timing.time_epochs(lambda: 10, 3)) == 2  # the first epoch is not timed
+    with pytest.raises(SystemExit) as stop:
+        peer_timing.time_epochs(lambda: 0, 3)
+    assert stop.value.code == 2 and "gave no image" in capsys.readouterr().err
