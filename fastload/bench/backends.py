@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from fastload.bench.common import (
+    add_peer_options,
     at_least,
     check_root,
     compose,
@@ -53,7 +54,6 @@ from fastload.bench.common import (
     default_dataset,
     format_table,
     machine,
-    peer_python,
     pick_names,
     run_dali,
     run_ffcv,
@@ -301,16 +301,7 @@ def parse(argv):
     p.add_argument("--batch-size", type=int, default=64, help="the DataLoader rows' batch")
     p.add_argument("--repeats", type=int, default=2, help="passes per figure; best is kept")
     p.add_argument("--no-loaders", action="store_true", help="skip the DataLoader rows")
-    p.add_argument(
-        "--ffcv-python",
-        type=peer_python("bench_ffcv.py"),
-        help="python of an env with ffcv (scripts/bench_ffcv.py)",
-    )
-    p.add_argument(
-        "--dali-python",
-        type=peer_python("bench_dali.py"),
-        help="python of an env with NVIDIA DALI (scripts/bench_dali.py)",
-    )
+    add_peer_options(p, "its row in the same run")
     p.add_argument(
         "--rounds",
         type=int,

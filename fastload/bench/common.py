@@ -154,6 +154,14 @@ def at_least(low: float, kind: type = int, at_most: float | None = None):
     return parse
 
 
+def add_peer_options(p, rows: str) -> None:
+    """--ffcv-python / --dali-python: the peers' environments (`rows`: what each adds)."""
+    for option, peer, script in (("--ffcv-python", "ffcv", "bench_ffcv.py"),
+                                 ("--dali-python", "NVIDIA DALI", "bench_dali.py")):  # fmt: skip
+        p.add_argument(option, type=peer_python(script),
+                       help=f"python of an env with {peer} (scripts/{script}): {rows}")  # fmt: skip
+
+
 def peer_python(script: str):
     """An argparse `type=` for --ffcv-python / --dali-python: an interpreter that is there
     (a path, or a name on PATH). A wrong one was found only after the whole benchmark ran,

@@ -50,13 +50,13 @@ import torch
 
 from fastload.bench.backends import backend_names
 from fastload.bench.common import (
+    add_peer_options,
     at_least,
     check_root,
     compose,
     data_overrides,
     default_dataset,
     format_table,
-    peer_python,
     pick_names,
     product_loader,
     run_dali,
@@ -344,16 +344,7 @@ def parse(argv):
     p.add_argument(
         "--no-reuse", action="store_true", help="loader.reuse_batch_memory=false (torch's path)"
     )
-    p.add_argument(
-        "--ffcv-python",
-        type=peer_python("bench_ffcv.py"),
-        help="python of an env with ffcv: FFCV rows in the same run",
-    )
-    p.add_argument(
-        "--dali-python",
-        type=peer_python("bench_dali.py"),
-        help="python of an env with DALI: DALI rows in the same run",
-    )
+    add_peer_options(p, "its rows in the same run")
     p.add_argument("--json", default="outputs/bench/storage.json")
     args = p.parse_args(argv)
     if args.rounds < 1:
