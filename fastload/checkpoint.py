@@ -242,6 +242,12 @@ def in_run_folder(path: Path) -> Path:
 def read(path: Path, option: str):
     """The file's contents, read without pickle (weights_only)."""
     if path.is_dir():
+        names = (BEST, BEST_EMA, LAST) if option == "evaluate" else (LAST,)
+        held = [str(d / n) for d in (path / "checkpoints", path) for n in names
+                if (d / n).is_file()]  # fmt: skip
+        if held:  # evaluate= takes a file: which weights is the user's choice
+            raise CheckpointError(f"{option}={path} is a folder: pass one of its files, "
+                                  f"{', '.join(held)}.")  # fmt: skip
         files = (BEST, LAST) if option == "evaluate" else (LAST,)
         raise CheckpointError(
             f"{option}={path} is a folder without a checkpoint to take from it: pass a "
@@ -253,6 +259,12 @@ def read(path: Path, option: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch's own advice (weights_only=False, file an issue) misleads
+        if path.suffix == ".safetensors":  # torch reads them only with the package installed
+            raise CheckpointError(
+                f"{path} is a safetensors file, which torch reads only with the safetensors "
+                f"package: pip install safetensors (or save it as a .pth: torch.save("
+                f"safetensors.torch.load_file(path), 'weights.pth'))."
+            ) from None
         raise CheckpointError(
             f"{path} is not a fastload checkpoint, or it is damaged (torch cannot read it: "
             f"{type(exc).__name__}). Pass {INSTEAD[option]}."
@@ -274,16 +286,27 @@ def load_weights(path: str | os.PathLike) -> dict:
 
 def state_dict_in(saved) -> dict | None:
     """The state dict of what torch.load read: tensors by name, alone or under "state_dict"
-    (timm) or "model" (torchvision's references, train.py), "module." prefixes of a
-    DDP-wrapped model dropped; None when there is none."""
+    (timm) or "model" (torchvision's references, train.py), the "module." and "_orig_mod."
+    prefixes of a DDP-wrapped or torch.compile'd model dropped; None when there is none."""
     if not isinstance(saved, dict):
         return None
     for candidate in (saved, saved.get("state_dict"), saved.get("model")):
         if not isinstance(candidate, dict) or not candidate:
             continue
         if all(isinstance(k, str) and torch.is_tensor(v) for k, v in candidate.items()):
-            return {k.removeprefix("module."): v for k, v in candidate.items()}
+            return {unwrapped_key(k): v for k, v in candidate.items()}
     return None
+
+
+def unwrapped_key(key: str) -> str:
+    """A parameter's name without the wrappers' prefixes (DDP's module., torch.compile's
+    _orig_mod., in any order and number)."""
+    while key.startswith(WRAPPER_PREFIXES):
+        key = key.split(".", 1)[1]
+    return key
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def verified(state, path: Path, option: str) -> dict:

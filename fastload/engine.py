@@ -64,7 +64,7 @@ from fastload.train_checks import (
     diverged_message,
     weights_finite,
 )
-from fastload.train_state import TrainState, check_same_run, model_config
+from fastload.train_state import INIT_ONLY, TrainState, check_same_run, model_config
 
 log = logging.getLogger("fastload")
 
@@ -1076,10 +1076,11 @@ def fit(cfg: DictConfig) -> dict:
     return summary
 
 
-def set_up(cfg, ctx, splits: tuple[str, ...]):
+def set_up(cfg, ctx, splits: tuple[str, ...], check_model=None):
     """What training and evaluate= start alike: the seed, the checks that stop a run before
-    any data work, the plan, the model, the `splits` prepared; -> (plan, model, channels_last,
-    the autocast dtype or None)."""
+    any data work (`check_model(model)`: the caller's, on the model built), the plan, the
+    model, the `splits` prepared; -> (plan, model, channels_last, the autocast dtype or
+    None)."""
     torch.manual_seed(cfg.seed)
     backend = build_backend(cfg)  # a missing decoder is refused before any data work
     # /dev/shm, ulimit, cores, ...: fatal ones stop here, with the fixes; each rank judges its
@@ -1089,6 +1090,8 @@ def set_up(cfg, ctx, splits: tuple[str, ...]):
     # options); everything below takes the plan, not the config.
     plan = build_plan(cfg, local_world_size=ctx.local_world_size, backend=backend)
     model = plan.task.build_model(cfg)  # so is a model made for another task
+    if check_model is not None:
+        check_model(model)
     amp = amp_dtype(cfg.trainer.precision, ctx.device, cfg.loader.input_dtype)
     prepare_data(cfg, ctx, plan.storage, splits=splits)  # once per node: generate, stage, pack
     channels_last = cfg.trainer.channels_last
@@ -1103,6 +1106,54 @@ def plain_death(exc: RuntimeError, ctx) -> Exception:
     if died is None:
         raise exc
     return died
+
+
+# model options that only set up training (the initial weights, which layers train): the
+# weights evaluated replace what they set
+TRAINING_ONLY = (*INIT_ONLY, "model.trainable_backbone_layers")
+
+
+def check_fits(path: Path, weights: dict, model: torch.nn.Module) -> None:
+    """evaluate='s weights against the model before any data work (a plain state dict has no
+    model config to compare): a CheckpointError saying what differs, in a line, not torch's
+    list of every key."""
+    own = model.state_dict()
+    extra = [k for k in weights if k not in own]
+    missing = [k for k in own if k not in weights]
+    shapes = [k for k in weights if k in own and tuple(own[k].shape) != tuple(weights[k].shape)]
+    if not (extra or missing or shapes):
+        return
+    parts = []
+    if shapes:
+        k = shapes[0]
+        parts.append(f"{len(shapes)} of other shapes (e.g. {k}: the file's "
+                     f"{list(weights[k].shape)}, this model's {list(own[k].shape)})")  # fmt: skip
+    if missing:
+        parts.append(f"{len(missing)} of this model's entries missing (e.g. {missing[0]})")
+    if extra:
+        parts.append(f"{len(extra)} not of this model (e.g. {extra[0]})")
+    raise CheckpointError(
+        f"{path} does not fit this run's model: {'; '.join(parts)}. Pass the model= (and "
+        f"dataset.num_classes=) of the weights."
+    )
+
+
+def check_model_options(path: Path, payload: dict, cfg) -> None:
+    """A fastload weights file evaluated with the model options it was trained with: an
+    option that is no weight (SRCNN's residual, its scale) loads into any model and would
+    evaluate other computations than were trained (8.6 against 32.1 dB for residual=false)."""
+    saved = payload.get("run_config")
+    if saved is None:  # a state dict from elsewhere: nothing to compare with
+        return
+    diff = [d for d in ckpt.config_differences(saved, ckpt.run_config(cfg))
+            if d.startswith("model.") and not d.startswith(TRAINING_ONLY)]  # fmt: skip
+    if diff:
+        raise CheckpointError(
+            f"{path} was trained with other model options than this run builds "
+            f"({'; '.join(diff)}; the file's -> this run's): its weights would compute "
+            f"something else. Pass the file's values (e.g. {diff[0].split(':')[0]}="
+            f"{diff[0].split(': ', 1)[1].split(' -> ')[0]})."
+        )
 
 
 def evaluate_only(cfg, ctx, run_dir: Path) -> dict:
@@ -1121,7 +1172,10 @@ def evaluate_only(cfg, ctx, run_dir: Path) -> dict:
             f"{path} holds weights of model {have}, but this run builds {model_config(cfg)}: "
             f"pass the model= and dataset= of the run that wrote it."
         )
-    plan, model, channels_last, amp = set_up(cfg, ctx, splits=("val",))
+    check_model_options(path, payload, cfg)
+    plan, model, channels_last, amp = set_up(
+        cfg, ctx, splits=("val",), check_model=lambda m: check_fits(path, payload["model"], m)
+    )
     val = build_loader(plan, "val", device=ctx.device, channels_last=channels_last,
                        rank=ctx.rank, world_size=ctx.world_size)  # fmt: skip
     plan.task.check(val.dataset.reader, val.dataset.reader)  # dataset.num_classes, at least

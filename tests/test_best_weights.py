@@ -156,3 +156,48 @@ def test_evaluate_under_torchrun_gives_the_numbers_of_one_process(tiny_folder, t
     assert a["val_images"] == b["val_images"] == 9 and b["val_skipped_corrupt"] == 0
     assert b["val_acc1"] == a["val_acc1"] and b["val_acc5"] == a["val_acc5"]
     assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-6)  # summed in another order
+
+
+def test_evaluate_refuses_weights_that_do_not_fit_or_were_trained_with_other_model_options(
+    tmp_path,
+):
+    """A plain state dict of another head was refused after the data work, in torch's list
+    of keys; SRCNN weights evaluated with another residual/scale loaded and computed another
+    function (8.6 against 32.1 dB)."""
+    from fastload.engine import check_fits, check_model_options
+    from tests.helpers import build_small_resnet
+
+    small = build_small_resnet(num_classes=3)
+    other = build_small_resnet(num_classes=5).state_dict()
+    with pytest.raises(CheckpointError, match=r"2 of other shapes \(e\.g\. fc\.weight: the file"):
+        check_fits(tmp_path / "w.pth", other, small)
+    check_fits(tmp_path / "w.pth", small.state_dict(), small)
+    trained = compose_config(["dataset=div2k", f"hydra.run.dir={tmp_path}"], tmp_path)
+    payload = {"run_config": ckpt.run_config(trained)}
+    check_model_options(tmp_path / "best.pt", payload, trained)
+    changed = compose_config(["dataset=div2k", "model.residual=false",
+                              f"hydra.run.dir={tmp_path}"], tmp_path)  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=r"model.residual: True -> False.*model.residual=True"
+    ):
+        check_model_options(tmp_path / "best.pt", payload, changed)
+    check_model_options(tmp_path / "w.pth", {}, changed)  # a state dict from elsewhere
+
+
+def test_evaluate_given_a_run_folder_names_its_weight_files(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("best.pt", "last.pt"):
+        (run / "checkpoints" / name).write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=r"is a folder: pass one of its files, .*best\.pt"):
+        ckpt.load_weights(run)
+    (tmp_path / "w.safetensors").write_bytes(b"not torch")
+    with pytest.raises(CheckpointError, match="pip install safetensors"):
+        ckpt.load_weights(tmp_path / "w.safetensors")
+
+
+def test_top5_is_null_with_five_classes_or_fewer():
+    from fastload.tasks.classification import ClassificationStep
+
+    assert ClassificationStep.val_metrics([2.0, 1.0, float("nan"), 2.0])["val_acc5"] is None
+    assert ClassificationStep.val_metrics([2.0, 1.0, 2.0, 2.0])["val_acc5"] == 100.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -116,12 +117,15 @@ class ClassificationStep(TrainStep):
         top5 = out.topk(min(5, out.shape[1]), dim=1).indices
         n = torch.tensor(len(y), dtype=torch.float64, device=self.device)
         top1 = (top5[:, 0] == y).sum().double()
-        return torch.stack(
-            [loss.double() * len(y), top1, (top5 == y[:, None]).any(1).sum().double(), n]
-        )
+        hits5 = (top5 == y[:, None]).any(1).sum().double()
+        if out.shape[1] <= 5:  # every label is in the top 5 of 5 classes: no measurement
+            hits5 = torch.full_like(hits5, math.nan)
+        return torch.stack([loss.double() * len(y), top1, hits5, n])
 
     @staticmethod
     def val_metrics(sums: list[float]) -> dict:
+        """val_acc5 is null with 5 classes or fewer (it would be 100 % for any model)."""
         loss, top1, top5, n = sums
         n = max(n, 1)
-        return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": 100 * top5 / n}
+        acc5 = None if math.isnan(top5) else 100 * top5 / n
+        return {"val_loss": loss / n, "val_acc1": 100 * top1 / n, "val_acc5": acc5}
