@@ -41,3 +41,28 @@ def test_resnet_weights_that_cannot_be_used_are_named(tmp_path):
     torch.save({"epoch": 3, "notes": "no tensors"}, tmp_path / "junk.pth")
     with pytest.raises(ConfigError, match="no state dict in it"):
         build_resnet("resnet18", 3, weights=str(tmp_path / "junk.pth"))
+
+
+def test_torch_compiled_and_ddp_prefixes_are_dropped_and_other_trunks_are_no_fresh_fc(
+    tmp_path, caplog
+):
+    from fastload.checkpoint import state_dict_in
+
+    t = torch.zeros(1)
+    for key in ("_orig_mod.conv1.weight", "module._orig_mod.conv1.weight",
+                "_orig_mod.module.conv1.weight", "conv1.weight"):  # fmt: skip
+        assert list(state_dict_in({key: t})) == ["conv1.weight"]
+    # resnet50's weights into resnet18: another trunk (fc of 2048 features), not a fresh fc
+    path = tmp_path / "r50.pth"
+    torch.save(build_resnet("resnet50", 4).state_dict(), path)
+    with caplog.at_level("INFO", logger="fastload"):
+        with pytest.raises(ConfigError, match="does not fit"):
+            build_resnet("resnet18", 4, weights=str(path))
+    assert "fc starts fresh" not in caplog.text
+
+
+def test_model_arch_is_checked_and_other_torchvision_classifiers_build():
+    with pytest.raises(ConfigError, match=r"model.arch='resnet19' is not a torchvision .*resnet18"):
+        build_resnet("resnet19", 3)
+    mobile = build_resnet("mobilenet_v3_small", 3)  # it takes no zero_init_residual
+    assert mobile(torch.zeros(2, 3, 32, 32)).shape == (2, 3)
