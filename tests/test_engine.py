@@ -91,8 +91,10 @@ def test_resume_takes_a_run_folder_for_its_last_checkpoint(tmp_path):
         assert find_resume(cfg)[0] == last
     with pytest.raises(CheckpointError, match=r"is a folder without a checkpoint.*resume=auto"):
         ckpt.load(tmp_path / "out")
+    with pytest.raises(CheckpointError, match=r"is a folder: pass one of its files, .*last\.pt"):
+        ckpt.load_weights(run)  # evaluate=<a folder>: the weight files it holds
     with pytest.raises(CheckpointError, match=r"checkpoints/best\.pt or <run>"):
-        ckpt.load_weights(run)  # evaluate=<a folder>: which files to pass
+        ckpt.load_weights(tmp_path / "out")  # none there: which files to pass
 
 
 def test_an_option_added_since_a_checkpoint_and_off_is_no_config_difference():
