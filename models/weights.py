@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from fastload.checkpoint import state_dict_in
-from fastload.errors import ConfigError
+from fastload.checkpoint import READABLE, state_dict_in, verified
+from fastload.errors import CheckpointError, ConfigError
 
 
 def read_state_dict(path: str, option: str) -> dict:
@@ -21,6 +21,11 @@ def read_state_dict(path: str, option: str) -> dict:
         saved = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle / zip errors differ by torch version
         raise ConfigError(f"{option}={path} is not a torch state dict ({exc}).") from None
+    if isinstance(saved, dict) and saved.get("format") in READABLE and "checksum" in saved:
+        try:  # a fastload checkpoint or best-weights file: checked as resume=/evaluate= check it
+            verified(saved, file, "evaluate")
+        except CheckpointError as exc:
+            raise ConfigError(f"{option}={path}: {exc}") from None
     state = state_dict_in(saved)
     if state is None:
         raise ConfigError(

@@ -66,3 +66,20 @@ def test_model_arch_is_checked_and_other_torchvision_classifiers_build():
         build_resnet("resnet19", 3)
     mobile = build_resnet("mobilenet_v3_small", 3)  # it takes no zero_init_residual
     assert mobile(torch.zeros(2, 3, 32, 32)).shape == (2, 3)
+
+
+def test_a_damaged_fastload_weights_file_is_refused_as_model_weights(tmp_path):
+    """evaluate= and resume= verify a fastload file's checksum; model.weights loaded it
+    unchecked."""
+    from fastload import checkpoint as ckpt
+
+    source = build_resnet("resnet18", 3)
+    payload = ckpt.weights_payload(source, "model", 0, "val_acc1", 50.0, {})
+    path = tmp_path / "best.pt"
+    ckpt.save_atomic(payload, path)
+    build_resnet("resnet18", 3, weights=str(path))  # intact: loads
+    saved = torch.load(path, weights_only=True)
+    saved["model"]["fc.bias"] += 1.0  # a bit flipped on the way, the checksum not
+    torch.save(saved, path)
+    with pytest.raises(ConfigError, match=f"model.weights={path}: checkpoint .* is damaged"):
+        build_resnet("resnet18", 3, weights=str(path))
