@@ -323,8 +323,8 @@ def ddp_class(cfg):
 def wrap_ddp(model, cfg, ctx):
     if not ctx.distributed:
         return model
+    ddp = ddp_class(cfg)
     if cfg.trainer.ddp == "apex":
-        return ddp_class(cfg)(model)
-    ddp_class(cfg)
+        return ddp(model)
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return ddp(model, device_ids=ids)
