@@ -191,6 +191,39 @@ def test_interrupted_generation_leaves_nothing_that_looks_complete(tmp_path, mon
     assert json.loads((root / MANIFEST_NAME).read_text())["num_files"] == 18
 
 
+def test_a_root_that_links_to_an_empty_folder_is_generated_into(tmp_path, monkeypatch):
+    """The link could not be replaced by the built folder: a raw AlreadyBuilt said the set
+    'appeared while it was being built'."""
+    target = tmp_path / "target"
+    target.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    ensure_synthetic_imagenet(link, **TINY, workers=1)
+    assert json.loads((link / MANIFEST_NAME).read_text())["num_files"] == 18
+    assert link.is_symlink() and (target / MANIFEST_NAME).is_file()
+    # a place the built folder cannot be renamed onto (an empty mount point): said so
+    from fastload import atomic
+
+    def busy(src, dst):
+        raise OSError(16, "Device or resource busy")
+
+    monkeypatch.setattr(atomic.os, "rename", busy)
+    (tmp_path / "mnt").mkdir()
+    with pytest.raises(DatasetError, match=r"could not be moved into place at .*mnt"):
+        ensure_synthetic_imagenet(tmp_path / "mnt", **TINY, workers=1)
+    # a parent this user cannot search: Path.exists raises (Python 3.11), said as the rest
+    real_exists = Path.exists
+
+    def denied(self, *a, **k):
+        if self.name == "hidden":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *a, **k)
+
+    monkeypatch.setattr(Path, "exists", denied)
+    with pytest.raises(DatasetError, match=r"cannot read .*hidden: .*Permission denied"):
+        ensure_synthetic_imagenet(tmp_path / "hidden", **TINY, workers=1)
+
+
 def test_unwritable_location_raises_dataset_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -36,8 +36,12 @@ class Generated:
     def exists(self, root: Path, params: dict) -> bool:
         """True when root holds this dataset with these params; False when it is absent or
         empty; DatasetError otherwise (never written into)."""
-        if not root.exists():
-            return False
+        try:
+            if not root.exists():
+                return False
+        except OSError as e:  # a parent this user cannot search
+            raise DatasetError(f"cannot read {self.what} root {root}: {e}; pass "
+                               f"dataset.root=<a folder you can write>.") from e  # fmt: skip
         if not root.is_dir():
             raise DatasetError(f"{self.what} root {root} exists and is not a folder; pass "
                                f"dataset.root=<a new or empty folder>.")  # fmt: skip
@@ -80,6 +84,8 @@ class Generated:
         """Generate into `root` unless it is there already; `build(tmp)` writes the files
         into the temporary folder and returns the manifest's other entries."""
         root = Path(root).expanduser().absolute()
+        if root.is_symlink():  # a link to an (empty) folder: generated into its target
+            root = root.resolve()
         if self.exists(root, params):
             return root
         try:
@@ -89,8 +95,12 @@ class Generated:
                 # the manifest last: its presence is what marks the dataset complete
                 (tmp / self.manifest).write_text(json.dumps(manifest, indent=1), "utf-8")
         except AlreadyBuilt:  # another process (a DDP rank) won the race: fine if it is ours
-            if not self.exists(root, params):
-                raise
+            if not self.exists(root, params):  # nothing took its place: it cannot be replaced
+                raise DatasetError(
+                    f"the generated {self.what} could not be moved into place at {root} (an "
+                    f"empty mount point cannot be replaced by a folder); pass dataset.root="
+                    f"<a new folder inside it>."
+                ) from None
         except OSError as e:  # unwritable, disk full, ...: name the place and the way out
             raise DatasetError(
                 f"cannot write the {self.what} {root}: {e}; pass dataset.root=<a writable "
