@@ -249,8 +249,11 @@ def test_class_signatures_scale_to_hundreds_of_classes():
     assert len({s for s, _, _ in sigs[:10]}) == 10 and len({p for _, p, _ in sigs[:10]}) == 10
     names = synthetic.class_names(1000)
     assert len(set(names)) == 1000 and names == sorted(names) and names[7].startswith("c007_")
-    with pytest.raises(ConfigError, match="num_classes"):
+    with pytest.raises(ConfigError, match="dataset.num_classes="):
         ensure_synthetic_imagenet("unused", num_classes=synthetic.MAX_CLASSES + 1)
+    # the options named as the config names them (it said "synthetic train_per_class=-3")
+    with pytest.raises(ConfigError, match=r"dataset.prepare.train_per_class=-3 and"):
+        ensure_synthetic_imagenet("unused", num_classes=2, train_per_class=-3)
 
 
 def _features(img: Image.Image, rng: np.random.Generator) -> np.ndarray:

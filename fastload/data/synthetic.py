@@ -381,21 +381,24 @@ def _validate(
     num_classes, train_per_class, val_per_class, seed, min_long_side, max_long_side, quality
 ) -> None:
     if not 1 <= num_classes <= MAX_CLASSES:
-        raise ConfigError(f"synthetic num_classes={num_classes} must be in 1..{MAX_CLASSES}")
+        raise ConfigError(
+            f"dataset.num_classes={num_classes}: the synthetic set draws 1..{MAX_CLASSES} classes"
+        )
     if train_per_class < 1 or val_per_class < 1:
         raise ConfigError(
-            f"synthetic train_per_class={train_per_class} and val_per_class={val_per_class} "
-            "must be >= 1 (ImageFolder rejects empty class folders)"
+            f"dataset.prepare.train_per_class={train_per_class} and "
+            f"dataset.prepare.val_per_class={val_per_class} must be >= 1 (ImageFolder rejects "
+            "empty class folders)"
         )
     if seed < 0:
-        raise ConfigError(f"synthetic seed={seed} must be >= 0")
+        raise ConfigError(f"dataset.prepare.seed={seed} must be >= 0")
     if not 16 <= min_long_side <= max_long_side:
         raise ConfigError(
-            f"synthetic min_long_side={min_long_side}, max_long_side={max_long_side}: "
+            f"dataset.prepare.min_long_side={min_long_side}, max_long_side={max_long_side}: "
             "need 16 <= min_long_side <= max_long_side"
         )
     if not 1 <= quality <= 100:
-        raise ConfigError(f"synthetic quality={quality} must be in 1..100")
+        raise ConfigError(f"dataset.prepare.quality={quality} must be in 1..100")
 
 
 def ensure_synthetic_imagenet(

@@ -174,16 +174,16 @@ GENERATED = Generated(
 
 def _validate(num_categories, train_images, val_images, sizes, quality) -> None:
     if not 1 <= num_categories <= len(CATEGORY_IDS):
-        raise ConfigError(f"synthetic COCO num_categories={num_categories} (dataset."
-                          f"num_classes) must be in 1..{len(CATEGORY_IDS)}.")  # fmt: skip
+        raise ConfigError(f"dataset.num_classes={num_categories}: the synthetic COCO "
+                          f"draws 1..{len(CATEGORY_IDS)} categories.")  # fmt: skip
     if train_images < 2 or val_images < 2:
-        raise ConfigError(f"synthetic COCO train_images={train_images}, val_images="
+        raise ConfigError(f"dataset.prepare.train_images={train_images}, val_images="
                           f"{val_images}: need at least 2 each (one is left empty).")  # fmt: skip
     if not 64 <= sizes[0] <= sizes[1]:
-        raise ConfigError(f"synthetic COCO min_long_side={sizes[0]}, max_long_side={sizes[1]}:"
+        raise ConfigError(f"dataset.prepare.min_long_side={sizes[0]}, max_long_side={sizes[1]}:"
                           f" need 64 <= min_long_side <= max_long_side.")  # fmt: skip
     if not 1 <= quality <= 100:
-        raise ConfigError(f"synthetic COCO quality={quality} must be in 1..100.")
+        raise ConfigError(f"dataset.prepare.quality={quality} must be in 1..100.")
 
 
 def ensure_synthetic_coco(
