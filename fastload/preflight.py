@@ -223,10 +223,15 @@ def backend_needs(cfg: DictConfig, facts: Facts, a: Ask, check: str) -> list:
 
 # -- the checks ---------------------------------------------------------------------------------
 
-SHM_FIX = (
+SHM_GROW = (
     "Docker: docker run --shm-size={size} (or --ipc=host to share the host's /dev/shm); "
-    "Kubernetes: mount an emptyDir with medium: Memory (sizeLimit: {size}) at /dev/shm; or "
-    "lower loader.num_workers, loader.prefetch_factor or trainer.batch_size."
+    "Kubernetes: mount an emptyDir with medium: Memory (sizeLimit: {size}) at /dev/shm"
+)
+SHM_FIX = SHM_GROW + "; or lower loader.num_workers, loader.prefetch_factor or trainer.batch_size."
+# when the staged copy is what does not fit: fewer workers or smaller batches cannot help
+SHM_STAGE_FIX = (
+    SHM_GROW + "; or stage elsewhere: storage.target_dir=<a larger tmpfs>, or read the dataset "
+    "where it is: storage=disk (or a pack: storage=shards)."
 )
 
 
@@ -284,11 +289,10 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     if stage is None:
         parts.append("the tmpfs staging (size not known in time)")
     want = f"needs about {need / MB:,.0f} MB: " + " + ".join(parts) if parts else ""
-    fix = SHM_FIX.format(size=shm_size_text(max(need, 256 * MB)))
-    if stage and free >= need - stage:  # the staged copy is what does not fit
-        fix = (SHM_FIX.split("; or lower")[0] + "; or stage elsewhere: storage.target_dir="
-               "<a larger tmpfs>, or read the dataset where it is: storage=disk (or a pack: "
-               "storage=shards).")  # fmt: skip
+    staging_short = stage and free >= need - stage  # the staged copy is what does not fit
+    fix = (SHM_STAGE_FIX if staging_short else SHM_FIX).format(
+        size=shm_size_text(max(need, 256 * MB))
+    )
     if need and free < need:  # free, not total: other processes' segments take room too
         return Check(name, FATAL, f"{have}, but the run {want}; workers would die with "
                      "'Bus error' or hang", fix)  # fmt: skip

@@ -142,7 +142,7 @@ def test_a_staged_copy_that_does_not_fit_in_dev_shm_says_where_else_to_stage(tin
     shm = checks(over, shm=(64 * 1024, 16 * 1024))["/dev/shm"]
     assert shm.status == "fatal" and "tmpfs staging" in shm.message
     assert "storage.target_dir=" in shm.fix and "storage=disk" in shm.fix
-    assert "loader.num_workers" not in shm.fix
+    assert "loader.num_workers" not in shm.fix and "--shm-size=1g" in shm.fix
 
 
 def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(monkeypatch):
