@@ -233,9 +233,10 @@ def load(path: str | os.PathLike, option: str = "resume") -> dict:
 
 def in_run_folder(path: Path) -> Path:
     """resume=<a run folder> (or its checkpoints/): its checkpoints/last.pt; a file: itself."""
-    for candidate in (path / "checkpoints" / LAST, path / LAST):
-        if path.is_dir() and candidate.is_file():
-            return candidate
+    if path.is_dir():
+        for candidate in (path / "checkpoints" / LAST, path / LAST):
+            if candidate.is_file():
+                return candidate
     return path
 
 
@@ -248,10 +249,9 @@ def read(path: Path, option: str):
         if held:  # evaluate= takes a file: which weights is the user's choice
             raise CheckpointError(f"{option}={path} is a folder: pass one of its files, "
                                   f"{', '.join(held)}.")  # fmt: skip
-        files = (BEST, LAST) if option == "evaluate" else (LAST,)
         raise CheckpointError(
             f"{option}={path} is a folder without a checkpoint to take from it: pass a "
-            f"checkpoint file ({' or '.join(f'<run>/checkpoints/{f}' for f in files)})"
+            f"checkpoint file ({' or '.join(f'<run>/checkpoints/{n}' for n in names)})"
             + (", or resume=auto (the newest of this run's name)." if option == "resume" else ".")
         )
     if not path.is_file():
@@ -298,15 +298,15 @@ def state_dict_in(saved) -> dict | None:
     return None
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
 def unwrapped_key(key: str) -> str:
     """A parameter's name without the wrappers' prefixes (DDP's module., torch.compile's
     _orig_mod., in any order and number)."""
     while key.startswith(WRAPPER_PREFIXES):
         key = key.split(".", 1)[1]
     return key
-
-
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def verified(state, path: Path, option: str) -> dict:
@@ -353,8 +353,8 @@ def candidates(output_root: Path, name: str) -> list[Path]:
 def remove_dead_temps(output_root: Path, name: str) -> list[Path]:
     """The temporary checkpoint and best-weights files that writers killed mid-write
     (SIGKILL, a lost node) left in the runs called `name` (each as large as the model or a
-    checkpoint): removed when their
-    writer is dead on this host (or, for another host's, untouched for a day)."""
+    checkpoint): removed when their writer is dead on this host (or, for another host's,
+    untouched for a day)."""
     removed = []
     for folder in (Path(output_root) / name).glob("*/checkpoints"):
         for final in (LAST, BEST, BEST_EMA, BEST + PENDING, BEST_EMA + PENDING):
