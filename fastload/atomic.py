@@ -4,11 +4,13 @@ Packs, tmpfs staging and the synthetic dataset are all made this way, so a kille
 build never leaves something that looks complete: readers only ever see the final name,
 which appears in one `rename`.
 
-The temporary folder is `.<name>.tmp-<host>-<pid>` next to the final one (same file system,
-so the rename is atomic). Before building, temporary folders of the same name left by dead
-processes are removed, but only those of *this* host: on a shared file system another node's
-pid means nothing here, and a node auto-packing beside us must not lose its folder. Folders of
-other hosts are removed only once they have not changed for `stale_after_s` (a day).
+The temporary folder is `.<name>.tmp-<host>~<pid namespace>-<pid>` next to the final one
+(same file system, so the rename is atomic). Before building, temporary folders of the same
+name left by dead processes are removed, but only those whose pid means something here (this
+host, this PID namespace: `host.process_space`): on a shared file system another node's pid,
+or another container's, names no process of ours, and a node auto-packing beside us must not
+lose its folder. Other folders are removed only once they have not changed for
+`stale_after_s` (a day).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from fastload.host import hostname, pid_alive, size_text
+from fastload.host import pid_alive, process_space, size_text
 
 DAY_S = 86400.0
 
@@ -35,7 +37,7 @@ def temp_prefix(final: Path) -> str:
 
 
 def temp_path(final: Path, host: str | None = None, pid: int | None = None) -> Path:
-    host = hostname() if host is None else host
+    host = process_space() if host is None else host
     pid = os.getpid() if pid is None else pid
     return final.parent / f"{temp_prefix(final)}{host}-{pid}"
 
@@ -44,7 +46,7 @@ def is_stale(entry: Path, final: Path, stale_after_s: float = DAY_S) -> bool:
     """A temporary folder of `final` whose builder is gone (see the module doc)."""
     tag = entry.name[len(temp_prefix(final)) :]
     host, _, pid = tag.rpartition("-")
-    if host == hostname() and pid.isdigit():
+    if host == process_space() and pid.isdigit():
         return not pid_alive(int(pid))
     try:
         return time.time() - entry.stat().st_mtime > stale_after_s
@@ -104,7 +106,7 @@ def _publish(tmp: Path, final: Path, replacing: tuple[int, int] | None) -> None:
     if replacing is not None and final.exists():
         if folder_id(final) != replacing:
             raise AlreadyBuilt(f"{final} was rebuilt by another process while this one built it")
-        old = final.parent / f"{temp_prefix(final)}{hostname()}-{os.getpid()}-old"
+        old = final.parent / f"{temp_prefix(final)}{process_space()}-{os.getpid()}-old"
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     try:

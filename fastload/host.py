@@ -78,6 +78,18 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+def process_space() -> str:
+    """Where a pid names one process: the host name and, on Linux, the PID namespace. Two
+    containers of one host name (`docker run --network host`, or the same `--hostname`)
+    sharing a volume number their processes apart, so a pid seen in a file written by the
+    other container says nothing about whether its writer lives here."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return hostname()
+    return f"{hostname()}~{ns.removeprefix('pid:[').removesuffix(']')}"
+
+
 def code_version() -> str | None:
     """`git describe --always --dirty` of the checkout fastload runs from ("-dirty": with
     uncommitted changes, whose figures are not the commit's); None outside git."""

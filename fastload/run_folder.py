@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from fastload.errors import CheckpointError, ConfigError
-from fastload.host import hostname, pid_alive
+from fastload.host import hostname, pid_alive, process_space
 
 MARKER = ".fastload-run.json"
 LAUNCH_ONLY_FILES = {MARKER, ".hydra", "train.log"}  # what a run folder holds before training
@@ -61,7 +61,9 @@ def static_launch_stamp() -> str | None:
 
 def launch_identity() -> dict:
     """Who this process writes for: the same for every rank of one launch (and a torchrun
-    restart of it), different for another launch. `pid`/`host`: whose life the claim lasts."""
+    restart of it), different for another launch. `pid`/`pids_of`: whose life the claim
+    lasts (a pid of this host and PID namespace, `host.process_space`: two containers of one
+    host name, each its train.py as pid 1, are two launches); `host`: where, for messages."""
     host, env = hostname(), os.environ
     if env.get("FASTLOAD_RUN_ID"):
         return {"launch": f"env:{env['FASTLOAD_RUN_ID']}", "host": host, "pid": None}
@@ -72,10 +74,15 @@ def launch_identity() -> dict:
         stamp = static_launch_stamp()
         if stamp is not None:  # several nodes, static rendezvous
             return {"launch": f"torchrun:{stamp}", "host": host, "pid": None}
-        return {"launch": f"torchrun:{host}:{os.getppid()}", "host": host, "pid": os.getppid()}
+        return _local_launch("torchrun:", os.getppid())
     if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         return {"launch": f"slurm:{env['SLURM_JOB_ID']}", "host": host, "pid": None}
-    return {"launch": f"{host}:{os.getpid()}", "host": host, "pid": os.getpid()}
+    return _local_launch("", os.getpid())
+
+
+def _local_launch(kind: str, pid: int) -> dict:
+    space = process_space()
+    return {"launch": f"{kind}{space}:{pid}", "host": hostname(), "pid": pid, "pids_of": space}
 
 
 def owner(folder: Path) -> dict | None:
@@ -88,9 +95,14 @@ def owner(folder: Path) -> dict | None:
 
 
 def alive(who: dict | None) -> bool:
-    """Whether the process holding a claim still runs (known only for one of this host)."""
+    """Whether the process holding a claim still runs (known only for one of this host and
+    PID namespace)."""
     pid = (who or {}).get("pid")
-    return isinstance(pid, int) and who.get("host") == hostname() and pid_alive(pid)
+    if not isinstance(pid, int):
+        return False
+    if "pids_of" in who:
+        return who["pids_of"] == process_space() and pid_alive(pid)
+    return who.get("host") == hostname() and pid_alive(pid)  # a claim written before pids_of
 
 
 def describe(who: dict) -> str:

@@ -184,6 +184,24 @@ def can_mount_privately() -> bool:
         return False
 
 
+def in_other_pid_namespace(code: str, *args: str, pid: int) -> subprocess.Popen:
+    """`python -c code args` as pid `pid` of a new PID namespace on this host (as in a
+    container of the same host name); skips the test where unshare is not allowed."""
+    probe = ["unshare", "--pid", "--fork", "--mount-proc", "true"]
+    try:
+        allowed = subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        allowed = False
+    if not allowed:
+        pytest.skip("needs unshare --pid (root)")
+    # the namespace's first process is sh (pid 1); the next pid it hands out is ns_last_pid + 1
+    # (python is forked, not exec'd: a command after it keeps sh from exec'ing it)
+    script = f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" "$@"; exit $?'
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script,
+           sys.executable, "-c", code, *args]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
 def run_train(args: list[str], *, env=None, timeout=300, cwd=REPO) -> subprocess.CompletedProcess:
     """`python train.py ARGS`, as a user runs it: a child of tests/train_forks.py, which has
     torch imported already (FASTLOAD_TEST_FORKS=0: a plain subprocess each time)."""

@@ -13,7 +13,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAIN_FORKS, compose_config, make_image_folder, run_train, tiny_overrides
+from conftest import (
+    REPO,
+    TRAIN_FORKS,
+    compose_config,
+    in_other_pid_namespace,
+    make_image_folder,
+    run_train,
+    tiny_overrides,
+)
 from omegaconf import OmegaConf
 from test_train import assert_clean_failure, read_jsonl
 
@@ -46,6 +54,24 @@ def test_two_launches_landing_on_one_folder_name_get_one_folder_each(tmp_path):
     assert got == [str(path), f"{path}-1"]
     owners = {json.dumps(run_folder.owner(g), sort_keys=True) for g in map(type(path), got)}
     assert len(owners) == 2  # each folder names its own launch
+
+
+def test_launches_in_two_containers_of_one_host_name_and_pid_get_a_folder_each(tmp_path):
+    """`docker run --network host` twice: one host name, each container numbering its own
+    pids (train.py often pid 1 in both): the same pid in another PID namespace is another
+    launch, which must not write into this one's folder."""
+    path = tmp_path / "x" / "2026-11-24_12-00-00"
+    args = (str(time.time()), str(path), "1", "60")
+    other = in_other_pid_namespace(CLAIM, *args, pid=os.getpid())
+    try:
+        assert other.stdout.readline().strip() == str(path)
+        assert run_folder.claim(path, named_by_us=True) == path.with_name(f"{path.name}-1")
+    finally:
+        other.kill()
+        other.wait()
+    theirs, mine = run_folder.owner(path), run_folder.launch_identity()
+    assert theirs["pid"] == mine["pid"] and theirs["host"] == mine["host"]
+    assert theirs["launch"] != mine["launch"] and not run_folder.alive(theirs)
 
 
 def test_a_launch_keeps_its_folder_and_a_named_folder_is_not_shared_with_a_live_run(tmp_path):

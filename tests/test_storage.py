@@ -19,12 +19,14 @@ import torch
 from conftest import (
     REPO,
     can_mount_privately,
+    in_other_pid_namespace,
     make_image_folder,
     run_torchrun,
     run_train,
     tiny_overrides,
 )
 
+from fastload import atomic
 from fastload.atomic import temp_path
 from fastload.data import rawimage
 from fastload.data.batch import collate
@@ -32,6 +34,7 @@ from fastload.data.dataset import ImageDataset
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend, open_rgb
 from fastload.errors import DatasetError, StorageError
+from fastload.host import pid_alive
 from fastload.pack import main as pack_main
 from fastload.storage import base as storage_base
 from fastload.storage import tmpfs
@@ -671,6 +674,38 @@ def test_staging_is_atomic_when_killed_midway_then_restaged(tmp_path):
     assert [sample(staged, i) for i in range(len(disk))] == [
         sample(disk, i) for i in range(len(disk))
     ]
+
+
+_BUILD_AND_WAIT = """
+import sys, time
+from pathlib import Path
+from fastload import atomic
+final, go = Path(sys.argv[1]), Path(sys.argv[2])
+with atomic.building(final) as tmp:
+    (tmp / "part").write_text("built")
+    print(tmp, flush=True)
+    while not go.exists():
+        time.sleep(0.05)
+"""
+
+
+def test_a_live_build_in_another_pid_namespace_is_not_removed_as_stale(tmp_path):
+    """Containers sharing a host name and a volume (a pack, a staged copy, a generated set):
+    the other builder's pid names no process here, yet it lives; its temporary folder is
+    kept, and it completes."""
+    pid = next(p for p in range(20000, 2000, -1) if not pid_alive(p))
+    final, go = tmp_path / "cache" / "set", tmp_path / "go"
+    other = in_other_pid_namespace(_BUILD_AND_WAIT, str(final), str(go), pid=pid)
+    try:
+        tmp = Path(other.stdout.readline().strip())
+        assert tmp.name.endswith(f"-{pid}") and tmp.exists()
+        assert atomic.remove_stale(final) == [] and tmp.exists()
+        go.touch()
+        assert other.wait(timeout=60) == 0
+    finally:
+        other.kill()
+        other.wait()
+    assert (final / "part").read_text() == "built" and not tmp.exists()
 
 
 def test_complete_staging_is_reused_and_a_damaged_one_restaged(tmp_path, monkeypatch):
