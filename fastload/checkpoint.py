@@ -170,7 +170,8 @@ def save_atomic(state: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {**state, "format": FORMAT}
     state["checksum"] = checksum(state)
-    tmp = temp_path(path)  # .last.pt.tmp-<host>-<pid>: a killed writer's is found by its pid
+    # .last.pt.tmp-<host>~<pid ns>-<pid>: a killed writer's is found by its pid
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(state, f)

@@ -119,8 +119,8 @@ def test_find_latest_checkpoint(tmp_path):
 
 
 def test_a_killed_checkpoint_writers_file_is_removed_by_the_next_run(tmp_path, caplog):
-    """SIGKILL during a checkpoint write leaves .last.pt.tmp-<host>-<pid> (as large as a
-    checkpoint); the next run of the same name removes those of dead writers only."""
+    """SIGKILL during a checkpoint write leaves .last.pt.tmp-<host>~<pid ns>-<pid> (as large
+    as a checkpoint); the next run of the same name removes those of dead writers only."""
     import subprocess
     import sys
 
