@@ -26,6 +26,7 @@ from pathlib import Path
 from fastload.host import pid_alive, process_space, size_text
 
 DAY_S = 86400.0
+OLD_SUFFIX = "-old"  # the replaced folder, moved aside while the new one is renamed in
 
 
 class AlreadyBuilt(FileExistsError):
@@ -44,7 +45,7 @@ def temp_path(final: Path, host: str | None = None, pid: int | None = None) -> P
 
 def is_stale(entry: Path, final: Path, stale_after_s: float = DAY_S) -> bool:
     """A temporary folder of `final` whose builder is gone (see the module doc)."""
-    tag = entry.name[len(temp_prefix(final)) :]
+    tag = entry.name[len(temp_prefix(final)) :].removesuffix(OLD_SUFFIX)
     host, _, pid = tag.rpartition("-")
     if host == process_space() and pid.isdigit():
         return not pid_alive(int(pid))
@@ -106,7 +107,7 @@ def _publish(tmp: Path, final: Path, replacing: tuple[int, int] | None) -> None:
     if replacing is not None and final.exists():
         if folder_id(final) != replacing:
             raise AlreadyBuilt(f"{final} was rebuilt by another process while this one built it")
-        old = final.parent / f"{temp_prefix(final)}{process_space()}-{os.getpid()}-old"
+        old = temp_path(final).with_name(f"{temp_path(final).name}{OLD_SUFFIX}")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     try:

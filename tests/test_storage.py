@@ -708,6 +708,21 @@ def test_a_live_build_in_another_pid_namespace_is_not_removed_as_stale(tmp_path)
     assert (final / "part").read_text() == "built" and not tmp.exists()
 
 
+def test_a_replaced_copy_left_by_a_dead_process_is_removed_by_the_next_build(tmp_path):
+    """A rebuild moves the outdated folder aside (`...-old`) before deleting it, which takes
+    a while on a large staged copy or pack: killed then, it was kept for a day (its pid was
+    not read), holding RAM on a tmpfs."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    final = tmp_path / "stage" / "set"
+    old = temp_path(final, pid=dead.pid).with_name(f"{temp_path(final, pid=dead.pid).name}-old")
+    live = temp_path(final, pid=os.getpid()).with_name(f"{temp_path(final).name}-old")
+    for folder in (old, live):
+        (folder / "train").mkdir(parents=True)
+    assert atomic.remove_stale(final) == [old]
+    assert not old.exists() and live.exists()
+
+
 def test_complete_staging_is_reused_and_a_damaged_one_restaged(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data")
     target = tmp_path / "shm"
