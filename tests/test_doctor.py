@@ -345,7 +345,7 @@ def test_the_doctor_times_gpu_decode_and_offers_it_when_decode_bounds(tiny_folde
     assert ms is not None and 0 < ms < 1000
     costs = {"storage read": 0.1, "decode": 5.0, "augment": 1.0, "collate": 0.1,
              "extra per-sample work (ms)": 0.0}  # fmt: skip
-    bound = {"stage": "decode", "model_img_s": 1000.0}
+    bound = {"stage": "decode", "img_s": 150.0, "model_img_s": 1000.0}
     alt = {"backends": {}, "mean_side": 200.0, "gpu_decode_ms": 0.5}
     advice = pipeline.advice(s, bound, costs, alt, {"host_img_s": 150.0}, 1000.0)
     (line,) = [a for a in advice if a[0] == "backend=nvjpeg loader=prefetch"]
@@ -354,6 +354,32 @@ def test_the_doctor_times_gpu_decode_and_offers_it_when_decode_bounds(tiny_folde
     alt.pop("gpu_decode_ms")  # no GPU: not offered
     assert not [a for a in pipeline.advice(s, bound, costs, alt, {"host_img_s": 150.0}, 1000.0)
                 if "nvjpeg" in a[0]]  # fmt: skip
+
+
+def test_the_doctor_offers_no_change_its_own_figures_say_is_slower():
+    """A backend whose decode+crop measured slower than the current one was offered as the
+    best change, with a predicted rate below the bound it was meant to lift."""
+    from types import SimpleNamespace
+
+    from fastload.doctor import pipeline
+
+    s = SimpleNamespace(cfg=compose_config(["trainer.device=cpu"]), workers=2, cores=2,
+                        backend=SimpleNamespace(name="turbo"))  # fmt: skip
+    costs = {"storage read": 0.1, "decode": 5.0, "augment": 1.0, "collate": 0.1,
+             "extra per-sample work (ms)": 0.0}  # fmt: skip
+    bound = {"stage": "decode", "img_s": 400.0, "model_img_s": 1000.0}
+    loader = {"host_img_s": 400.0}
+    slower = {"backends": {"pil": 9.0}, "mean_side": 200.0}
+    (only,) = pipeline.advice(s, bound, costs, slower, loader, 1000.0)
+    assert only[0] == "(keep backend=turbo)" and only[1] == 400.0, only
+    assert "the fastest decode+crop of those measured" in only[2] and "pil 9.00 ms" in only[2]
+    faster = {"backends": {"pil": 3.0}, "mean_side": 200.0}
+    (best,) = pipeline.advice(s, bound, costs, faster, loader, 1000.0)
+    assert best[0] == "backend=pil" and best[1] > 400.0, best
+    # any stage: a change predicted at or below the bound is not offered
+    for advice in (pipeline.advice(s, {**bound, "stage": st}, costs, slower, loader, 1000.0)
+                   for st in ("decode", "augment", "storage", "collate")):  # fmt: skip
+        assert all(rate > 400.0 for change, rate, _ in advice if not change.startswith("(")), advice
 
 
 def test_doctor_pipeline_writes_the_table_json_and_png(tiny_folder, tmp_path, capsys):

@@ -419,7 +419,8 @@ def bound_message(b: dict, costs: dict) -> str:
 
 def advice(s: Setup, b: dict, costs: dict, alt: dict, loader: dict, nxt: float) -> list:
     """[(change, predicted img/s, why)], best first. Predictions replace the bounding
-    stage's cost and cap at the next bound."""
+    stage's cost and cap at the next bound; only changes predicted above the bound are
+    offered, and where none is, one line says what was weighed (`nothing_faster`)."""
     usable = max(1, min(s.workers, s.cores))
     total = sum(costs[n] for n in WORKER_STAGES)
     host = loader["host_img_s"] / (usable * 1000 / total)  # measured / predicted workers
@@ -478,9 +479,25 @@ def advice(s: Setup, b: dict, costs: dict, alt: dict, loader: dict, nxt: float) 
         out.append(("loader.cross_epoch=true loader.persistent_workers=true", nxt,
                     f"the next epoch's first batch took {loader['boundary_first_batch_s']:.2f} s"))  # fmt: skip
     if stage == "model":
-        out.append(("(nothing in the data path)", b["img_s"],
-                    "the model's levers: trainer.compile=true, bf16, channels_last"))  # fmt: skip
-    return sorted(out, key=lambda a: -a[1])
+        return [("(nothing in the data path)", b["img_s"],
+                 "the model's levers: trainer.compile=true, bf16, channels_last")]  # fmt: skip
+    # A change predicted at or below the current bound would not help: left out.
+    faster = [a for a in out if a[1] > b["img_s"]]
+    return sorted(faster, key=lambda a: -a[1]) or [nothing_faster(s, b, costs, alt, out)]
+
+
+def nothing_faster(s: Setup, b: dict, costs: dict, alt: dict, slower: list) -> tuple:
+    """The advice when no change is predicted above the bound: the current backend is the
+    fastest of those measured (decode or augment bound), or which changes were weighed."""
+    if b["stage"] in ("decode", "augment") and alt["backends"]:
+        path = costs["decode"] + costs["augment"] - costs["extra per-sample work (ms)"]
+        others = ", ".join(f"backend={n} {ms:.2f} ms" for n, ms in alt["backends"].items())
+        name = getattr(s.backend, "name", "the configured one")
+        return (f"(keep backend={name})", b["img_s"], f"the fastest decode+crop of those "
+                f"measured: {path:.2f} ms per image here vs {others}")  # fmt: skip
+    weighed = ", ".join(a[0] for a in slower) or "no change"
+    return ("(no change predicted faster)", b["img_s"],
+            f"weighed: {weighed}; none is predicted above {b['img_s']:,.0f} img/s")  # fmt: skip
 
 
 @contextlib.contextmanager
