@@ -9,8 +9,11 @@ warning is logged and the run goes on. Nothing that merely might be slow is fata
 The checks read the machine once into `Facts` (/dev/shm, the open-file limit, the cores in
 the affinity mask, CPU flags, RAM, the dataset's file system, GPU / driver / NVML, which
 decoders import) and judge the config against them; tests pass their own `Facts` (a 64 MB
-/dev/shm, a low ulimit, a CPU without AVX2) instead of needing root or a container. The whole
-check takes well under 0.5 s: no decoder is imported, nothing is read from the dataset.
+/dev/shm, a low ulimit, a CPU without AVX2) instead of needing root or a container. Nothing is
+read from the dataset. The decoder modules are imported for real, once per process (an
+installed module whose import fails, such as an OpenCV without its libGL, is not importable;
+a run imports its backend's modules and torchvision for its model anyway); after that the
+whole check takes well under 0.5 s.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ NOFILE_FLOOR = 1024  # below this, torch's file_descriptor sharing runs out with
 PIN_RAM_SHARE = 0.5  # pinned memory above half the RAM starves the page cache and the workers
 
 DECODER_MODULES = ("simplejpeg", "PIL", "accimage", "cv2", "torchvision")
+MISSING = "not installed"  # Facts.decoders' word for a module that is not there
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ class Facts:
     gpus: list[str] = field(default_factory=list)  # CUDA device names
     nvml: str | None = None  # "driver <version>", or None
     nvml_error: str = ""
-    decoders: dict = field(default_factory=dict)  # module -> installed (bool)
+    # module -> "" when it imports, else why not ("not installed", or the import's error)
+    decoders: dict = field(default_factory=dict)
     pillow: str = "pillow"  # pillow | pillow-simd (the loaded PIL)
     # backend=turbo's region decoders (fastload/decode/roi.py KINDS): kind -> "" when it loads,
     # else why not; None: unknown
@@ -119,8 +124,31 @@ def nvml_driver() -> tuple[str | None, str]:
             pass
 
 
+def import_errors(modules) -> dict[str, str]:
+    """Each module: "" when `import` of it succeeds here, else why not: "not installed", or
+    the import's error as it reads (an installed OpenCV whose libGL is missing raises
+    ImportError: libGL.so.1: cannot open shared object file)."""
+    out = {}
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                out[name] = MISSING
+                continue
+            importlib.import_module(name)
+            out[name] = ""
+        except Exception as exc:  # ImportError, and what a broken binary module raises
+            out[name] = f"{type(exc).__name__}: {exc}".strip()
+    return out
+
+
+@functools.cache
+def decoder_imports() -> dict[str, str]:
+    """`import_errors` of the decoder modules, once per process."""
+    return import_errors(DECODER_MODULES)
+
+
 def gather(cfg: DictConfig | None = None) -> Facts:
-    """The machine as this process sees it (cheap: no decoder is imported)."""
+    """The machine as this process sees it (the decoders imported once per process)."""
     import torch
 
     from fastload.decode.pil import pillow_flavour
@@ -142,7 +170,7 @@ def gather(cfg: DictConfig | None = None) -> Facts:
         gpus=gpus,
         nvml=nvml,
         nvml_error=why,
-        decoders={m: importlib.util.find_spec(m) is not None for m in DECODER_MODULES},
+        decoders=decoder_imports(),
         pillow=pillow_flavour(),
         roi_decode=roi_decode_status(),
     )
@@ -427,12 +455,18 @@ def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     """The backend's decoder module is installed, and what else the backend needs (its
     `needs`: a GPU, OpenCV, a region decoder, ...); the OK line says which library decodes."""
     name = "decoders"
-    have = [m for m, ok in facts.decoders.items() if ok]
-    text = f"importable: {', '.join(have) or 'none'}; PIL is {facts.pillow}"
-    if a.decoder_module and not facts.decoders.get(a.decoder_module, True):
+    have = [m for m, why in facts.decoders.items() if not why]
+    broken = [f"{m} ({why})" for m, why in facts.decoders.items() if why and why != MISSING]
+    text = f"importable: {', '.join(have) or 'none'}"
+    text += f"; installed but failing to import: {'; '.join(broken)}" if broken else ""
+    text += f"; PIL is {facts.pillow}"
+    why = facts.decoders.get(a.decoder_module, "") if a.decoder_module else ""
+    if why:
         install = getattr(backend_class(cfg), "install", "")
-        return Check(name, FATAL, f"backend={a.backend} needs {a.decoder_module}, which is not "
-                     f"installed ({text})", f"{install}, or pick another backend "
+        what = "is not installed" if why == MISSING else "does not import"
+        fix = install if why == MISSING else f"repair or reinstall {a.decoder_module} ({install})"
+        return Check(name, FATAL, f"backend={a.backend} needs {a.decoder_module}, which {what} "
+                     f"({text})", f"{fix}, or pick another backend "
                      "(backend=turbo | pil).")  # fmt: skip
     for need in backend_needs(cfg, facts, a, name):
         return Check(name, need.status, f"{need.message} ({text})", need.fix)

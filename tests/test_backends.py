@@ -991,6 +991,31 @@ def test_turbo_resize_option(monkeypatch):
         TurboBackend(resize="cv2")
 
 
+def test_turbo_says_once_why_it_resizes_with_pil_without_opencv(monkeypatch, caplog, tmp_path):
+    """resize=auto fell back to PIL (about 7x slower crops) without a word when cv2's import
+    failed (an opencv-python without libGL)."""
+    from fastload.decode import turbo
+
+    monkeypatch.setitem(sys.modules, "cv2", None)  # `import cv2` raises an ImportError
+    monkeypatch.setattr(turbo, "_CV2_FALLBACK_SAID", set(), raising=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        assert turbo.TurboBackend(resize="auto").resize == "pil"
+        assert turbo.TurboBackend(resize="auto").resize == "pil"  # said once
+        assert turbo.TurboBackend(resize="pil").resize == "pil"  # asked for: nothing said
+    said = [r.getMessage() for r in caplog.records if "resizes with PIL" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "import of cv2 halted" in said[0] and "opencv-python-headless" in said[0]
+    with pytest.raises(ConfigError, match="OpenCV, which does not import here"):
+        turbo.TurboBackend(resize="cv2")
+    # installed but broken: its import's error, not only "pip install"
+    (tmp_path / "simplejpeg").mkdir()
+    (tmp_path / "simplejpeg" / "__init__.py").write_text("raise ImportError('undefined symbol')")
+    monkeypatch.delitem(sys.modules, "simplejpeg", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"does not import here \(undefined symbol\)"):
+        turbo.TurboBackend()
+
+
 def test_psnr_threshold_catches_geometry_bugs(kinds):
     """The bound of the tests above must fail a wrong box, swapped channels, a missing flip."""
     import cv2

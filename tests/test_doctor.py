@@ -41,7 +41,7 @@ def facts(**changes) -> env.Facts:
         arch="x86_64",
         ram_total=128 * 2**30,
         dataset_fs="ext4",
-        decoders={m: True for m in env.DECODER_MODULES},
+        decoders={m: "" for m in env.DECODER_MODULES},
     )
     return env.replace(base, **changes)
 
@@ -146,7 +146,7 @@ def test_a_staged_copy_that_does_not_fit_in_dev_shm_says_where_else_to_stage(tin
 
 
 def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(monkeypatch):
-    no_simplejpeg = {**{m: True for m in env.DECODER_MODULES}, "simplejpeg": False}
+    no_simplejpeg = {**{m: "" for m in env.DECODER_MODULES}, "simplejpeg": env.MISSING}
     dec = checks(["backend=turbo"], decoders=no_simplejpeg)["decoders"]
     assert dec.status == "fatal" and "pip install simplejpeg" in dec.fix
     both = {"libjpeg": "", "nvimgcodec": ""}
@@ -208,6 +208,43 @@ def test_missing_decoder_network_fs_cores_gpu_and_pinning_each_give_their_fix(mo
         gpus=["NVIDIA H100"], nvml="driver 550",
     )["pinned memory"]  # fmt: skip
     assert pinned.status == "fatal" and "loader.pin_memory_max_mb" in pinned.fix
+
+
+def test_an_installed_decoder_whose_import_fails_is_not_importable(tmp_path, monkeypatch):
+    """An opencv-python without libGL (a slim container) and a broken simplejpeg are there
+    for find_spec but fail at import: the check imports them and names the error."""
+    fake = tmp_path / "site"
+    errors = {"cv2": "libGL.so.1: cannot open shared object file: No such file or directory",
+              "simplejpeg": "undefined symbol: tjDecompress2"}  # fmt: skip
+    for name, error in errors.items():
+        (fake / name).mkdir(parents=True)
+        (fake / name / "__init__.py").write_text(f"raise ImportError({error!r})\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)  # the real ones come back after
+    monkeypatch.syspath_prepend(str(fake))
+    if hasattr(env, "decoder_imports"):
+        env.decoder_imports.cache_clear()
+    try:
+        decoders = env.gather(compose_config(["trainer.device=cpu"])).decoders
+    finally:
+        monkeypatch.undo()
+        if hasattr(env, "decoder_imports"):
+            env.decoder_imports.cache_clear()  # the real modules for the other tests
+    assert decoders["cv2"] == f"ImportError: {errors['cv2']}", decoders
+    assert decoders["simplejpeg"] == f"ImportError: {errors['simplejpeg']}"
+    assert decoders["PIL"] == ""
+    dec = checks(["backend=turbo"], decoders=decoders)["decoders"]
+    assert dec.status == "fatal" and "needs simplejpeg, which does not import" in dec.message
+    assert "undefined symbol: tjDecompress2" in dec.message and "reinstall" in dec.fix
+    jpeg_ok = {**decoders, "simplejpeg": ""}
+    dec = checks(["backend=turbo"], decoders=jpeg_ok)["decoders"]  # resize: auto
+    assert dec.status == "warn" and "resizes with PIL" in dec.message, dec
+    assert "libGL.so.1" in dec.message and "opencv-python-headless" in dec.fix
+    assert "cv2" not in dec.message.split("importable: ")[1].split(";")[0]
+    # asked for by name, it cannot start; resize=pil needs no OpenCV
+    assert checks(["backend=turbo", "backend.resize=cv2"], decoders=jpeg_ok)["decoders"].status \
+        == "fatal"  # fmt: skip
+    assert checks(["backend=turbo", "backend.resize=pil"], decoders=jpeg_ok)["decoders"].status \
+        == "ok"  # fmt: skip
 
 
 def test_doctor_env_prints_one_line_per_check_and_is_quick(capsys):

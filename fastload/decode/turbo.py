@@ -34,7 +34,8 @@ goes through PIL's `open_rgb` with the same box, and the fallback is counted by 
   other), bilinear sampling would skip pixels and alias, so the box is first averaged down by
   the integer factor floor(factor) per axis (cv2.resize INTER_AREA on an integer-aligned
   region, which is exact block averaging), then warped the same way.
-* `auto`: cv2 when importable, else pil.
+* `auto`: cv2 when importable, else pil, said once per process in a warning that names
+  OpenCV's import error (an opencv-python without libGL in a slim container, say).
 
 OpenCV's thread pool is switched off (cv2.setNumThreads(0)) when the cv2 path is set up: one
 224 px resize is too small to split, and N loader workers x N OpenCV threads oversubscribe
@@ -43,6 +44,7 @@ the cores (the loader's worker_init does the same for any cv2 user).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -60,6 +62,8 @@ from fastload.decode.jpeg_header import (
 )
 from fastload.decode.pil import pillow_name
 from fastload.errors import ConfigError
+
+log = logging.getLogger("fastload")
 
 RESIZE_CHOICES = ("auto", "pil", "cv2")
 ROI_CHOICES = ("auto", "on", "off", *roi_decoders.KINDS)
@@ -87,25 +91,39 @@ def make_roi_decoder(roi, fastdct: bool, fastupsample: bool):
 def import_simplejpeg():
     try:
         import simplejpeg
-    except ImportError:
+    except ImportError as exc:
+        why = "it is not installed" if isinstance(exc, ModuleNotFoundError) else f"{exc}"
         raise ConfigError(
-            "backend=turbo needs simplejpeg (libjpeg-turbo bindings with wheels for Linux, "
-            "macOS and Windows): pip install simplejpeg"
+            f"backend=turbo needs simplejpeg (libjpeg-turbo bindings with wheels for Linux, "
+            f"macOS and Windows), which does not import here ({why}): pip install simplejpeg"
         ) from None
     return simplejpeg
 
 
+_CV2_FALLBACK_SAID = set()  # the import errors already warned about in this process
+
+
 def import_cv2(required: bool):
-    """cv2 with its thread pool off, or None when it is missing and not required."""
+    """cv2 with its thread pool off, or None when it does not import and is not required
+    (backend.resize=auto: said once per process, with the import's error)."""
     try:
         import cv2
-    except ImportError:
-        if not required:
-            return None
-        raise ConfigError(
-            "backend.resize=cv2 needs OpenCV: pip install opencv-python-headless "
-            "(or set backend.resize=pil / auto)"
-        ) from None
+    except Exception as exc:  # ImportError, and what a broken binary module raises
+        why = f"{type(exc).__name__}: {exc}"
+        if required:
+            raise ConfigError(
+                f"backend.resize=cv2 needs OpenCV, which does not import here ({why}): pip "
+                "install opencv-python-headless (or set backend.resize=pil / auto)"
+            ) from None
+        if why not in _CV2_FALLBACK_SAID:
+            _CV2_FALLBACK_SAID.add(why)
+            log.warning(
+                "backend=turbo resizes with PIL, not OpenCV (about 7x slower crops): OpenCV "
+                "does not import here (%s). Fix: pip install opencv-python-headless (needs "
+                "no libGL), or set backend.resize=pil to choose PIL.",
+                why,
+            )
+        return None
     cv2.setNumThreads(0)
     return cv2
 
@@ -230,9 +248,16 @@ class TurboBackend(JpegOnlyBackend):
         """OpenCV for the resize; a region decoder when backend.roi asks for one (its fix
         otherwise), fastload's own one before nvImageCodec's."""
         out = []
-        if not facts.decoders.get("cv2", True):
-            out.append(Need("decoders", "warn", "backend=turbo without OpenCV resizes with PIL",
-                            "pip install opencv-python-headless (about 7x faster crops)."))  # fmt: skip
+        # (the decoders line names cv2's import error)
+        cv2_error, resize = facts.decoders.get("cv2", ""), str(options.get("resize", "auto"))
+        fix = ("pip install opencv-python-headless (about 7x faster crops; it needs no libGL), "
+               "or backend.resize=pil.")  # fmt: skip
+        if cv2_error and resize == "auto":
+            out.append(Need("decoders", "warn", "backend=turbo resizes with PIL: OpenCV (cv2) "
+                            "does not import", fix))  # fmt: skip
+        elif cv2_error and resize == "cv2":  # the backend refuses to start
+            out.append(Need("decoders", "fatal", "backend.resize=cv2, but OpenCV (cv2) does not "
+                            "import", fix))  # fmt: skip
         roi, status = str(options.get("roi", "auto")), facts.roi_decode
         if roi == "off" or status is None:  # not asked for, or not known
             return out
