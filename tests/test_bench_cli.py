@@ -141,6 +141,55 @@ def test_every_bench_writes_under_outputs_bench(suite):
     assert module.parse([]).json == f"outputs/bench/{suite}.json"
 
 
+@pytest.mark.parametrize(
+    "module, option",
+    [("fastload.bench.backends", "--json"), ("fastload.bench.loaders", "--json"),
+     ("fastload.bench.storage", "--json"), ("fastload.bench.train", "--json"),
+     ("fastload.doctor.pipeline", "--out")],
+)  # fmt: skip
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(
+    module, option, tmp_path, capsys
+):
+    """A --json under a file (or a --out that is one) was found after the whole measurement:
+    a FileExistsError / NotADirectoryError traceback, exit 1, the results lost."""
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    parse = importlib.import_module(module).parse
+    prog = module.replace(".__main__", "").replace("fastload.bench.", "fastload.bench ")
+    prog = prog.replace("fastload.doctor.", "fastload.doctor ")
+    cases = [(blocker / "sub" / "x", f"{blocker} is a file, not a folder")]
+    if option == "--out":  # a folder to write into
+        cases.append((blocker, f"{blocker} is a file, not a folder"))
+    else:
+        cases.append((tmp_path, f"{tmp_path} is a folder; give a file name"))
+    for path, why in cases:
+        with pytest.raises(SystemExit) as exc:
+            parse([option, str(path)])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1] == f"python -m {prog}: error: {option} {path}: {why}"
+    # a folder that does not exist yet is fine, and nothing is left behind by the check
+    fresh = tmp_path / "new" / ("out" if option == "--out" else "x.json")
+    assert getattr(parse([option, str(fresh)]), option.lstrip("-")) == str(fresh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_results_that_cannot_be_written_at_the_end_are_one_error(tmp_path, capsys):
+    from fastload.bench.__main__ import reporting_errors
+    from fastload.bench.common import write_json
+
+    (tmp_path / "f").write_text("")
+
+    def suite(argv):
+        write_json(tmp_path / "f" / "x.json", "storage", {}, [])
+        return 0
+
+    assert reporting_errors(suite, []) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write the results to {tmp_path / 'f' / 'x.json'}: ")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
 def test_storage_targets_take_each_rounds_ratio_then_the_median(capsys):
     """--rounds: a target's ratio is taken within each round (FFCV beside fastload), the
     verdict on the median; the table's rows are each figure's median over the rounds."""

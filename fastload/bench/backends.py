@@ -48,6 +48,7 @@ import numpy as np
 from fastload.bench.common import (
     add_peer_options,
     at_least,
+    check_output,
     check_root,
     compose,
     config_names,
@@ -315,6 +316,7 @@ def parse(argv):
     if args.workers < 0 or args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
         p.error("--workers must be >= 0, --batch-size, --repeats and --rounds >= 1")
     check_root(p, args.root)
+    check_output(p, "--json", args.json)
     if args.root and not args.no_loaders:
         check_loader_set(p, Path(args.root), args.workers, args.batch_size)
     return args

@@ -11,10 +11,12 @@ import platform
 import shutil
 import statistics
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
 
+from fastload.errors import OutputError
 from fastload.host import code_version, usable_cores
 
 
@@ -76,11 +78,54 @@ def format_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def write_json(path: str | os.PathLike, suite: str, params: dict, rows: list[dict]) -> Path:
+    """The results as JSON at `path` (its folder made); an OSError is one OutputError naming
+    the path (the table above it is printed already)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"suite": suite, "machine": machine(), "params": params, "results": rows}
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise OutputError(f"cannot write the results to {path}: {os_reason(exc)}") from None
     return path
+
+
+def os_reason(exc: OSError) -> str:
+    """An OSError as one phrase: its strerror and the file it names."""
+    where = f": {exc.filename}" if exc.filename else ""
+    return f"{exc.strerror or exc}{where}"
+
+
+def output_problem(path: str | os.PathLike, folder: bool = False) -> str | None:
+    """Why `path` (a file to write; `folder`: a folder to write into, made when missing)
+    cannot be written, or None. Nothing is left behind: the nearest existing folder on the
+    way gets a test file, removed at once."""
+    path = Path(path)
+    if path.is_dir() and not folder:
+        return f"{path} is a folder; give a file name"
+    if path.exists() and not path.is_dir() and folder:
+        return f"{path} is a file, not a folder"
+    if path.exists() and not folder and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    here = path if folder else path.parent
+    while not here.exists() and here != here.parent:  # a part that is a file does not exist
+        here = here.parent
+    if not here.is_dir():
+        return f"{here} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as exc:
+        return f"cannot write in {here} ({exc.strerror or exc})"
+    return None
+
+
+def check_output(p, option: str, path: str | os.PathLike, folder: bool = False) -> None:
+    """Refuse (argparse's error) an output `path` that cannot be written, before any work:
+    otherwise it is found after the measurement, and its results are lost."""
+    problem = output_problem(path, folder)
+    if problem:
+        p.error(f"{option} {path}: {problem}")
 
 
 def compose(overrides: list[str]):

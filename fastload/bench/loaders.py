@@ -25,6 +25,7 @@ import torch
 
 from fastload.bench.common import (
     at_least,
+    check_output,
     check_root,
     compose,
     config_names,
@@ -126,6 +127,7 @@ def parse(argv):
     if not all(w.strip().isdigit() for w in args.workers.split(",")):
         p.error(f"--workers {args.workers!r}: give comma-separated whole numbers, e.g. 0,2,4")
     check_root(p, args.root)
+    check_output(p, "--json", args.json)
     return args
 
 

@@ -52,6 +52,7 @@ from fastload.bench.backends import backend_names
 from fastload.bench.common import (
     add_peer_options,
     at_least,
+    check_output,
     check_root,
     compose,
     data_overrides,
@@ -352,6 +353,7 @@ def parse(argv):
     args.stores = ",".join(pick_names(p, "--stores", args.stores, STORES))
     pick_names(p, "--backend", args.backend, list(backend_names()))
     check_root(p, args.root, args.split)
+    check_output(p, "--json", args.json)
     if (args.ffcv_python or args.dali_python) and args.split != "train":
         p.error(f"--split {args.split}: FFCV and DALI read the train split; compare on train")
     return args

@@ -25,7 +25,14 @@ from pathlib import Path
 
 import torch
 
-from fastload.bench.common import at_least, compose, format_table, one_device, write_json
+from fastload.bench.common import (
+    at_least,
+    check_output,
+    compose,
+    format_table,
+    one_device,
+    write_json,
+)
 from fastload.measure import EVAL_STEP_SHARE, SleepStep
 
 
@@ -244,6 +251,7 @@ def parse(argv):
         args.step_ms = 50.0
     if args.epochs < 1 or args.steps_per_epoch < 1:
         p.error("--epochs and --steps-per-epoch must be >= 1")
+    check_output(p, "--json", args.json)
     return args
 
 

@@ -109,6 +109,9 @@ def parse(argv):
             p.error(f"--{opt.replace('_', '-')} {getattr(args, opt)}: use a whole number >= 1")
     if args.step_ms is not None and not args.step_ms >= 0:  # nan is not >= 0 either
         p.error(f"--step-ms {args.step_ms}: use milliseconds >= 0")
+    from fastload.bench.common import check_output
+
+    check_output(p, "--out", args.out, folder=True)  # before the measurement, not after
     return args
 
 
@@ -554,8 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     import json
     from pathlib import Path
 
-    from fastload.bench.common import format_table, machine
+    from fastload.bench.common import format_table, machine, os_reason
     from fastload.doctor.charts import waterfall
+    from fastload.errors import OutputError
 
     args = parse(argv or [])
     threads = torch.get_num_threads()
@@ -576,12 +580,15 @@ def main(argv: list[str] | None = None) -> int:
         head = "best change" if i == 0 else "then"
         print(f"{head}: {change}  -> about {rate:,.0f} img/s ({why})")
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     payload = {"suite": "doctor-pipeline", "machine": machine(), "overrides": args.override,
                "stages": rep.stages, "measured": m, "bound": rep.bound,
                "advice": [dict(zip(("change", "img_s", "why"), a, strict=True))
                           for a in rep.advice]}  # fmt: skip
-    (out / "pipeline.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    waterfall(rep, out / "pipeline.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pipeline.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        waterfall(rep, out / "pipeline.png")
+    except OSError as exc:
+        raise OutputError(f"cannot write the results to {out}: {os_reason(exc)}") from None
     print(f"wrote {out / 'pipeline.json'} and {out / 'pipeline.png'}")
     return 0
