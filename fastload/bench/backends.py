@@ -2,7 +2,8 @@
 
 For every backend that can start here: images/s on one core (an in-process loop over the
 bytes already in memory) and on all usable cores (a fork pool, one process per core). Beside
-them, measured in the same run on the same files:
+them, measured in the same run on the same files (the JPEGs of ROOT/train, the training
+split the DataLoader rows load; validation images are not read):
 
 * ceiling "read bytes": reading the files (page cache), nothing else;
 * ceiling "bare decode": full-size decode with the fastest decoder (simplejpeg), no crop;
@@ -476,21 +477,38 @@ def print_targets(rounds: list[dict]) -> dict:
     return targets
 
 
+def train_jpegs(root: Path) -> tuple[list[str], int]:
+    """The JPEGs of ROOT/train as the DataLoader rows index them (fastload's ImageFolder
+    index: the same files, in its order), and how many other images it holds. The decode
+    rows time these, so their ratios compare one set of files; validation images are
+    neither read nor timed."""
+    from fastload.data.folder import index_image_folder
+
+    index = index_image_folder(root / "train")
+    paths = [str(index.path(i)) for i in range(len(index))]
+    jpegs = [p for p in paths if p.lower().endswith((".jpg", ".jpeg"))]
+    return jpegs, len(paths) - len(jpegs)
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
     from fastload.data.transforms import RandomResizedCropFlip
     from fastload.errors import DatasetError
 
     root = Path(args.root) if args.root else default_root(args)
-    paths = sorted(str(f) for f in root.rglob("*") if f.suffix.lower() in (".jpg", ".jpeg"))
+    paths, others = train_jpegs(root)
     if not paths:
-        raise DatasetError(f"--root {root}: no JPEG file in it; the decode rows time JPEGs.")
+        raise DatasetError(f"--root {root}: no JPEG file in train/; the decode rows time JPEGs.")
     datas = [Path(f).read_bytes() for f in paths]
     n, w = len(datas), args.workers
     _JOB.update(paths=paths, datas=datas, transform=RandomResizedCropFlip(args.size))
+    left_out = (
+        f" ({others} other images there left out: simplejpeg decodes JPEGs)" if others else ""
+    )
     print(
-        f"{n} JPEGs from {root} (mean {np.mean([len(d) for d in datas]) / 1024:.0f} KiB), "
-        f"decode + RandomResizedCrop({args.size}) + flip; all cores = {w} processes",
+        f"{n} JPEGs of {root}/train, the files the DataLoader rows load{left_out} (mean "
+        f"{np.mean([len(d) for d in datas]) / 1024:.0f} KiB), decode + RandomResizedCrop("
+        f"{args.size}) + flip; all cores = {w} processes",
         file=sys.stderr,
     )
 
