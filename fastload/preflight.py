@@ -8,7 +8,7 @@ warning is logged and the run goes on. Nothing that merely might be slow is fata
 
 The checks read the machine once into `Facts` (/dev/shm, the open-file limit, the cores in
 the affinity mask, CPU flags, RAM, the dataset's file system, GPU / driver / NVML, which
-decoders import) and judge the config against them; tests pass their own `Facts` (a 64 MB
+decoders import) and judge the config against them; tests pass their own `Facts` (a 64 MiB
 /dev/shm, a low ulimit, a CPU without AVX2) instead of needing root or a container. Nothing is
 read from the dataset. The decoder modules are imported for real, once per process (an
 installed module whose import fails, such as an OpenCV without its libGL, is not importable;
@@ -303,7 +303,7 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         return Check(name, OK, f"no {SHM}; not needed with loader.num_workers=0")
     total, free = facts.shm
     stage = staging_bytes(cfg)
-    have = f"{total / MB:,.0f} MB ({free / MB:,.0f} MB free)"
+    have = f"{total / MB:,.0f} MiB ({free / MB:,.0f} MiB free)"
     if not a.workers and not stage:
         return Check(name, OK, f"{have}; not used with loader.num_workers=0")
     batches = a.ranks * a.workers * (a.prefetch + 1)
@@ -311,12 +311,12 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     parts = []
     if a.batch_bytes:
         parts.append(f"{a.ranks} rank(s) x {a.workers} workers x ({a.prefetch} prefetched + 1) "
-                     f"batches of {a.batch_bytes / MB:.1f} MB")  # fmt: skip
+                     f"batches of {a.batch_bytes / MB:.1f} MiB")  # fmt: skip
     if stage:
-        parts.append(f"{stage / MB:,.0f} MB of tmpfs staging")
+        parts.append(f"{stage / MB:,.0f} MiB of tmpfs staging")
     if stage is None:
         parts.append("the tmpfs staging (size not known in time)")
-    want = f"needs about {need / MB:,.0f} MB: " + " + ".join(parts) if parts else ""
+    want = f"needs about {need / MB:,.0f} MiB: " + " + ".join(parts) if parts else ""
     staging_short = stage and free >= need - stage  # the staged copy is what does not fit
     fix = (SHM_STAGE_FIX if staging_short else SHM_FIX).format(
         size=shm_size_text(max(need, 256 * MB))
@@ -325,7 +325,7 @@ def check_shm(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         return Check(name, FATAL, f"{have}, but the run {want}; workers would die with "
                      "'Bus error' or hang", fix)  # fmt: skip
     if total < 256 * MB or (need and free < 2 * need):
-        why = "Docker's 64 MB default?" if total <= 64 * MB else "little headroom"
+        why = "Docker's 64 MiB default?" if total <= 64 * MB else "little headroom"
         return Check(name, WARN, f"{have}; the run {want or 'passes batches through it'} "
                      f"({why})", fix)  # fmt: skip
     return Check(name, OK, f"{have}; the run {want or 'uses little of it'}")
@@ -357,11 +357,11 @@ def check_ram_pin(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     ram = facts.ram_total
     cap = a.pin_cap_mb
     msg = f"RAM {ram / 2**30:.1f} GiB, cap loader.pin_memory_max_mb=" + (
-        "null (none)" if cap is None else f"{cap:,.0f} MB per rank"
+        "null (none)" if cap is None else f"{cap:,.0f} MiB per rank"
     )
     if a.batch_bytes and cap is not None and pinned > cap * MB:
-        return Check(name, FATAL, f"{msg}; about {pinned / MB:,.0f} MB would be pinned "
-                     f"({in_flight} batches of {a.batch_bytes / MB:.1f} MB) per rank",
+        return Check(name, FATAL, f"{msg}; about {pinned / MB:,.0f} MiB would be pinned "
+                     f"({in_flight} batches of {a.batch_bytes / MB:.1f} MiB) per rank",
                      "Lower loader.prefetch_factor, loader.num_workers or trainer.batch_size, "
                      "raise loader.pin_memory_max_mb if the host has the RAM, or set "
                      "loader.pin_memory=false.")  # fmt: skip
@@ -370,8 +370,8 @@ def check_ram_pin(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
         return Check(name, WARN, f"{msg}: up to {limit / 2**30:.1f} GiB page-locked over "
                      f"{a.ranks} rank(s), more than half the RAM (can freeze the host)",
                      "Set loader.pin_memory_max_mb=auto (a quarter of the RAM shared by the "
-                     "ranks) or a smaller number of MB.")  # fmt: skip
-    return Check(name, OK, f"{msg}; about {pinned / MB:,.0f} MB pinned per rank")
+                     "ranks) or a smaller number of MiB.")  # fmt: skip
+    return Check(name, OK, f"{msg}; about {pinned / MB:,.0f} MiB pinned per rank")
 
 
 def check_cores(cfg: DictConfig, facts: Facts, a: Ask) -> Check:

@@ -104,9 +104,9 @@ def new_shared_storage(nbytes: int) -> torch.UntypedStorage:
             raise
         remove_unfilled_segment(str(exc))
         shm = shm_bytes()
-        room = f" ({shm[1] / MB:,.0f} MB free of {shm[0] / MB:,.0f} MB)" if shm else ""
+        room = f" ({shm[1] / MB:,.0f} MiB free of {shm[0] / MB:,.0f} MiB)" if shm else ""
         raise ConfigError(
-            f"{SHM} is full{room}: a batch of {nbytes / MB:,.1f} MB for the loader's workers "
+            f"{SHM} is full{room}: a batch of {nbytes / MB:,.1f} MiB for the loader's workers "
             f"does not fit. {SHM_FIX}"
         ) from None
 

@@ -453,7 +453,7 @@ def test_image_runs_the_pre_flight_check(image):
     out = docker("run", "--rm", "--shm-size=1g", image, "python", "-m", "fastload.doctor", "env",
                  "trainer.device=cpu", timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "[OK   ] /dev/shm: 1,024 MB" in out.stdout, out.stdout
+    assert "[OK   ] /dev/shm: 1,024 MiB" in out.stdout, out.stdout
     assert " checks: 0 fatal" in out.stdout, out.stdout
 
 
@@ -465,7 +465,7 @@ def test_a_tiny_shm_in_the_container_is_fatal_with_the_docker_fix(image):
     out = docker("run", "--rm", "--shm-size=64m", image, "python", "-m", "fastload.doctor",
                  "env", *opts, timeout=300)  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "[FATAL] /dev/shm: 64 MB" in out.stdout, out.stdout
+    assert "[FATAL] /dev/shm: 64 MiB" in out.stdout, out.stdout
     assert "--shm-size=" in out.stdout and "--ipc=host" in out.stdout, out.stdout
     run = docker("run", "--rm", "--shm-size=64m", image, "python", "train.py", "debug=fast",
                  *opts, timeout=600)  # fmt: skip

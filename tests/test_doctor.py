@@ -74,11 +74,11 @@ def test_docker_default_shm_is_fatal_with_the_shm_size_ipc_host_and_emptydir_fix
 
 
 def test_shm_room_is_judged_by_its_free_space_not_its_size():
-    """A 1 GB /dev/shm that other processes filled to 20 MB free cannot take 80 MB of
+    """A 1 GiB /dev/shm that other processes filled to 20 MiB free cannot take 80 MiB of
     batches: fatal, not "little headroom"."""
     over = ["loader.num_workers=2", "trainer.batch_size=64", "dataset.train_transform.size=224"]
     full = checks(over, shm=(1024 * MB, 20 * MB))["/dev/shm"]
-    assert full.status == "fatal" and "20 MB free" in full.message
+    assert full.status == "fatal" and "20 MiB free" in full.message
     assert checks(over, shm=(1024 * MB, 1000 * MB))["/dev/shm"].status == "ok"
 
 

@@ -435,9 +435,9 @@ def test_small_dev_shm_is_reported_with_the_fix(monkeypatch, caplog, folder):
     monkeypatch.setattr(checks_mod, "shm_bytes", lambda: (64 * 2**20, 1000))
     with caplog.at_level(logging.WARNING):
         loader = make_loader("baseline", folder, "loader.num_workers=1")
-        assert "only 64 MB" in caplog.text and "--shm-size" in caplog.text
+        assert "only 64 MiB" in caplog.text and "--shm-size" in caplog.text
         epoch(loader)
-    assert "has 0 MB free" in caplog.text and "want about" in caplog.text
+    assert "has 0 MiB free" in caplog.text and "want about" in caplog.text
 
 
 def test_num_workers_auto_splits_the_cpuset_across_local_ranks(monkeypatch):

@@ -222,8 +222,8 @@ class LoaderSlots:
         shm = shm_bytes()
         if shm is not None and nbytes > shm[1] // 2:
             log.warning(
-                "loader.reuse_batch_memory: %d MB of batch slots would take more than half of "
-                "the %d MB free in %s; this epoch falls back to a new shared segment per "
+                "loader.reuse_batch_memory: %d MiB of batch slots would take more than half of "
+                "the %d MiB free in %s; this epoch falls back to a new shared segment per "
                 "batch. %s",
                 nbytes // MB,
                 shm[1] // MB,

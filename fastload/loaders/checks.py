@@ -13,7 +13,7 @@ from fastload.host import MB, SHM, SHM_FIX, shm_bytes, total_ram
 
 log = logging.getLogger("fastload.loaders")
 
-SHM_FLOOR = 256 * MB  # Docker's default is 64 MB: workers die with "Bus error" well before 256
+SHM_FLOOR = 256 * MB  # Docker's default is 64 MiB: workers die with "Bus error" well before 256
 
 
 def check_options(timeout, prefetch_factor) -> None:
@@ -47,8 +47,8 @@ PIN_RAM_SHARE = 0.25
 
 
 def resolve_pin_cap(value, local_world_size: int) -> float | None:
-    """loader.pin_memory_max_mb: MB, null (no cap) or auto = a quarter of the host's RAM,
-    shared by the node's ranks (on a 125 GiB host with one rank: ~31 GiB)."""
+    """loader.pin_memory_max_mb: MiB (2**20 bytes), null (no cap) or auto = a quarter of the
+    host's RAM, shared by the node's ranks (on a 125 GiB host with one rank: ~31 GiB)."""
     if value is None:
         return None
     if value == "auto":
@@ -59,18 +59,18 @@ def resolve_pin_cap(value, local_world_size: int) -> float | None:
         cap = -1.0
     if cap <= 0:
         raise ConfigError(
-            f"loader.pin_memory_max_mb={value!r}: use a number of MB > 0, auto (a quarter of "
+            f"loader.pin_memory_max_mb={value!r}: use a number of MiB > 0, auto (a quarter of "
             f"the RAM per node, shared by its ranks) or null (no cap)."
         )
     return cap
 
 
 def warn_small_shm(num_workers: int) -> None:
-    """At construction: a /dev/shm far too small for any worker batches (Docker's 64 MB)."""
+    """At construction: a /dev/shm far too small for any worker batches (Docker's 64 MiB)."""
     shm = shm_bytes()
     if num_workers and shm is not None and shm[0] < SHM_FLOOR:
         log.warning(
-            "%s is only %d MB and loader.num_workers=%d: workers pass every batch through "
+            "%s is only %d MiB and loader.num_workers=%d: workers pass every batch through "
             "it and die with 'Bus error' or hang when it fills. %s",
             SHM,
             shm[0] // MB,
@@ -108,11 +108,11 @@ def check_pinned(batch, batch_bytes: int, loader) -> None:
     pinned, cap = batch_bytes * in_flight, loader.pin_memory_max_mb
     if cap is not None and pinned > cap * MB:
         raise ConfigError(
-            f"pinned memory in flight would be about {pinned / MB:.0f} MB (batches of "
-            f"{batch_bytes / MB:.1f} MB x {in_flight}: loader.num_workers="
+            f"pinned memory in flight would be about {pinned / MB:.0f} MiB (batches of "
+            f"{batch_bytes / MB:.1f} MiB x {in_flight}: loader.num_workers="
             f"{loader.num_workers} x loader.prefetch_factor={loader.prefetch_factor} + "
             f"{loader.stage_batches} held by the loader stages), above "
-            f"loader.pin_memory_max_mb={loader.pin_memory_max_option} ({cap:,.0f} MB). Lower loader.prefetch_factor, "
+            f"loader.pin_memory_max_mb={loader.pin_memory_max_option} ({cap:,.0f} MiB). Lower loader.prefetch_factor, "
             f"loader.num_workers or trainer.batch_size, raise loader.pin_memory_max_mb "
             f"(null: no cap) if the host has the RAM, or set loader.pin_memory=false."
         )
@@ -124,8 +124,8 @@ def check_shm_room(batch_bytes: int, num_workers: int, prefetch_factor: int) -> 
     need = 2 * num_workers * prefetch_factor * batch_bytes
     if num_workers and shm is not None and shm[1] < need:
         log.warning(
-            "%s has %d MB free; loader.num_workers=%d x loader.prefetch_factor=%d batches of "
-            "%.1f MB want about %d MB (with 2x headroom). %s",
+            "%s has %d MiB free; loader.num_workers=%d x loader.prefetch_factor=%d batches of "
+            "%.1f MiB want about %d MiB (with 2x headroom). %s",
             SHM,
             shm[1] // MB,
             num_workers,
