@@ -565,6 +565,8 @@ def test_the_suites_are_the_modules_with_a_main_and_help_lists_them(capsys):
         ("storage", ["--repeats", "0"], "argument --repeats: '0': use a whole number >= 1"),
         ("storage", ["--workers", "-1"], "argument --workers: '-1': use a whole number >= 0"),
         ("backends", ["--size", "0"], "argument --size: '0': use a whole number >= 1"),
+        # in-process, yet its column read "0 cores img/s"
+        ("backends", ["--workers", "0"], "argument --workers: '0': use a whole number >= 1"),
         (
             "storage",
             ["--quality", "101"],

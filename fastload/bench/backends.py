@@ -299,7 +299,9 @@ def parse(argv):
         help=f"comma-separated, of: {', '.join(backend_names())}",
     )
     p.add_argument("--size", type=at_least(1), default=224, help="RandomResizedCrop output size")
-    p.add_argument("--workers", type=int, default=usable_cores(), help="'all cores' count")
+    p.add_argument("--workers", type=at_least(1), default=usable_cores(),
+                   help="'all cores' count: processes of the pool (and DataLoader workers); "
+                   "the 1-core column is the in-process figure")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=64, help="the DataLoader rows' batch")
     p.add_argument("--repeats", type=int, default=2, help="passes per figure; best is kept")
     p.add_argument("--no-loaders", action="store_true", help="skip the DataLoader rows")
@@ -314,8 +316,8 @@ def parse(argv):
     p.add_argument("--json", default="outputs/bench/backends.json", help="where to write JSON")
     args = p.parse_args(argv)
     args.backends = ",".join(pick_names(p, "--backends", args.backends, list(backend_names())))
-    if args.workers < 0 or args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
-        p.error("--workers must be >= 0, --batch-size, --repeats and --rounds >= 1")
+    if args.batch_size < 1 or args.repeats < 1 or args.rounds < 1:
+        p.error("--batch-size, --repeats and --rounds must be >= 1")
     check_root(p, args.root)
     check_output(p, "--json", args.json)
     if args.root and not args.no_loaders:
