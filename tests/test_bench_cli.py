@@ -193,6 +193,23 @@ def test_results_that_cannot_be_written_at_the_end_are_one_error(tmp_path, capsy
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_bench_train_names_its_worst_epoch_wait_share_as_such(capsys):
+    """The key read 'data_wait_share_epochs_2_on', as if of epochs 2 on together; it is the
+    worst of those epochs' shares (the target is per epoch)."""
+    from types import SimpleNamespace
+
+    from fastload.bench.train import print_targets, summarize
+
+    rows = [{"train_images": 8, "wall_s": 1.0, "epoch_time_s": 1.0, "data_wait_s": w,
+             "data_wait_share": w} for w in (0.5, 0.01, 0.04, 0.02)]  # fmt: skip
+    summary = summarize(rows, 4.0, 4.0, 2, 0, SimpleNamespace(model=None, step_ms=10.0),
+                        ceiling=rows)  # fmt: skip
+    assert summary["worst_data_wait_share_epochs_2_on"] == 0.04
+    assert "data_wait_share_epochs_2_on" not in summary
+    print_targets(summary, SimpleNamespace(model=None))
+    assert "epochs >= 2: worst data-wait share 4.0 %" in capsys.readouterr().out
+
+
 def test_storage_targets_take_each_rounds_ratio_then_the_median(capsys):
     """--rounds: a target's ratio is taken within each round (FFCV beside fastload), the
     verdict on the median; the table's rows are each figure's median over the rounds."""

@@ -210,7 +210,10 @@ def summarize(rows, total_s, ceiling_s, steps: int, val_batches: int, args, ceil
         # the whole wall it came out diluted (0.19 for epochs of 0.29-0.33)
         "data_wait_share": sum(r["data_wait_s"] for r in rows)
         / sum(r["epoch_time_s"] for r in rows),
-        "data_wait_share_epochs_2_on": max((r["data_wait_share"] for r in rows[1:]), default=None),
+        # the worst epoch's share, not a share of epochs 2 on together: the target is per epoch
+        "worst_data_wait_share_epochs_2_on": max(
+            (r["data_wait_share"] for r in rows[1:]), default=None
+        ),
         "vs_ceiling_epochs_2_on": later_ceiling / later if later and later_ceiling else None,
         "train_vs_ceiling_epochs_2_on": (
             trained_ceiling / trained if trained and trained_ceiling else None
@@ -351,7 +354,7 @@ def print_profile(run_trace: Path, ceiling_trace: Path) -> dict:
 
 
 def print_targets(summary: dict, args) -> None:
-    wait = summary["data_wait_share_epochs_2_on"]
+    wait = summary["worst_data_wait_share_epochs_2_on"]
     if wait is not None:
         verdict = "met" if wait <= 0.02 else "NOT met"
         print(f"epochs >= 2: worst data-wait share {100 * wait:.1f} % (target <= 2 %): {verdict}")
