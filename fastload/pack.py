@@ -39,6 +39,7 @@ import sys
 import time
 from pathlib import Path
 
+from fastload.argtypes import at_least
 from fastload.atomic import folder_id
 from fastload.data.folder import IMG_EXTENSIONS
 from fastload.data.sources import CocoSource, Div2kSource
@@ -227,10 +228,16 @@ def check_apart(check, folder) -> tuple[int, list[str]]:
 
 
 def pixel_size(text: str) -> int | None:
-    """--size N, or `full` (also null, none, 0): keep the full resolution."""
+    """--size N (a whole number >= 1), or `full` (also null, none, 0): keep the full
+    resolution."""
     if text.lower() in ("full", "null", "none", "0"):
         return None
-    return int(text)
+    try:
+        return at_least(1)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use a whole number >= 1, or full (the full resolution)"
+        ) from None
 
 
 def parse(argv):
@@ -250,13 +257,17 @@ def parse(argv):
     p.add_argument("--source", choices=["imagefolder", "coco", "div2k"], default="imagefolder")
     p.add_argument("--annotations", type=Path, help="coco: instances_<split>.json")
     p.add_argument("--images", type=Path, help="coco: the folder of that split's images")
-    p.add_argument("--subset", type=int, default=None, help="coco: only the first N images by id")
+    p.add_argument(
+        "--subset", type=at_least(1), default=None, help="coco: only the first N images by id"
+    )
     p.add_argument("--hr", type=Path, help="div2k: the HR image folder")
     p.add_argument("--lr", type=Path, help="div2k: the paired LR folder (optional)")
     p.add_argument("--scale", type=int, help="div2k: the LR scale (2, 3, 4, 8) with --lr")
     p.add_argument("--kind", choices=["jpeg", "raw"], default="jpeg")
-    p.add_argument("--max-side", type=int, default=None, help="re-encode JPEGs to this longer side")
-    p.add_argument("--quality", type=int, default=90)
+    p.add_argument(
+        "--max-side", type=at_least(1), default=None, help="re-encode JPEGs to this longer side"
+    )
+    p.add_argument("--quality", type=at_least(1, at_most=100), default=90)
     p.add_argument(
         "--size",
         type=pixel_size,
@@ -264,8 +275,10 @@ def parse(argv):
         help="raw: longer side of the stored pixels; full: as they are (super-resolution)",
     )
     p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
-    p.add_argument("--shard-mb", type=int, default=1024)
-    p.add_argument("--shard-samples", type=int, help="webdataset: at most N samples per shard")
+    p.add_argument("--shard-mb", type=at_least(1), default=1024)
+    p.add_argument(
+        "--shard-samples", type=at_least(1), help="webdataset: at most N samples per shard"
+    )
     p.add_argument(
         "--splits",
         default=None,
@@ -274,7 +287,9 @@ def parse(argv):
     p.add_argument(
         "--split-name", help="coco/div2k: the pack's split folder (default: the source's name)"
     )
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument(
+        "--workers", type=at_least(1), default=None, help="packing processes (default: the cores)"
+    )
     p.add_argument(
         "--skip-corrupt", action="store_true", help="leave out files that cannot be decoded"
     )

@@ -33,7 +33,7 @@ from fastload.data.batch import collate
 from fastload.data.dataset import ImageDataset
 from fastload.data.transforms import RandomResizedCropFlip
 from fastload.decode.pil import PILBackend, open_rgb
-from fastload.errors import DatasetError, StorageError
+from fastload.errors import ConfigError, DatasetError, StorageError
 from fastload.host import pid_alive
 from fastload.pack import main as pack_main
 from fastload.storage import base as storage_base
@@ -629,6 +629,49 @@ def test_the_pack_cli_takes_a_root_with_a_flat_test_folder_for_a_root(tmp_path, 
     assert pack_main(["shards", str(root), str(tmp_path / "p")]) == 0
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["train", "val"]
     assert f"left out {root / 'test'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--max-side", "-5"],
+        ["--kind", "raw", "--size", "-5"],
+        ["--max-side", "64", "--quality", "150"],
+        ["--max-side", "64", "--quality", "0"],
+        ["--shard-mb", "0"],
+        ["--shard-mb", "-1"],
+        ["--workers", "-3"],
+    ],
+)
+def test_the_pack_cli_refuses_numbers_out_of_range(tiny_folder, tmp_path, capsys, option):
+    """--max-side -5 stored 1x1 JPEGs and --kind raw --size -5 1x1 arrays, a quality of 150
+    or a shard size of 0 were taken as given: every one wrote a useless pack, exit 0."""
+    with pytest.raises(SystemExit) as exit_:
+        pack_main(["shards", str(tiny_folder), str(tmp_path / "p"), *option])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1
+    assert f"error: argument {option[-2]}: {option[-1]!r}: use a whole number" in err
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize(
+    "store, options, named",
+    [
+        (ShardStorage, {"max_side": -5}, "storage.max_side=-5"),
+        (ShardStorage, {"kind": "raw", "size": 0}, "storage.size=0"),
+        (ShardStorage, {"max_side": 256, "quality": 150}, "storage.quality=150"),
+        (ShardStorage, {"shard_mb": 0}, "storage.shard_mb=0"),
+        (LmdbStorage, {"max_side": 0}, "storage.max_side=0"),
+        (LmdbStorage, {"kind": "raw", "size": -5}, "storage.size=-5"),
+        (WebDatasetStorage, {"quality": 0}, "storage.quality=0"),
+        (WebDatasetStorage, {"shard_samples": -1}, "storage.shard_samples=-1"),
+    ],
+)
+def test_storage_pack_options_out_of_range_are_refused_by_name(store, options, named):
+    """train.py's storage.max_side=-5 (or a quality of 150, ...) packed on first use as
+    the command line did: 1x1 images, no error."""
+    with pytest.raises(ConfigError, match=re.escape(named) + ": use"):
+        store(**options)
 
 
 # -- tmpfs staging -----------------------------------------------------------------------------

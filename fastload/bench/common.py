@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import platform
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from fastload.argtypes import at_least  # noqa: F401  (the bench commands import it from here)
 from fastload.errors import OutputError
 from fastload.host import code_version, usable_cores
 
@@ -177,26 +177,6 @@ def pick_names(p, option: str, value: str, valid) -> list[str]:
         what = f"unknown {', '.join(repr(n) for n in unknown)}" if unknown else "no name given"
         p.error(f"{option} {value!r}: {what}; valid names: {', '.join(valid)}")
     return names
-
-
-def at_least(low: float, kind: type = int, at_most: float | None = None):
-    """An argparse `type=`: a `kind` (int: a whole number) >= low (and <= at_most). What is
-    outside (a batch of 0, a negative sleep) would fail deep in a run, after the loaders were
-    built, with a traceback; argparse's error names the option instead."""
-    what = "a whole number" if kind is int else "a number"
-    bounds = f">= {low:g}" if at_most is None else f"from {low:g} to {at_most:g}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if (value is None or not math.isfinite(value) or value < low
-                or (at_most is not None and value > at_most)):  # fmt: skip
-            raise argparse.ArgumentTypeError(f"{text!r}: use {what} {bounds}")
-        return value
-
-    return parse
 
 
 def add_peer_options(p, rows: str) -> None:

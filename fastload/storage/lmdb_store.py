@@ -40,7 +40,7 @@ from fastload.atomic import folder_id
 from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
-from fastload.storage.packing import KINDS, PackedStorage
+from fastload.storage.packing import KINDS, PackedStorage, check_pack_numbers
 
 log = logging.getLogger("fastload")
 
@@ -390,6 +390,7 @@ class LmdbStorage(PackedStorage):
                 f"storage.kind={kind!r}, storage.compression={compression!r}: use kind "
                 f"{' or '.join(KINDS)} and compression null or lz4."
             )
+        check_pack_numbers(max_side, quality, size)
         if compression == "lz4":
             lz4_block()  # missing: said before any packing starts
         self.max_side, self.quality = max_side, int(quality)

@@ -24,6 +24,7 @@ import functools
 import io
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -48,7 +49,7 @@ from fastload.data.layouts import as_layout
 from fastload.data.records import ImageFile, Schema
 from fastload.data.sources import ImageFolderSource
 from fastload.decode.base import open_rgb
-from fastload.errors import DatasetError, NotAnImageFolder, StorageError
+from fastload.errors import ConfigError, DatasetError, NotAnImageFolder, StorageError
 from fastload.host import spawn_pool, usable_cores
 from fastload.storage.base import Reader, Storage
 
@@ -211,6 +212,36 @@ def _records(tasks, workers: int):
         return
     with spawn_pool(workers) as pool:  # spawn: the caller may hold threads or CUDA
         yield from pool.imap(make_item, tasks, chunksize=16)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_pack_numbers(max_side=None, quality=90, size=None, **counts) -> None:
+    """ConfigError naming the storage option (storage.max_side=-5) whose value cannot make a
+    pack: a side or size below 1 (a 1x1 pixel image for every record), a JPEG quality outside
+    1..100, a shard size or count below 1. `counts`: other options that take a whole number
+    >= 1 or null (shard_samples) or a number > 0 (shard_mb)."""
+    for key, value, what in (
+        ("max_side", max_side, "null (the source bytes unchanged) or a whole number >= 1, "
+                               "the longer side of the re-encoded JPEGs"),
+        ("size", size, "null (full resolution) or a whole number >= 1, the longer side of "
+                       "the stored pixels"),
+    ):  # fmt: skip
+        if value is not None and not (_whole(value) and value >= 1):
+            raise ConfigError(f"storage.{key}={value!r}: use {what}.")
+    if not (_whole(quality) and 1 <= quality <= 100):
+        raise ConfigError(f"storage.quality={quality!r}: use a JPEG quality from 1 to 100.")
+    for key, value in counts.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "shard_samples" and value is not None and not (_whole(value) and value >= 1):
+            raise ConfigError(
+                f"storage.shard_samples={value!r}: use null (shards by size only) or a whole "
+                f"number >= 1."
+            )
+        if key == "shard_mb" and not (number and math.isfinite(value) and value > 0):
+            raise ConfigError(f"storage.shard_mb={value!r}: use a number of MB > 0.")
 
 
 def record_options(

@@ -41,9 +41,9 @@ import numpy as np
 import xxhash
 
 from fastload.data.records import Schema
-from fastload.errors import StorageError
+from fastload.errors import ConfigError, StorageError
 from fastload.storage.base import PackedReader
-from fastload.storage.packing import KINDS, PackedStorage
+from fastload.storage.packing import KINDS, PackedStorage, check_pack_numbers
 
 log = logging.getLogger("fastload")
 
@@ -303,6 +303,9 @@ class ShardStorage(PackedStorage):
     ):
         if kind not in KINDS:
             raise StorageError(f"storage.kind={kind!r}: use one of {', '.join(KINDS)}.")
+        check_pack_numbers(max_side, quality, size)
+        if not (isinstance(shard_mb, int) and not isinstance(shard_mb, bool) and shard_mb >= 1):
+            raise ConfigError(f"storage.shard_mb={shard_mb!r}: use a whole number of MB >= 1.")
         super().__init__(path=path, verify=verify, auto_pack=auto_pack, cold_cache=cold_cache)
         self.kind, self.max_side, self.quality = kind, max_side, int(quality)
         # size null: raw records at full resolution (super-resolution pairs)

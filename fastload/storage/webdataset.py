@@ -70,7 +70,7 @@ from fastload.data.layouts import as_layout
 from fastload.data.records import Schema
 from fastload.errors import ConfigError, StorageError
 from fastload.storage.base import Reader
-from fastload.storage.packing import KINDS, PackedStorage
+from fastload.storage.packing import KINDS, PackedStorage, check_pack_numbers
 from fastload.storage.wds_cache import (
     CorruptShard,
     ShardCache,
@@ -626,6 +626,7 @@ class WebDatasetStorage(PackedStorage):
                 f"storage.kind={kind!r}: webdataset shards hold encoded images (jpeg); for "
                 f"raw pixels use storage=shards storage.kind=raw."
             )
+        check_pack_numbers(max_side, quality, shard_mb=shard_mb, shard_samples=shard_samples)
         if remainder not in ("pad", "drop"):
             raise ConfigError(f"storage.remainder={remainder!r}: use pad or drop.")
         if int(shuffle_buffer) < 1:
