@@ -357,6 +357,69 @@ def test_verify_names_the_damaged_record(tiny_folder, packs, tmp_path, kind, cap
         assert "the pack's checksum" in err  # the overall crc32 of all image bytes
 
 
+def edit_label_column(split: Path, fmt: str, edit) -> None:
+    """Apply `edit(labels, meta)` to a pack's label column and metadata, in place."""
+    if fmt == "shards":
+        index = np.load(split / "index.npy")
+        meta = json.loads((split / "meta.json").read_text())
+        edit(index["label"], meta)
+        np.save(split / "index.npy", index)
+        (split / "meta.json").write_text(json.dumps(meta))
+        return
+    import lmdb
+
+    env = lmdb.open(str(split), subdir=True)
+    with env.begin(write=True) as txn:
+        labels = np.frombuffer(txn.get(b"__column__.label"), "<i8").copy()
+        meta = json.loads(txn.get(b"__meta__"))
+        edit(labels, meta)
+        txn.put(b"__column__.label", labels.tobytes())
+        txn.put(b"__meta__", json.dumps(meta).encode())
+    env.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_a_changed_label_fails_verify_and_open(tiny_folder, tmp_path, fmt, capsys):
+    """The labels (an int column: shards' index.npy, LMDB's __column__.label) carried no
+    checksum: a label changed from 0 to 2 was verified "ok" and trained on."""
+    pack = tmp_path / "p"
+    assert pack_main([fmt, str(tiny_folder), str(pack), "--splits", "val"]) == 0
+
+    def relabel(labels, meta):
+        assert labels[0] == 0
+        labels[0] = 2
+
+    edit_label_column(pack / "val", fmt, relabel)
+    capsys.readouterr()
+    assert pack_main(["verify", str(pack)]) == 1
+    out, err = capsys.readouterr()
+    assert f"checked {pack / 'val'}: 9 records, 1 problem(s)" in out
+    assert "CORRUPT" in err and "its label column fails its" in err
+    store = (LmdbStorage if fmt == "lmdb" else ShardStorage)(path=pack, auto_pack=False)
+    with pytest.raises(StorageError, match="its label column fails its .* check"):
+        store.open(tiny_folder, "val")
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "shards"])
+def test_a_pack_without_column_checksums_verifies_with_a_note_and_opens(
+    tiny_folder, tmp_path, fmt, capsys
+):
+    """A pack written before the int columns had a checksum: verify says they were not
+    checked (not damage: exit 0) and training reads it as before."""
+    pack = tmp_path / "p"
+    assert pack_main([fmt, str(tiny_folder), str(pack), "--splits", "val"]) == 0
+    edit_label_column(pack / "val", fmt, lambda labels, meta: meta.pop("column_checks"))
+    capsys.readouterr()
+    assert pack_main(["verify", str(pack)]) == 0
+    assert capsys.readouterr().out == (
+        f"checked {pack / 'val'}: 9 records, ok; its label column carries no checksum (packed "
+        f"by an earlier fastload), so it was not checked; re-pack to have it checked\n"
+    )
+    store = (LmdbStorage if fmt == "lmdb" else ShardStorage)(path=pack, auto_pack=False)
+    reader = store.open(tiny_folder, "val")
+    assert [reader.get(i, "label") for i in range(len(reader))] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
 @pytest.mark.parametrize("fmt", ["lmdb", "shards"])
 def test_verify_checks_paired_records_and_boxes(tmp_path, fmt, capsys):
     hr, lr = make_div2k(tmp_path / "div2k")

@@ -6,16 +6,17 @@ Written by `python -m fastload.pack lmdb SRC DST` into DST/<split>/ (data.mdb):
                            writes them (fastload/data/records.py: an encoded image, a raw
                            pixel record, .npy array, JSON), for every field stored as bytes
     b"__column__.<f>"   -> int field f of every record, int64 little-endian (so opening
-                           needs no full scan)
+                           needs no full scan; checked at open against its crc32)
     b"__meta__"         -> JSON: format, version, schema (the fields and their codecs),
                            count, classes, params, checksum (crc32 of all field bytes in
-                           record order), source
+                           record order), column_checks (crc32 of each __column__ value),
+                           source
     (compression lz4, storage.compression: each field's bytes are an lz4 block, the crc32s
     are those of the decompressed bytes; meta says "compression")
     b"__paths__"        -> the source path of each record, newline-separated (errors only)
 
-`python -m fastload.pack verify DST` checks every field's crc32 and the overall checksum
-(`verify_split`). Packs of the earlier version (one image and one target per record) are
+`python -m fastload.pack verify DST` checks every field's crc32, every column's and the
+overall checksum (`verify_split`). Packs of the earlier version (one image and one target per record) are
 refused with the re-pack command; storage.auto_pack re-packs them. No pickle anywhere. The writer grows the map size by doubling whenever LMDB reports it full,
 so nobody guesses a map size up front. Readers open the environment lazily in their own
 process (readonly, lock=False, readahead=False) and drop it when pickled: an LMDB handle
@@ -40,7 +41,7 @@ from fastload.atomic import folder_id
 from fastload.data.records import Schema
 from fastload.errors import StorageError
 from fastload.storage.base import PackedReader
-from fastload.storage.packing import KINDS, PackedStorage, check_pack_numbers
+from fastload.storage.packing import KINDS, PackedStorage, check_pack_numbers, unchecked_note
 
 log = logging.getLogger("fastload")
 
@@ -52,6 +53,31 @@ META_KEY, PATHS_KEY = b"__meta__", b"__paths__"
 
 def column_key(name: str) -> bytes:
     return b"__column__." + name.encode()
+
+
+def column_crc(value: bytes) -> str:
+    """meta["column_checks"]'s entry for a __column__ value."""
+    return f"crc32:{zlib.crc32(value):08x}"
+
+
+def column_problems(txn, schema: Schema, meta: dict, where: Path) -> tuple[list[str], list]:
+    """(problems, unchecked): each int column whose count or crc32 differs from the pack's
+    meta, and the columns it has no crc32 of (packs written before columns had one)."""
+    checks = meta.get("column_checks") or {}
+    problems, unchecked = [], []
+    for f in schema.columns:
+        raw = txn.get(column_key(f.name))
+        have = "none" if raw is None else len(raw) // 8
+        if have != meta["count"]:
+            problems.append(f"{where}: {have} values of {f.name} for {meta['count']} records")
+        elif f.name not in checks:
+            unchecked.append(f.name)
+        elif column_crc(raw) != checks[f.name]:
+            problems.append(
+                f"{where}: its {f.name} column fails its crc32 check: its values are not "
+                f"the ones packed"
+            )
+    return problems, unchecked
 
 
 def field_key(i: int, name: str) -> bytes:
@@ -256,10 +282,11 @@ class LmdbWriter:
             "stored_bytes": self.stored_bytes,  # as stored
         }
         # Metadata last: an environment without it is not a complete pack.
-        columns = [(column_key(n), np.asarray(v, "<i8").tobytes()) for n, v in self.columns.items()]
+        columns = {n: np.asarray(v, "<i8").tobytes() for n, v in self.columns.items()}
+        meta["column_checks"] = {n: column_crc(v) for n, v in columns.items()}
         self._put_all(
             [
-                *columns,
+                *((column_key(n), v) for n, v in columns.items()),
                 (PATHS_KEY, "\n".join(self.paths).encode("utf-8", "surrogateescape")),
                 (META_KEY, json.dumps(meta).encode()),
             ]
@@ -299,12 +326,19 @@ class LmdbReader(PackedReader):
             )
         self.schema = Schema.from_json(self.meta["schema"])
         self._columns = {}
+        checks = self.meta.get("column_checks") or {}
         for f in self.schema.columns:
-            values = np.frombuffer(self._get(column_key(f.name)) or b"", "<i8").astype(np.int64)
+            raw = self._get(column_key(f.name)) or b""
+            values = np.frombuffer(raw, "<i8").astype(np.int64)
             if len(values) != self.meta["count"]:
                 raise StorageError(
                     f"{self.dir}: {len(values)} values of field {f.name} for "
                     f"{self.meta['count']} records: the pack is damaged. {REPACK.format(path=self.dir)}"
+                )
+            if self.verify and f.name in checks and column_crc(raw) != checks[f.name]:
+                raise StorageError(
+                    f"{self.dir}: its {f.name} column fails its crc32 check: the pack is "
+                    f"damaged. {REPACK.format(path=self.dir)}"
                 )
             self._columns[f.name] = values
         self._keys = {f.name: (f, b"." + f.name.encode()) for f in self.schema.blobs}
@@ -466,33 +500,33 @@ def _read_meta(txn, split_dir: Path) -> tuple[dict | None, list[str]]:
     return meta, []
 
 
-def verify_split(split_dir) -> tuple[int, list[str]]:
+def verify_split(split_dir) -> tuple[int, list[str], list[str]]:
     """`python -m fastload.pack verify` for one split of an LMDB pack: every field's crc32,
-    the int columns' lengths, and the meta's overall checksum (crc32 of all field bytes in
-    record order). Returns (records checked, problems)."""
+    the int columns' lengths and crc32s, and the meta's overall checksum (crc32 of all field
+    bytes in record order). Returns (records checked, problems, notes: what could not be
+    checked)."""
     split_dir = Path(split_dir)
     try:
         env = reader_env(str(split_dir))
         return _verify_records(env, split_dir)
     except StorageError as exc:
-        return 0, [exc.user_message]
+        return 0, [exc.user_message], []
     except _lmdb().Error as exc:  # damaged B-tree pages: MDB_CORRUPTED, MDB_PAGE_NOTFOUND
-        return 0, [f"{split_dir / 'data.mdb'} is damaged ({type(exc).__name__}: {exc}); re-pack."]
+        return (
+            0,
+            [f"{split_dir / 'data.mdb'} is damaged ({type(exc).__name__}: {exc}); re-pack."],
+            [],
+        )
 
 
-def _verify_records(env, split_dir: Path) -> tuple[int, list[str]]:
+def _verify_records(env, split_dir: Path) -> tuple[int, list[str], list[str]]:
     with env.begin(buffers=False) as txn:
         meta, problems = _read_meta(txn, split_dir)
         if meta is None:
-            return 0, problems
+            return 0, problems, []
         count, schema = int(meta["count"]), Schema.from_json(meta["schema"])
-        for f in schema.columns:
-            raw = txn.get(column_key(f.name))
-            have = "none" if raw is None else len(raw) // 8
-            if have != count:
-                problems.append(
-                    f"{split_dir}: {have} values of {f.name} for {count} records; re-pack."
-                )
+        damaged, unchecked = column_problems(txn, schema, meta, split_dir)
+        problems += [f"{line}; re-pack." for line in damaged]
         paths = (txn.get(PATHS_KEY) or b"").decode("utf-8", "surrogateescape").split("\n")
         crc, bad = 0, []
         for i in range(count):
@@ -514,4 +548,4 @@ def _verify_records(env, split_dir: Path) -> tuple[int, list[str]]:
             f"{split_dir / 'data.mdb'}: the field bytes' crc32 is {crc:08x}, the pack's "
             f"checksum {str(meta.get('checksum')).removeprefix('crc32:')}; re-pack."
         )
-    return count, problems
+    return count, problems, unchecked_note(unchecked)

@@ -244,6 +244,19 @@ def check_pack_numbers(max_side=None, quality=90, size=None, **counts) -> None:
             raise ConfigError(f"storage.shard_mb={value!r}: use a number of MB > 0.")
 
 
+def unchecked_note(columns: list[str]) -> list[str]:
+    """`verify`'s note on a pack whose int columns carry no checksum (written before they
+    had one): they could not be checked, which is no damage; a re-pack adds it."""
+    if not columns:
+        return []
+    return [
+        f"its {', '.join(columns)} column{'s' if len(columns) > 1 else ''} carr"
+        f"{'y' if len(columns) > 1 else 'ies'} no checksum (packed by an earlier fastload), "
+        f"so {'they were' if len(columns) > 1 else 'it was'} not checked; re-pack to have "
+        f"{'them' if len(columns) > 1 else 'it'} checked"
+    ]
+
+
 def record_options(
     kind: str, max_side=None, quality: int = 90, size: int | None = 256, compression=None
 ) -> dict:
