@@ -659,9 +659,42 @@ def test_a_shard_of_empty_records_only_is_read_as_undecodable_samples(tmp_path):
     for image in (root / "val").rglob("*.jpg"):
         image.write_bytes(b"")
     store = ShardStorage(path=tmp_path / "p")
-    store.prepare(root, ["val"], skip_corrupt=True)
+    store.prepare(root, ["val"])  # copied as they are (skip_corrupt would leave them out)
     reader = store.open(root, "val")
     assert [bytes(reader.get(i, "image")) for i in range(len(reader))] == [b""] * 3
+
+
+@pytest.mark.parametrize("options", [[], ["--max-side", "256"]])
+def test_skip_corrupt_leaves_undecodable_files_out_of_a_pack_that_copies_them(
+    tmp_path, capsys, options
+):
+    """--skip-corrupt where the pack stores the files as they are (kind jpeg without
+    --max-side; with one, JPEGs already that small) decoded none of them: a truncated JPEG,
+    an empty .jpg and a text file named .jpg were packed, none listed as left out."""
+    root = make_image_folder(tmp_path / "d", per_split=(2, 1))
+    cat = root / "train" / "cat"
+    bad = [cat / "cut.jpg", cat / "empty.jpg", cat / "text.jpg"]
+    whole = (cat / "cat_000.jpg").read_bytes()
+    bad[0].write_bytes(whole[: len(whole) // 2])  # its header whole, half its scan
+    bad[1].write_bytes(b"")
+    bad[2].write_text("not an image")
+    dst = tmp_path / "p"
+    args = ["shards", str(root), str(dst), "--splits", "train", *options]
+    assert pack_main([*args, "--skip-corrupt"]) == 0
+    assert "train: 6 records in" in capsys.readouterr().out
+    assert json.loads((dst / "train" / "fastload-pack.json").read_text())["skipped"] == [
+        str(b) for b in bad
+    ]
+    disk = DiskStorage().open(root, "train")
+    bad_names = {str(b) for b in bad}
+    kept = [
+        bytes(disk.get(i, "image")) for i in range(len(disk)) if disk.describe(i) not in bad_names
+    ]
+    reader = ShardStorage(path=dst, auto_pack=False).open(root, "train")
+    assert [bytes(reader.get(i, "image")) for i in range(len(reader))] == kept
+    if not options:  # without --skip-corrupt a copy stores the files as they are, unread
+        shutil.rmtree(dst)
+        assert pack_main(args) == 0 and "train: 9 records in" in capsys.readouterr().out
 
 
 def test_a_folder_holding_other_files_is_not_packed_over(tiny_folder, tmp_path, capsys):

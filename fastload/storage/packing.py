@@ -4,7 +4,8 @@ shares. Each store names its own writer (`LmdbStorage.writer`, `ShardStorage.wri
 to that writer in a temporary folder renamed into place when complete (fastload/atomic.py).
 
 Record kinds:
-  jpeg, no max_side: the source files' bytes unchanged (bit-identical to storage=disk);
+  jpeg, no max_side: the source files' bytes unchanged (bit-identical to storage=disk;
+                     with skip_corrupt each is decoded once, and one that fails is left out);
   jpeg, max_side N:  re-encoded JPEG with the longer side at most N (smaller JPEGs are kept
                      as they are), quality Q, 4:2:0: "store less data";
   raw, size S:       decoded RGB pixels, longer side S (aspect kept), no decode at training;
@@ -87,8 +88,10 @@ def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, floa
     (sx, sy) map source pixel coordinates to the stored image's (boxes are scaled by them).
     `multiple`, `to`: as `_resized`'s, for a pair's images. An image whose boxes are in its
     stored frame (the task's `stated` size, fastload/data/frames.py) is stored so, turned no
-    more by its EXIF orientation (re-encoded at quality 95 where the pack copies files)."""
-    path, kind, max_side, quality, size, stated = task
+    more by its EXIF orientation (re-encoded at quality 95 where the pack copies files).
+    `check` (skip_corrupt): a file stored as it is (copied, or a JPEG already small enough)
+    is decoded whole first, so that one training cannot decode fails here and is left out."""
+    path, kind, max_side, quality, size, stated, check = task
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -96,10 +99,14 @@ def make_record(task, multiple: int = 1, to=None) -> tuple[bytes, int, int, floa
         raise NotRead(f"{type(exc).__name__}: {exc}") from None
     stored_frame = bool(stated) and in_stored_frame(data, stated, path)
     if kind == "jpeg" and not max_side and not stored_frame:
+        if check:
+            open_rgb(data, exif=False).load()
         return data, 0, 0, 1.0, 1.0
     img = Image.open(io.BytesIO(data))
     if (to is None and kind == "jpeg" and img.format == "JPEG" and not stored_frame
             and max(img.size) <= max_side):  # fmt: skip
+        if check:
+            open_rgb(data, exif=False).load()
         return data, img.height, img.width, 1.0, 1.0
     quality = quality if max_side else 95
     img = open_rgb(data, exif=not stored_frame)
@@ -206,8 +213,9 @@ def not_a_pack(dst: Path, marker: str) -> str | None:
 
 
 def _records(tasks, workers: int):
-    copies = all(t[1][1] == "jpeg" and not t[1][2] for t in (tasks[0] if tasks else ()))
-    if workers <= 1 or copies:  # the files' bytes as they are: nothing worth a pool
+    first = tasks[0] if tasks else ()
+    copies = all(t[1][1] == "jpeg" and not t[1][2] and not t[1][6] for t in first)
+    if workers <= 1 or copies:  # the files' bytes as they are, unchecked: nothing worth a pool
         yield from map(make_item, tasks)
         return
     with spawn_pool(workers) as pool:  # spawn: the caller may hold threads or CUDA
@@ -287,11 +295,11 @@ def pack_schema(source, kind: str) -> Schema:
     return schema
 
 
-def _tasks(records, kind, max_side, quality, size) -> list:
+def _tasks(records, kind, max_side, quality, size, check: bool = False) -> list:
     # An image with `divide` (a DIV2K LR pair) is resized to the HR's size / divide when the
     # HR is resized (make_item); its max_side / divide, size / divide decide whether it is
     # (an HR too small to resize has an LR too small too). size null keeps every image as
-    # it is.
+    # it is. `check`: make_record's.
     return [
         [
             (
@@ -303,6 +311,7 @@ def _tasks(records, kind, max_side, quality, size) -> list:
                     quality,
                     size and max(1, size // v.divide),
                     v.stated,
+                    check,
                 ),
                 v.divide,
             )  # fmt: skip
@@ -384,7 +393,7 @@ def pack_split(
     source.check_packing(bool(size if kind == "raw" else max_side))
     records = [source.record(i) for i in range(len(source))]
     digest, source_bytes = source_digest(records, source)
-    tasks = _tasks(records, kind, max_side, quality, size)
+    tasks = _tasks(records, kind, max_side, quality, size, check=skip_corrupt)
     bar = tqdm(
         total=len(tasks),
         desc=f"packing {source.root} -> {dst} ({what})",
