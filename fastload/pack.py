@@ -1,8 +1,9 @@
 """Pack an ImageFolder, COCO or DIV2K dataset into LMDB or memory-mapped shards.
 
-    python -m fastload.pack lmdb   SRC DST [--max-side N --quality Q | --kind raw --size S|full]
+    python -m fastload.pack lmdb   SRC DST [--max-side N [--quality Q] | --kind raw --size S|full]
                                            [--compression lz4]
-    python -m fastload.pack shards SRC DST [--kind jpeg|raw --max-side N --quality Q --size S|full]
+    python -m fastload.pack shards SRC DST [--max-side N [--quality Q] | --kind raw --size S|full]
+                                           [--shard-mb M]
     python -m fastload.pack {lmdb,shards,webdataset} DST --source coco \
         --annotations instances_train2017.json --images DIR [--subset N]  # -> DST/train2017/
     python -m fastload.pack {lmdb,shards,webdataset} DST --source div2k \
@@ -30,6 +31,10 @@ each record's checksum and each int column's (the labels); LMDB: each record's c
 int column's and the pack's overall checksum), one line per split; exit 1 when one is
 damaged, 2 when DST holds no pack. A pack written before int columns had a checksum is
 said so on its line (not checked, not damaged).
+
+An option given where it does nothing (--quality without --max-side, --max-side or
+--quality with --kind raw, --size without it, --shard-samples outside webdataset, --subset
+or --hr without their --source, any option to verify) is refused, exit 2, not ignored.
 
 This module is the command line only; packing lives in fastload/storage/.
 """
@@ -270,15 +275,18 @@ def parse(argv):
     p.add_argument(
         "--max-side", type=at_least(1), default=None, help="re-encode JPEGs to this longer side"
     )
-    p.add_argument("--quality", type=at_least(1, at_most=100), default=90)
+    p.add_argument("--quality", type=at_least(1, at_most=100), help="with --max-side (default 90)")
     p.add_argument(
         "--size",
         type=pixel_size,
-        default=256,
-        help="raw: longer side of the stored pixels; full: as they are (super-resolution)",
+        default=UNSET,
+        help="raw: longer side of the stored pixels (default 256); full: as they are "
+        "(super-resolution)",
     )
     p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
-    p.add_argument("--shard-mb", type=at_least(1), default=1024)
+    p.add_argument(
+        "--shard-mb", type=at_least(1), help="shards, webdataset: MB per shard (default 1024)"
+    )
     p.add_argument(
         "--shard-samples", type=at_least(1), help="webdataset: at most N samples per shard"
     )
@@ -296,7 +304,61 @@ def parse(argv):
     p.add_argument(
         "--skip-corrupt", action="store_true", help="leave out files that cannot be decoded"
     )
-    return p, p.parse_args(argv)
+    args = p.parse_args(argv)
+    refuse_unused(p, args)
+    defaults = {"quality": 90, "size": 256, "shard_mb": 1024}
+    for key, value in defaults.items():
+        if getattr(args, key) in (None, UNSET):
+            setattr(args, key, value)
+    return p, args
+
+
+UNSET = object()  # --size not given (None is `full`)
+
+# The options that only some packs use: (option, what uses it), by what decides.
+SOURCE_OPTIONS = {
+    "imagefolder": ("--splits",),
+    "coco": ("--annotations", "--images", "--subset", "--split-name"),
+    "div2k": ("--hr", "--lr", "--scale", "--split-name"),
+}
+FORMAT_OPTIONS = {"shards": ("--shard-mb",), "webdataset": ("--shard-mb", "--shard-samples")}
+
+
+def refuse_unused(p, args) -> None:
+    """argparse's error (exit 2) for an option given where it does nothing (a --quality
+    without --max-side, a --subset without --source coco, ...): taken silently, it would
+    make the user believe the pack was made with it."""
+    given = {
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if k not in ("format", "src", "dst") and v != p.get_default(k)
+    }
+    if args.format == "verify":
+        if args.dst is not None:
+            p.error(f"verify takes one folder, the pack: {args.dst} is a second one")
+        if given:
+            p.error(f"{min(given)} is a packing option: verify takes only the pack folder")
+        return
+    for option in sorted(given):
+        users = [s for s, options in SOURCE_OPTIONS.items() if option in options]
+        if users and args.source not in users:
+            p.error(
+                f"{option} is a --source {'|'.join(users)} option, not of --source {args.source}"
+            )
+        formats = [f for f, options in FORMAT_OPTIONS.items() if option in options]
+        if formats and args.format not in formats:
+            p.error(f"{option} is an option of {' and '.join(formats)} packs, not {args.format}")
+    raw = args.kind == "raw"
+    for option, wrong, why in (
+        ("--max-side", raw, "--kind raw stores decoded pixels at --size"),
+        ("--quality", raw, "--kind raw stores decoded pixels, not JPEGs"),
+        ("--quality", not args.max_side, "it is the quality of JPEGs re-encoded at --max-side; "
+                                         "without --max-side the files are stored as they are"),
+        ("--size", not raw, "it is the side of --kind raw pixels; JPEGs are resized by --max-side"),
+        ("--scale", not args.lr, "it is the scale of the LR images given by --lr"),
+    ):  # fmt: skip
+        if option in given and wrong:
+            p.error(f"{option} does nothing here: {why}")
 
 
 def pack_source(p, args) -> None:

@@ -751,6 +751,39 @@ def test_the_pack_cli_refuses_numbers_out_of_range(tiny_folder, tmp_path, capsys
 
 
 @pytest.mark.parametrize(
+    "args, refused",
+    [
+        (["shards", "SRC", "DST", "--quality", "80"], "--quality does nothing here: it is the "
+                                                      "quality of JPEGs re-encoded at --max-side"),
+        (["shards", "SRC", "DST", "--kind", "raw", "--max-side", "64"], "--max-side does nothing"),
+        (["lmdb", "SRC", "DST", "--kind", "raw", "--quality", "80"], "--quality does nothing"),
+        (["shards", "SRC", "DST", "--size", "64"], "--size does nothing here"),
+        (["shards", "SRC", "DST", "--shard-samples", "4"], "--shard-samples is an option of "
+                                                           "webdataset packs, not shards"),
+        (["lmdb", "SRC", "DST", "--shard-mb", "4"], "--shard-mb is an option of shards and "),
+        (["shards", "SRC", "DST", "--subset", "3"], "--subset is a --source coco option"),
+        (["shards", "SRC", "DST", "--hr", "x"], "--hr is a --source div2k option"),
+        (["shards", "DST", "--source", "div2k", "--hr", "x", "--scale", "2"], "--scale does "),
+        (["verify", "DST", "SRC"], "verify takes one folder, the pack: SRC is a second one"),
+        (["verify", "DST", "--skip-corrupt"], "--skip-corrupt is a packing option"),
+    ],
+)  # fmt: skip
+def test_the_pack_cli_refuses_options_that_would_do_nothing(
+    tiny_folder, tmp_path, capsys, args, refused
+):
+    """--quality without --max-side, --max-side with --kind raw, --shard-samples for shards,
+    --subset / --hr without --source, a second folder given to verify: each was taken and
+    ignored, the pack (or verify) going on as if it had not been given."""
+    where = {"SRC": str(tiny_folder), "DST": str(tmp_path / "p")}
+    with pytest.raises(SystemExit) as exit_:
+        pack_main([where.get(a, a) for a in args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("error:") == 1
+    assert f"error: {refused}".replace("SRC", str(tiny_folder)) in err
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize(
     "store, options, named",
     [
         (ShardStorage, {"max_side": -5}, "storage.max_side=-5"),
