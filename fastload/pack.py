@@ -108,16 +108,45 @@ def make_storage(args):
     return ShardStorage(**common, shard_mb=args.shard_mb)
 
 
+def check_destination(dst: Path, outs: list[Path], store) -> None:
+    """StorageError, before anything is packed, when a split's pack cannot go to its folder
+    in `outs` (DST/<split>): DST or that folder is a file, or the folder holds files that
+    are not a pack (a pack replaces its folder)."""
+    for path in (dst, *outs):
+        if path.exists() and not path.is_dir():
+            raise StorageError(
+                f"{path} is a file, not a folder: the packs go into {dst}/<split>/. Give an "
+                f"output folder that is new, empty or holds packs."
+            )
+    for out in outs:
+        held = not_a_pack(out, store.marker)
+        if held is not None:
+            raise StorageError(
+                f"{out} holds files that are not a pack ({held}); a pack replaces its folder, "
+                f"so they are left as they are. Give an output folder that is new, empty or "
+                f"a pack."
+            )
+
+
+def chosen_splits(src: Path, names: str) -> list[Path]:
+    """--splits: the named split folders of SRC, each one there (DatasetError naming the
+    first that is not, with SRC's folders), so that none is packed before one fails."""
+    dirs = [src / name for name in names.split(",")]
+    for d in dirs:
+        if not d.is_dir():
+            have = ", ".join(sorted(p.name for p in src.iterdir() if p.is_dir())) or "none"
+            raise DatasetError(
+                f"--splits {names}: {d} is not a folder of SRC {src} (its folders: {have}); "
+                f"name split folders of SRC, or . for SRC itself."
+            )
+    return dirs
+
+
 def pack_one(args, src_dir, out, source=None) -> None:
     """Pack one split into `out` with the command line's options; an existing pack is kept
     when it matches its source and options, re-packed (replaced) when it does not."""
     store = make_storage(args)
-    held = not_a_pack(out, store.marker)
-    if held is not None:
-        raise StorageError(
-            f"{out} holds files that are not a pack ({held}); a pack replaces its folder, so "
-            f"they are left as they are. Give an output folder that is new, empty or a pack."
-        )
+    check_destination(out.parent, [out], store)
     replacing = folder_id(out) if out.exists() else None  # the pack judged below
     if replacing is not None:
         # COCO / DIV2K: the source built from the command line, checked like a folder
@@ -391,9 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"SRC {args.src} is not a folder: pass a dataset root (SRC/<split>/<class>/"
                 f"<image>, e.g. ImageNet's train/ and val/) or one split (SRC/<class>/<image>)."
             )
-        dirs = split_dirs(args.src)
-        if args.splits:
-            dirs = [args.src / s for s in args.splits.split(",")]
+        dirs = chosen_splits(args.src, args.splits) if args.splits else split_dirs(args.src)
         src = args.src.resolve()
         for d in dirs:  # DST/<split> in SRC: folders of the dataset; SRC in it: replaced
             out = (args.dst / d.name).resolve()
@@ -405,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"part of the pack. Give DST outside SRC, e.g. "
                     f"{src.parent / (src.name + '.packs')}."
                 )
+        check_destination(args.dst, [args.dst / d.name for d in dirs], make_storage(args))
         created = not args.dst.exists()
         try:
             for d in dirs:

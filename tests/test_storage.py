@@ -750,6 +750,28 @@ def test_the_pack_cli_refuses_numbers_out_of_range(tiny_folder, tmp_path, capsys
     assert not (tmp_path / "p").exists()
 
 
+def test_a_bad_destination_or_split_is_refused_before_anything_is_packed(
+    tiny_folder, tmp_path, capsys
+):
+    """DST an existing file ended in a FileExistsError traceback (exit 1); --splits
+    train,nope packed train and only then failed on nope."""
+    file = tmp_path / "file"
+    file.write_text("mine")
+    assert pack_main(["shards", str(tiny_folder), str(file)]) == 2
+    assert f"error: {file} is a file, not a folder" in capsys.readouterr().err
+    assert file.read_text() == "mine"
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "val").write_text("mine")  # DST/<split> a file
+    assert pack_main(["lmdb", str(tiny_folder), str(tmp_path / "p")]) == 2
+    assert f"error: {tmp_path / 'p' / 'val'} is a file, not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["val"]  # train not packed
+    dst = tmp_path / "q"
+    assert pack_main(["shards", str(tiny_folder), str(dst), "--splits", "train,nope"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --splits train,nope: {tiny_folder / 'nope'} is not a folder of SRC" in err
+    assert "(its folders: train, val)" in err and not dst.exists()
+
+
 @pytest.mark.parametrize(
     "args, refused",
     [
