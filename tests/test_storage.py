@@ -514,6 +514,45 @@ def test_a_relative_root_finds_its_pack_current(tmp_path, monkeypatch, caplog):
     assert "re-packing" not in caplog.text
 
 
+def test_every_spelling_of_the_source_finds_its_pack_current(tmp_path, monkeypatch, capsys, caplog):
+    """The source through a symlink or with `..` in it re-packed the whole dataset, said to
+    have "changed since it was packed": the digest took the paths as spelled."""
+    root = make_image_folder(tmp_path / "data" / "ds", per_split=(2, 1))
+    (tmp_path / "link").symlink_to(root)
+    monkeypatch.chdir(tmp_path / "data")
+    pack = tmp_path / "p"
+    assert pack_main(["shards", str(root), str(pack)]) == 0
+    for spelling in ("ds", "../data/ds", str(tmp_path / "link")):
+        capsys.readouterr()
+        assert pack_main(["shards", spelling, str(pack)]) == 0
+        assert capsys.readouterr().out.count("exists and matches its source: skipped") == 2
+    store = ShardStorage(path=pack)  # train.py's auto-pack: dataset.root through the link
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fastload"):
+        store.prepare(str(tmp_path / "link"), ["train", "val"])
+    assert "re-packing" not in caplog.text and "packed" not in caplog.text
+
+
+def test_a_pack_whose_digest_took_the_paths_as_spelled_stays_current(tmp_path):
+    """Packs written before the digest took real paths: current for the spelling they were
+    packed from, not re-packed."""
+    from fastload.data.sources import ImageFolderSource
+    from fastload.storage.packing import SIDECAR, source_digest, stale_reason
+
+    root = make_image_folder(tmp_path / "ds", per_split=(2, 1))
+    (tmp_path / "link").symlink_to(root)
+    store = ShardStorage(path=tmp_path / "p")
+    store.prepare(str(tmp_path / "link"), ["val"])
+    sidecar = tmp_path / "p" / "val" / SIDECAR
+    record = json.loads(sidecar.read_text())
+    source = ImageFolderSource(tmp_path / "link" / "val")
+    records = [source.record(i) for i in range(len(source))]
+    del record["source_paths"]
+    record["source_digest"] = source_digest(records, source, real_paths=False)[0]
+    sidecar.write_text(json.dumps(record))
+    assert stale_reason(tmp_path / "link" / "val", sidecar.parent, store.pack_options()) is None
+
+
 def test_a_class_added_without_images_makes_a_pack_out_of_date(tmp_path, caplog):
     """A class folder added after the last one (still empty) leaves every path and label as
     they were, so the digest is the same: the pack kept the old classes, and the run's

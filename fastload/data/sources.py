@@ -92,7 +92,7 @@ class ImageFolderSource(Source):
     schema = Schema(IMAGE_FIELD, Field("label", "int", ext="", classes=True))
 
     def __init__(self, split_dir):
-        split_dir = Path(split_dir).absolute()  # dataset.root=ds and /abs/ds: one digest
+        split_dir = Path(split_dir).absolute()  # as spelled (messages); a pack digests real paths
         self.index = index_image_folder(split_dir)
         self.root = str(split_dir)
         self.name = split_dir.name

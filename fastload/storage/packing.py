@@ -168,12 +168,25 @@ def make_item(task):
     return {name: out[name] for name, _, _ in task}
 
 
-def source_digest(records, source) -> tuple[str, int]:
+def source_digest(records, source, real_paths: bool = True) -> tuple[str, int]:
     """(fingerprint, total bytes) of what a pack is made from: every record's fields in
     order, image files by path, size and modification time, other values by content. A file
-    added, removed, rewritten or relabelled changes it."""
+    added, removed, rewritten or relabelled changes it. `real_paths`: each file's path by
+    its folder's real path, so that every spelling of the source (relative, with `..`,
+    through a symlink) gives one digest; False: as spelled (packs whose sidecar has no
+    "source_paths": "real", written before)."""
     h, total = xxhash.xxh3_128(), 0
     h.update(f"{source.kind}\0{len(records)}\0{','.join(source.schema.names)}\n".encode())
+    real: dict[str, str] = {}  # folder as spelled -> its real path (a few thousand folders)
+
+    def canonical(path: str) -> str:
+        if not real_paths:
+            return path
+        folder, name = os.path.split(path)
+        if folder not in real:
+            real[folder] = os.path.realpath(folder)
+        return os.path.join(real[folder], name)
+
     for r in records:
         for value in r.values():
             if isinstance(value, ImageFile):
@@ -184,7 +197,8 @@ def source_digest(records, source) -> tuple[str, int]:
                 total += st.st_size
                 stated = f"\0{value.stated[0]}x{value.stated[1]}" if value.stated else ""
                 h.update(
-                    os.fsencode(value.path) + f"\0{st.st_size}\0{st.st_mtime_ns}{stated}\n".encode()
+                    os.fsencode(canonical(value.path))
+                    + f"\0{st.st_size}\0{st.st_mtime_ns}{stated}\n".encode()
                 )
             elif isinstance(value, np.ndarray):
                 h.update(
@@ -412,6 +426,7 @@ def pack_split(
             record = {
                 "source": str(source.root),
                 "source_digest": digest,
+                "source_paths": "real",  # source_digest's real_paths
                 "classes": [str(c) for c in source.classes],
                 "params": params,
                 "schema": out.schema.to_json(),
@@ -478,7 +493,9 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
     except DatasetError as exc:
         log.info("%s: its source is not here to compare with (%s); using it", pack_dir, exc)
         return None
-    digest, _ = source_digest([source.record(i) for i in range(len(source))], source)
+    records = [source.record(i) for i in range(len(source))]
+    real_paths = record.get("source_paths") == "real"
+    digest, _ = source_digest(records, source, real_paths=real_paths)
     if digest != record.get("source_digest"):
         return (
             f"{source.root} changed since it was packed (files added, removed, rewritten or "
