@@ -53,7 +53,7 @@ from fastload.data.sources import CocoSource, Div2kSource
 from fastload.errors import DatasetError, FastloadError, StorageError
 from fastload.storage import lmdb_store, shards
 from fastload.storage.lmdb_store import LmdbStorage
-from fastload.storage.packing import not_a_pack, pack_split, stale_reason
+from fastload.storage.packing import left_out, not_a_pack, pack_split, stale_reason
 from fastload.storage.shards import ShardStorage
 from fastload.storage.webdataset import WebDatasetStorage
 from fastload.storage.webdataset import verify_split as webdataset_verify
@@ -158,6 +158,14 @@ def pack_one(args, src_dir, out, source=None) -> None:
         )
         if reason is None:
             print(f"{out} exists and matches its source: skipped (delete it to re-pack)")
+            left = [] if args.skip_corrupt else left_out(out)
+            if left:  # a pack without --skip-corrupt would stop at those files
+                more = " ..." if len(left) > 3 else ""
+                print(
+                    f"{out} was packed with --skip-corrupt and left out {len(left)} file(s) "
+                    f"that could not be decoded ({', '.join(left[:3])}{more}). Mend or remove "
+                    f"them in the dataset and the next pack includes every file."
+                )
             return
         print(f"{out} is out of date ({reason}): re-packing")
     t0 = time.perf_counter()

@@ -1897,6 +1897,24 @@ def test_a_pack_that_left_files_out_says_so_to_a_run_without_skip_corrupt(tmp_pa
     assert str(bad) in caplog.text
 
 
+def test_the_pack_command_says_a_pack_it_keeps_left_files_out(tmp_path, capsys):
+    """Re-running the pack without --skip-corrupt over a pack made with it said "exists and
+    matches its source: skipped", not that files had been left out of it."""
+    root = make_image_folder(tmp_path / "d", per_split=(2, 1))
+    bad = root / "train" / "cat" / "cat_001.jpg"
+    bad.write_bytes(b"\xff\xd8 truncated")
+    args = ["shards", str(root), str(tmp_path / "p"), "--splits", "train", "--max-side", "64"]
+    assert pack_main([*args, "--skip-corrupt"]) == 0
+    capsys.readouterr()
+    assert pack_main([*args, "--skip-corrupt"]) == 0
+    assert "left out" not in capsys.readouterr().out  # that run asked for it
+    assert pack_main(args) == 0
+    out = capsys.readouterr().out
+    assert "exists and matches its source: skipped" in out
+    assert f"was packed with --skip-corrupt and left out 1 file(s) that could not be decoded " \
+           f"({bad})" in out  # fmt: skip
+
+
 @pytest.mark.parametrize("store", [ShardStorage, LmdbStorage])
 def test_a_pack_replaced_under_a_running_job_is_named_not_mixed(store, tmp_path):
     """Another run re-packs a changed source into the folder this run reads: a process that

@@ -508,19 +508,26 @@ def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:
     return None
 
 
+def left_out(pack_dir: Path) -> list[str]:
+    """The files a pack made with skip_corrupt left out (its sidecar's list; [] if none)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return list(json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8")).get("skipped")
+                    or [])  # fmt: skip
+    return []
+
+
 def warn_left_out(pack_dir: Path) -> None:
     """A pack made with dataset.skip_corrupt=true left out what it could not decode; a run
     without skip_corrupt, which would stop at such a file, is told that it trains without
     them rather than finding out from a sample count."""
-    with contextlib.suppress(OSError, ValueError):
-        left = json.loads((pack_dir / SIDECAR).read_text(encoding="utf-8")).get("skipped")
-        if left:
-            log.warning(
-                "%s was packed with dataset.skip_corrupt=true and left out %d file(s) that "
-                "could not be decoded (%s): this run trains without them. Mend or remove "
-                "them in the dataset and the next run re-packs it with every file.",
-                pack_dir, len(left), ", ".join(left[:3]) + (" ..." if len(left) > 3 else ""),
-            )  # fmt: skip
+    left = left_out(pack_dir)
+    if left:
+        log.warning(
+            "%s was packed with dataset.skip_corrupt=true and left out %d file(s) that "
+            "could not be decoded (%s): this run trains without them. Mend or remove "
+            "them in the dataset and the next run re-packs it with every file.",
+            pack_dir, len(left), ", ".join(left[:3]) + (" ..." if len(left) > 3 else ""),
+        )  # fmt: skip
 
 
 class PackedStorage(Storage):
