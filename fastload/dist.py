@@ -8,10 +8,13 @@ we map onto the same names. One process per GPU; a plain `python train.py` is wo
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import socket
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +26,9 @@ from fastload.host import gpus_suffice
 from fastload.telemetry.sampler import torch_device_identity
 
 log = logging.getLogger(__name__)
+
+# How long a collective waits for the other ranks before it fails.
+PG_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def _from_slurm() -> None:
@@ -163,7 +169,7 @@ def setup(device: str = "auto", backend: str = "auto") -> DistContext:
     if ctx.distributed and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if use_cuda else "gloo"
-        timeout = datetime.timedelta(minutes=30)
+        timeout = PG_TIMEOUT
         store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
         uuid = torch_device_identity(dev.index)[0] if use_cuda else None
         if uuid is not None:
@@ -219,16 +225,28 @@ class RankFailed(FastloadError):
     """Another rank stopped with an error in a phase every rank finishes together."""
 
 
-def agreed(ctx: DistContext, what: str, work=None):
+def agreed(ctx: DistContext, what: str, work=None, waiting: str | None = None):
     """`work()` on this rank (None: nothing), then every rank learns whether any rank
     failed: one that raised raises its own error, the others a RankFailed naming it, so no
     rank waits out the process group's timeout (30 minutes) at the next collective for a
-    rank that is gone. Also a barrier. Returns what `work` returned."""
+    rank that is gone. Also a barrier. Returns what `work` returned.
+
+    `waiting`: the work may take longer than that timeout (data preparation: copying a
+    dataset of hundreds of GB). The ranks then first wait for one another in the process
+    group's store, without a deadline (`wait_for_ranks`); a rank with no work logs
+    `waiting`."""
     error, result = None, None
+    phase = next(_phases) if waiting is not None and ctx.distributed else None
+    beat = Heartbeat(phase_store(phase)) if phase is not None and work is not None else None
     try:
         result = work() if work is not None else None
     except Exception as exc:  # raised below, once the other ranks know
         error = exc
+    finally:
+        if beat is not None:
+            beat.stop()
+    if phase is not None:
+        wait_for_ranks(ctx, phase_store(phase), what, waiting if work is None else None)
     failed = int(all_reduce([float(ctx.rank + 1 if error else 0)], ctx, op="max")[0])
     if error is not None:
         raise error
@@ -238,6 +256,78 @@ def agreed(ctx: DistContext, what: str, work=None):
             f"The error is in that rank's output (rank 0: train.log; rank N: train.rank<N>.log)."
         )
     return result
+
+
+# A slow phase's ranks: those at work add to the phase's "beat" key every BEAT_S seconds; one
+# whose count stood still for STALL_S seconds, with ranks not yet done, is taken for gone.
+BEAT_S = 5.0
+STALL_S = 300.0
+_phases = itertools.count()  # every rank runs the same slow phases in the same order
+
+
+def phase_store(number: int):
+    """The process group's store, under keys of its own for the slow phase `number`."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return dist.PrefixStore(f"fastload/slow/{number}/", _get_default_store())
+
+
+class Heartbeat:
+    """While this rank works in a slow phase, a thread tells the waiting ranks it is alive."""
+
+    def __init__(self, store):
+        self.store = store
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="fastload-heartbeat", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.store.add("beat", 1)
+                if self.done.wait(BEAT_S):
+                    return
+        except Exception as exc:  # the store is gone: the waiting ranks' loop says so
+            log.debug("heartbeat stopped: %s", exc)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def wait_for_ranks(ctx: DistContext, store, what: str, note: str | None) -> None:
+    """Wait, without a deadline, until every rank is done with the slow phase `what`. A wait
+    longer than a second is logged: `note` (a rank that had no work), or that this rank is
+    done and waits for the others; every ten minutes how many ranks are done. Fails when no
+    rank is done or beats for STALL_S seconds (a process killed, a node gone) or the store
+    goes away."""
+    world = ctx.world_size
+    if store.add("done", 1) == world:
+        store.set("all-done", "1")
+    progress = (store.add("done", 0), store.add("beat", 0))
+    start = moved = told = time.monotonic()
+    while True:
+        pause = 1.0 if told == start else BEAT_S
+        try:
+            store.wait(["all-done"], datetime.timedelta(seconds=pause))
+            return
+        except Exception:  # the wait's timeout; a store gone fails the reads below
+            pass
+        now, seen = time.monotonic(), (store.add("done", 0), store.add("beat", 0))
+        if seen[0] >= world:
+            return
+        if told == start or now - told > 600:
+            told = now
+            log.info("%s (%d of %d ranks done)", note or f"waiting for the other ranks to "
+                     f"finish {what}", seen[0], world)  # fmt: skip
+        if seen != progress:
+            progress, moved = seen, now
+        elif now - moved > STALL_S:
+            raise RankLost(
+                f"rank {ctx.rank} waited for the other ranks while {what}: {world - seen[0]} "
+                f"of {world} ranks are not done and gave no sign of life for {STALL_S:.0f} s "
+                f"(a process killed, or its node gone; their own logs say why)."
+            )
 
 
 def barrier(ctx: DistContext) -> None:

@@ -95,7 +95,8 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     """Once per node (local rank 0) before training: the dataset's `prepare` (generate the
     synthetic set) and the storage's (stage to tmpfs, pack) for `splits` (train, val: a
     benchmark that reads the training split alone stages and packs nothing else); the other
-    ranks wait. Returns the storage object (`storage`, or the config's)."""
+    ranks wait, for as long as that takes. Returns the storage object (`storage`, or the
+    config's)."""
     storage = storage if storage is not None else build_storage(cfg)
 
     def prepare() -> None:
@@ -104,7 +105,9 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
         names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
         storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
 
-    dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None)
+    # staging hundreds of GB can take longer than a collective's timeout: no deadline
+    dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,
+                waiting="waiting for local rank 0 to prepare the data")  # fmt: skip
     return storage
 
 

@@ -11,7 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_config, make_image_folder, on_gloo_ranks, run_train, tiny_overrides
+from conftest import (
+    compose_config,
+    make_image_folder,
+    on_gloo_ranks,
+    run_gloo_ranks,
+    run_train,
+    tiny_overrides,
+)
 from test_engine import CountingStep
 from test_train import assert_clean_failure, read_jsonl
 
@@ -180,6 +187,94 @@ def test_an_error_on_one_rank_stops_every_rank_at_once(tmp_path):
     assert got[1] == "ConfigError: storage.target_dir=/full: no room"
     assert got[0].startswith("RankFailed: rank 1 stopped with an error while preparing the data")
     assert "train.rank<N>.log" in got[0]
+
+
+class _SlowStorage:
+    """A storage whose preparation (staging) takes `seconds`, or kills its process."""
+
+    def __init__(self, seconds: float, die: bool = False):
+        self.seconds, self.die = seconds, die
+
+    def prepare(self, layout, names, skip_corrupt=False) -> None:
+        import os
+        import time
+
+        time.sleep(self.seconds)
+        if self.die:
+            os._exit(3)  # killed while staging: no error, no word to the other ranks
+
+
+def _prepare_on_ranks(rank, world, init, tmp_path, out, seconds=6.0, die=False) -> None:
+    """Rank 0 (local rank 0) prepares the data for `seconds` under a 2 s process group
+    timeout; rank 1 waits. Puts (rank, outcome, what rank 1 logged)."""
+    import datetime
+    import logging
+
+    import torch.distributed as torch_dist
+    from omegaconf import OmegaConf
+
+    from fastload import dist
+    from fastload.dist import DistContext
+    from fastload.pipeline import prepare_data
+
+    torch_dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                  timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    torch_dist.barrier()  # both started: from here on a collective waits 2 s at most
+    torch_dist.set_timeout(datetime.timedelta(seconds=2))
+    dist.BEAT_S, dist.STALL_S = 0.5, 3.0
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("fastload").addHandler(handler)
+    logging.getLogger("fastload").setLevel(logging.INFO)
+    cfg = OmegaConf.create({"dataset": {
+        "prepare": None, "train_split": "train", "val_split": "val", "skip_corrupt": False,
+        "layout": {"_target_": "builtins.dict"}}})  # fmt: skip
+    ctx = DistContext(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    try:
+        prepare_data(cfg, ctx, storage=_SlowStorage(seconds, die))
+        outcome = "prepared"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    out.put((rank, outcome, lines))
+    if outcome == "prepared":
+        torch_dist.destroy_process_group()
+
+
+def test_ranks_wait_for_a_data_preparation_longer_than_the_collective_timeout(tmp_path):
+    """Local rank 0's staging may take hours; the other ranks wait for it without the
+    process group's deadline (which would end the run with gloo's or NCCL's timeout), and
+    say what they wait for."""
+    got = {rank: rest for rank, *rest in run_gloo_ranks(_prepare_on_ranks, tmp_path)}
+    assert got[0][0] == got[1][0] == "prepared"
+    assert any("waiting for local rank 0 to prepare the data" in line for line in got[1][1])
+
+
+def test_a_rank_killed_while_preparing_the_data_stops_the_waiting_ranks(tmp_path):
+    """The ranks waiting without a deadline still stop when the rank they wait for is
+    killed: its heartbeat stops."""
+    import functools
+
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    out = spawn.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    target = functools.partial(_prepare_on_ranks, seconds=2.0, die=True)
+    procs = [spawn.Process(target=target, args=(r, 2, init, tmp_path, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, outcome, _ = out.get(timeout=120)
+        procs[0].join(60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].exitcode == 3
+    assert rank == 1 and outcome.startswith(
+        "RankLost: rank 1 waited for the other ranks while "
+        "preparing the data: 1 of 2 ranks are not done"
+    )
 
 
 def _resume_different_checkpoints(ctx):
