@@ -9,6 +9,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
 import time
 from collections import Counter
@@ -18,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    REPO,
     build_test_loader,
+    can_mount_privately,
     free_port,
     gets,
     make_image_folder,
@@ -344,6 +348,78 @@ def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path
         with pytest.raises(StorageError, match=r"404"):
             sample(store.open(root, "train"), 0)
         assert gets(log)["/gone/shard-000000.tar"] == 1
+
+
+# Reads every train shard of the pack at argv[1] into the cache argv[2] (a small tmpfs);
+# prints the shards kept, or the error.
+FILL_SMALL_CACHE = """
+import sys
+from fastload.storage.webdataset import WebDatasetStorage
+from fastload.errors import StorageError
+store = WebDatasetStorage(url=sys.argv[1], cache_dir=sys.argv[2], retry_backoff_s=0.05)
+reader = store.open(sys.argv[3], "train")
+try:
+    paths = [reader.local_path(k) for k in range(len(reader.urls))]
+    print("read", len(paths), "kept", sum(p.exists() for p in paths), flush=True)
+except StorageError as exc:
+    print("error:", exc, flush=True)
+"""
+
+
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
+def test_a_cache_dir_smaller_than_cache_gb_evicts_to_its_free_space_or_says_so(data, tmp_path):
+    """storage.cache_gb=16 (the default) on a file system that holds far less (Docker's 64 MB
+    /dev/shm): shards are evicted down to what it can hold; one that cannot fit at all is one
+    error naming storage.cache_dir, not a network failure retried three times."""
+    root, pack = data
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with web_server(pack, tmp_path / "srv") as (url, _, log):
+        outs = []
+        for size in ("64k", "16k"):  # two 20 KB shards and the slack; less than one shard
+            script = (f"mount -t tmpfs -o size={size} tmpfs {cache} && "
+                      f'"$0" -c "$1" {url} {cache} {root}')  # fmt: skip
+            cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script,
+                   sys.executable, FILL_SMALL_CACHE]  # fmt: skip
+            outs.append(subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                                       cwd=REPO))  # fmt: skip
+        requests = gets(log)
+    fits, small = (o.stdout + o.stderr for o in outs)
+    assert "read 6 kept 2" in fits, fits
+    assert "retry" not in fits + small
+    assert f"error: the shard cache storage.cache_dir={cache} has no room for {url}/train/" in small
+    assert "storage.cache_gb=16 is the cache's own limit" in small and "is free" in small
+    shards = [f"/train/shard-{k:06d}.tar" for k in range(6)]
+    assert [requests[p] for p in shards] == [1, 1, 1, 1, 1, 1]  # none fetched in vain
+
+
+def test_a_full_disk_while_fetching_is_not_retried_as_a_network_failure(tmp_path, caplog):
+    """A download that finds the cache's file system full (ENOSPC, EDQUOT) is no network
+    failure: no backoff and retries, no advice about the server; it is tried once more after
+    making room, then named as the cache folder's problem."""
+    import errno
+
+    from fastload.storage.wds_cache import ShardCache, with_retries
+
+    tries = []
+
+    def disk_full():
+        tries.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def fetch(url, tmp):
+        with_retries("fetch shard", url, disk_full, retries=3, backoff_s=0.01)
+
+    cache = ShardCache(tmp_path / "c", limit_bytes=16e9)
+    with caplog.at_level(logging.WARNING, "fastload"):
+        with pytest.raises(StorageError) as err:
+            cache.get("http://host/train/shard-000000.tar", None, None, fetch)
+    assert len(tries) == 2 and not caplog.records
+    assert str(err.value).startswith(
+        f"the shard cache storage.cache_dir={tmp_path / 'c'} has no room for http://host/train/"
+    )
+    assert "storage.url" not in str(err.value)
+    assert [p.name for p in (tmp_path / "c").iterdir() if "tmp" in p.name] == []
 
 
 def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):

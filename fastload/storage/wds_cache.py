@@ -20,7 +20,10 @@ key is the URL alone, and a changed shard behind an old URL is not noticed (clea
 folder after replacing such shards).
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
-each process's first use) are removed until the new one fits. Only files named as the cache
+each process's first use) are removed until the new one fits both in storage.cache_gb and in
+the folder's file system (its free space: a 64 MB /dev/shm holds less than the default 16
+GB). A shard that does not fit even then, or a download that still finds the disk full, is
+one error naming storage.cache_dir, not a network failure retried. Only files named as the cache
 names its shards (<12 hex digits>-<name>.tar) are counted and removed: a cache_dir shared
 with other files (storage.cache_dir=/scratch) loses nothing else. A process that still maps
 a removed shard keeps reading it (an unlinked file lives until unmapped); one that needs it
@@ -35,12 +38,15 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 import xxhash
 
+from fastload.atomic import NO_SPACE_ERRNOS
 from fastload.errors import StorageError
+from fastload.host import size_text
 
 log = logging.getLogger("fastload")
 
@@ -103,9 +109,16 @@ def filesystem(url: str, storage_options: dict | None = None):
         raise StorageError(f"storage.url {url}: {protocol}:// needs {need}.") from None
 
 
+def disk_full(exc: BaseException) -> bool:
+    """A write that failed for a full file system or quota (ENOSPC, EDQUOT)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
 def with_retries(what: str, url: str, fn, retries: int, backoff_s: float):
     """fn() with up to `retries` more tries after a failure, sleeping backoff_s * 2**k;
-    not-found (404 / NoSuchKey) fails at once. The final error names the URL and the cause."""
+    not-found (404 / NoSuchKey) fails at once, and a full local disk is raised as it is (no
+    network error: the caller names the folder). The final error names the URL and the
+    cause."""
     errors = []
     for attempt in range(retries + 1):
         try:
@@ -113,6 +126,8 @@ def with_retries(what: str, url: str, fn, retries: int, backoff_s: float):
         except StorageError:
             raise
         except Exception as exc:  # network, HTTP, S3: all named below
+            if disk_full(exc):
+                raise
             errors.append(describe_error(exc, url))
             if _not_found(exc):
                 break
@@ -140,6 +155,7 @@ def fetch(url: str, dst: Path, storage_options=None, retries=3, backoff_s=1.0) -
     with_retries("fetch shard", url, once, retries, backoff_s)
 
 
+FS_SLACK = 16 << 10  # room a file takes beyond its bytes (blocks, pages), kept free
 BAD_VERDICT_S = 300.0  # how long a node's processes take a `.bad` verdict instead of fetching
 
 
@@ -203,12 +219,28 @@ class ShardCache:
         return final
 
     def _fill(self, url, final, bad, expect_bytes, expect_check, fetch_fn, check_fn) -> None:
-        if expect_bytes:
-            self.make_room(int(expect_bytes), keep=final)
+        need = int(expect_bytes or 0)
+        if need:
+            self.room_for(url, need, final)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         t0 = time.perf_counter()
         try:
-            fetch_fn(url, tmp)
+            try:
+                fetch_fn(url, tmp)
+            except OSError as exc:
+                if not disk_full(exc):
+                    raise
+                # the other processes' downloads took the room counted on: evict, try once more
+                need = max(need, tmp.stat().st_size if tmp.exists() else 0)
+                tmp.unlink(missing_ok=True)
+                self.room_for(url, need, final)
+                try:
+                    fetch_fn(url, tmp)
+                except OSError as again:
+                    if not disk_full(again):
+                        raise
+                    free = shutil.disk_usage(self.dir).free
+                    raise StorageError(self.no_room(url, need, free)) from None
             size = tmp.stat().st_size
             problem = None
             if expect_bytes is not None and size != expect_bytes:
@@ -248,18 +280,40 @@ class ShardCache:
                 out.append((p, p.stat()))
         return out
 
-    def make_room(self, need: int, keep: Path) -> None:
-        """Remove least recently used shards until `need` more bytes fit in the limit."""
+    def room_for(self, url: str, need: int, keep: Path) -> None:
+        """Make room for a `need`-byte shard, or say that there is none (StorageError)."""
+        free = self.make_room(need, keep)
+        if need + FS_SLACK > free:
+            raise StorageError(self.no_room(url, need, free))
+
+    def no_room(self, url: str, need: int, free: int) -> str:
+        return (
+            f"the shard cache storage.cache_dir={self.dir} has no room for {url}: it needs "
+            f"{size_text(need)} and {size_text(free)} is free on that file system with the "
+            f"other cached shards removed (storage.cache_gb={self.limit / 1e9:g} is the "
+            f"cache's own limit). Point storage.cache_dir at a local disk with room for "
+            f"several shards and storage.cache_gb at most its free space, or give this one "
+            f"more room (Docker: a larger --shm-size for /dev/shm), or pack smaller shards "
+            f"(--shard-mb)."
+        )
+
+    def make_room(self, need: int, keep: Path) -> int:
+        """Remove least recently used shards until `need` more bytes fit both in the limit
+        (storage.cache_gb) and in the file system's free space. Returns the free space then
+        (counting the removed shards' bytes free: one still mapped by a reader frees its
+        RAM on tmpfs when unmapped)."""
         with locked(self.dir / ".evict.lock"):
             files = sorted(self.entries(), key=lambda e: e[1].st_mtime)
             used = sum(st.st_size for _, st in files)
+            free = shutil.disk_usage(self.dir).free
             for p, st in files:
-                if used + need <= self.limit:
+                if used + need <= self.limit and need + FS_SLACK <= free:
                     break
                 if p == keep:
                     continue
                 p.unlink(missing_ok=True)
                 used -= st.st_size
+                free += st.st_size
                 log.debug(
                     "shard cache %s: evicted %s (%.1f MB)", self.dir, p.name, st.st_size / 1e6
                 )
@@ -269,3 +323,4 @@ class ShardCache:
                     "beside the shards in use; raise storage.cache_gb",
                     self.dir, need / 1e6, self.limit / 1e9,
                 )  # fmt: skip
+            return free
