@@ -422,6 +422,36 @@ def test_a_full_disk_while_fetching_is_not_retried_as_a_network_failure(tmp_path
     assert [p.name for p in (tmp_path / "c").iterdir() if "tmp" in p.name] == []
 
 
+def test_downloads_of_killed_processes_are_removed_before_the_next_fill(tmp_path):
+    """A process killed mid-fetch leaves its partial download (up to a whole shard, which
+    cache_gb does not count); the next fill removes it when its pid is dead here, keeps a
+    live process's, and removes expired `.bad` verdicts."""
+    from fastload.atomic import temp_path
+    from fastload.storage.wds_cache import ShardCache
+
+    cache = ShardCache(tmp_path / "c", limit_bytes=16e9)
+    cache.dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    killed = temp_path(cache.path("http://host/train/shard-000001.tar"), pid=dead.pid)
+    live = temp_path(cache.path("http://host/train/shard-000002.tar"), pid=os.getppid())
+    old_bad = cache.dir / (cache.key("http://host/train/shard-000003.tar") + ".bad")
+    new_bad = cache.dir / (cache.key("http://host/train/shard-000004.tar") + ".bad")
+    for f in (killed, live, old_bad, new_bad):
+        f.write_bytes(b"x" * 1000)
+    os.utime(old_bad, (0, 0))
+    names = []
+
+    def fetch(url, tmp):
+        names.append(tmp.name)
+        tmp.write_bytes(b"shard")
+
+    final = cache.get("http://host/train/shard-000000.tar", 5, None, fetch)
+    assert names == [temp_path(final).name]  # host, PID namespace and pid: judged later
+    assert not killed.exists() and not old_bad.exists()
+    assert live.exists() and new_bad.exists()
+
+
 def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):
     root, pack = data
     bad = tmp_path / "pack"

@@ -7,11 +7,19 @@ lock and then read the same file:
     <dir>/<key>             a complete, verified shard (key: a hash of its URL and of the
                             manifest's checksum when there is one, + its name, ending in .tar)
     <dir>/<key>.lock        flock(2) held while one process fetches it
-    <dir>/.<key>.tmp-<pid>  the download in progress, renamed to <key> once its size and
-                            checksum match the manifest (never read under its final name
-                            half-written)
+    <dir>/.<key>.tmp-<host>~<pid namespace>-<pid>
+                            the download in progress (fastload/atomic.py's temporary name),
+                            renamed to <key> once its size and checksum match the manifest
+                            (never read under its final name half-written)
     <dir>/<key>.bad         why a shard is corrupt (the other processes read the verdict
                             instead of fetching it again, for a few minutes)
+
+Before each fill, downloads left by processes that are gone (killed mid-fetch: up to a
+whole shard each, which cache_gb does not count) are removed, as atomic.is_stale judges
+them: a dead pid of this host and PID namespace at once, one of another host or container
+after a day unchanged; so are `.bad` verdicts twice as old as BAD_VERDICT_S, which no
+process takes any more. Lock files stay: they are empty (an inode each), and removing one
+that another process has open would let two processes fetch the same shard at once.
 
 A shard re-packed and uploaded to the same URL has a new checksum in its manifest, so a new
 key: it is fetched again and the old copy ages out of the cache like any unused shard.
@@ -21,10 +29,10 @@ folder after replacing such shards).
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
 each process's first use) are removed until the new one fits both in storage.cache_gb and in
-the folder's file system (its free space: a 64 MB /dev/shm holds less than the default 16
-GB). A shard that does not fit even then, or a download that still finds the disk full, is
-one error naming storage.cache_dir, not a network failure retried. Only files named as the cache
-names its shards (<12 hex digits>-<name>.tar) are counted and removed: a cache_dir shared
+the folder's file system (its free space: a 64 MB /dev/shm holds less than the default
+16 GB). A shard that does not fit even then, or a download that still finds the disk full,
+is one error naming storage.cache_dir, not a network failure retried. Only files named as
+the cache names its shards (<12 hex digits>-<name>.tar) are counted and removed: a cache_dir shared
 with other files (storage.cache_dir=/scratch) loses nothing else. A process that still maps
 a removed shard keeps reading it (an unlinked file lives until unmapped); one that needs it
 later fetches it again. Readers map only a few shards at a time, so the RAM of removed
@@ -44,7 +52,7 @@ from pathlib import Path
 
 import xxhash
 
-from fastload.atomic import NO_SPACE_ERRNOS
+from fastload.atomic import NO_SPACE_ERRNOS, is_stale, temp_path
 from fastload.errors import StorageError
 from fastload.host import size_text
 
@@ -219,10 +227,11 @@ class ShardCache:
         return final
 
     def _fill(self, url, final, bad, expect_bytes, expect_check, fetch_fn, check_fn) -> None:
+        self.remove_leftovers()
         need = int(expect_bytes or 0)
         if need:
             self.room_for(url, need, final)
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        tmp = temp_path(final)
         t0 = time.perf_counter()
         try:
             try:
@@ -279,6 +288,24 @@ class ShardCache:
             with contextlib.suppress(FileNotFoundError):
                 out.append((p, p.stat()))
         return out
+
+    def remove_leftovers(self) -> None:
+        """Remove the downloads of processes that are gone and the expired `.bad` verdicts
+        (the module docstring says which)."""
+        for p in self.dir.iterdir() if self.dir.is_dir() else ():
+            name = p.name
+            if name.startswith(".") and ".tmp-" in name:
+                final = self.dir / name[1:].rsplit(".tmp-", 1)[0]
+                if ENTRY.fullmatch(final.name) and is_stale(p, final):
+                    with contextlib.suppress(OSError):
+                        size = p.stat().st_size
+                        p.unlink()
+                        log.info("shard cache %s: removed %s (%.1f MB), the download of a "
+                                 "process that is gone", self.dir, name, size / 1e6)  # fmt: skip
+            elif name.endswith(".bad") and ENTRY.fullmatch(name[:-4]):
+                with contextlib.suppress(OSError):  # expired, and no reader is between
+                    if time.time() - p.stat().st_mtime > 2 * BAD_VERDICT_S:  # fresh() and read
+                        p.unlink()
 
     def room_for(self, url: str, need: int, keep: Path) -> None:
         """Make room for a `need`-byte shard, or say that there is none (StorageError)."""
