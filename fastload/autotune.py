@@ -96,6 +96,12 @@ def settings(cfg: DictConfig) -> dict:
             f"loader.auto.backends={backends!r}: use available, [] (keep backend=) or a list "
             f"of conf/backend names, e.g. [turbo,pil]."
         )
+    pins = auto.get("pin_memory")
+    if not (isinstance(pins, list) and all(isinstance(v, bool) for v in pins)):
+        raise ConfigError(
+            f"loader.auto.pin_memory={pins!r}: use a list of true / false, the settings tried "
+            f"on CUDA (e.g. [true,false]; [] keeps loader.pin_memory)."
+        )
     gpu = auto.setdefault("gpu_decode", "auto")
     if not (gpu == "auto" or isinstance(gpu, bool)):
         raise ConfigError(

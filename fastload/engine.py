@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
 from fastload.atomic import temp_path
+from fastload.autotune import settings as tune_settings
 from fastload.autotune import tune
 from fastload.data.transforms import check_transforms
 from fastload.ema import ModelEma
@@ -433,20 +434,42 @@ def check_trainer(cfg: DictConfig) -> None:
         )
 
 
-# Options that take one of a few words. A switch read by its truth (`if value:`) took any
-# word for true (trainer.compile=maybe compiled the model), and trainer.device for cuda
-# only the word cuda: trainer.device=gpu trained on the CPU without a word.
+# Options that take one of a few words. A switch read by its truth (`if value:`, bool())
+# took any word for true (trainer.compile=maybe compiled the model, storage.cold_cache=off
+# evicted the page cache), and trainer.device for cuda only the word cuda:
+# trainer.device=gpu trained on the CPU without a word. An option absent from the
+# config (another storage, backend or loader) is not checked.
+SWITCH = (True, False)
 CHOICES = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.channels_last": ("auto", True, False),
-    "trainer.compile": (True, False),
-    "trainer.progress": (True, False),
-    "trainer.keep_best": (True, False),
+    "trainer.compile": SWITCH,
+    "trainer.progress": SWITCH,
+    "trainer.keep_best": SWITCH,
     "loader.pin_memory": ("auto", True, False),
-    "loader.persistent_workers": (True, False),
-    "loader.cross_epoch": (True, False),
-    "loader.drop_last": (True, False),
-    "dataset.skip_corrupt": (True, False),
+    "loader.persistent_workers": SWITCH,
+    "loader.cross_epoch": SWITCH,
+    "loader.drop_last": SWITCH,
+    "loader.reuse_batch_memory": SWITCH,
+    "loader.auto.cache": SWITCH,
+    "dataset.skip_corrupt": SWITCH,
+    "storage.cold_cache": SWITCH,
+    "storage.verify": SWITCH,
+    "storage.auto_pack": SWITCH,
+    "storage.skip_corrupt": SWITCH,
+    "storage.cleanup": SWITCH,
+    "storage.progress": SWITCH,
+    "backend.draft": SWITCH,
+    "backend.dct_scale": SWITCH,
+    "backend.fastdct": SWITCH,
+    "backend.fastupsample": SWITCH,
+    "backend.fancy_upsampling": SWITCH,
+    "backend.preallocate": SWITCH,
+    "model.zero_init_residual": SWITCH,
+    "model.residual": SWITCH,
+    "optim.no_weight_decay_on_bn_and_bias": SWITCH,
+    "optim.optimizer.nesterov": SWITCH,
+    "doctor.preflight": SWITCH,
 }
 
 
@@ -1010,6 +1033,8 @@ def check_config(cfg: DictConfig) -> None:
     check_required(cfg)
     check_trainer(cfg)
     check_choices(cfg)
+    if "auto" in cfg.loader:
+        tune_settings(cfg)  # loader=auto's probe settings
     check_optim_options(cfg.optim)
     check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)

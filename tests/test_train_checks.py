@@ -435,6 +435,61 @@ def test_every_shipped_dataset_config_passes_the_option_checks(dataset):
     check_transforms(cfg.dataset)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["backend=pil", "backend.draft=no"], "backend.draft='no': use one of true, false"),
+        (["storage.cold_cache=off"], "storage.cold_cache='off': use one of true, false"),
+        (["loader.reuse_batch_memory=maybe"], "loader.reuse_batch_memory='maybe'"),
+        (["backend=turbo", "backend.dct_scale=maybe"], "backend.dct_scale='maybe'"),
+        (["backend=turbo", "backend.fastdct=maybe"], "backend.fastdct='maybe'"),
+        (["backend=turbo", "backend.fastupsample=yes"], "backend.fastupsample='yes'"),
+        (["storage=lmdb", "storage.verify=maybe"], "storage.verify='maybe'"),
+        (["storage=shards", "storage.auto_pack=no"], "storage.auto_pack='no'"),
+        (["storage=tmpfs", "storage.cleanup=yes"], "storage.cleanup='yes'"),
+        (["storage=tmpfs", "storage.progress=off"], "storage.progress='off'"),
+        (["storage=tmpfs", "storage.cold_cache=on"], "storage.cold_cache='on'"),
+        (["storage=webdataset", "storage.cold_cache=no"], "storage.cold_cache='no'"),
+        (["storage=webdataset", "storage.skip_corrupt=no"], "storage.skip_corrupt='no'"),
+        (["model.zero_init_residual=no"], "model.zero_init_residual='no'"),
+        (["model=srcnn", "dataset=div2k", "model.residual=off"], "model.residual='off'"),
+        (["optim.no_weight_decay_on_bn_and_bias=no"], "optim.no_weight_decay_on_bn_and_bias"),
+        (["optim.optimizer.nesterov=off"], "optim.optimizer.nesterov='off'"),
+        (["doctor.preflight=no"], "doctor.preflight='no'"),
+        (["loader=auto", "loader.auto.cache=no"], "loader.auto.cache='no'"),
+        (["loader=auto", "loader.auto.pin_memory=[yes]"], "loader.auto.pin_memory=['yes']"),
+        (["loader=auto", "loader.auto.budget_s=0"], "loader.auto.budget_s=0"),
+    ],
+)
+def test_a_switch_set_to_a_word_is_refused_by_name(overrides, message):
+    """A true/false option read by its truth took any word for true: backend.draft=no and
+    storage.cold_cache=off ran with both on. Every switch of every group is refused, naming
+    the option and its value, before any work."""
+    from fastload.engine import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config(overrides))
+    assert message in err.value.user_message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        *([f"storage={s}"] for s in ("disk", "slow_disk", "tmpfs", "lmdb", "shards", "webdataset")),
+        *([f"backend={b}"] for b in ("pil", "pillow-simd", "turbo", "nvjpeg", "accimage")),
+        *([f"loader={x}"] for x in ("baseline", "bg", "prefetch", "prefetch+bg", "auto")),
+        *([f"variant={v}"] for v in ("lmdb_lz4", "preresized_shards", "raw_shards")),
+        ["model=srcnn", "dataset=div2k", "optim=adam"],
+        ["loader=auto", "loader.auto.gpu_decode=true", "loader.auto.pin_memory=[]"],
+        ["loader.pin_memory=auto", "trainer.channels_last=auto", "storage.cold_cache=true"],
+    ],
+)
+def test_every_shipped_group_config_passes_the_switch_checks(overrides):
+    from fastload.engine import check_config
+
+    check_config(compose_config(overrides))
+
+
 def wandb_logged_out(tmp_path) -> dict:
     """An environment in which W&B finds no credentials (no key, no netrc, no settings)."""
     home = tmp_path / "home"
