@@ -41,6 +41,7 @@ from fastload.pipeline import (
     build_data,
     build_loader,
     build_plan,
+    check_storage_options,
     prepare_data,
 )
 from fastload.preflight import preflight
@@ -1036,6 +1037,7 @@ def check_config(cfg: DictConfig) -> None:
     if "auto" in cfg.loader:
         tune_settings(cfg)  # loader=auto's probe settings
     check_optim_options(cfg.optim)
+    check_storage_options(cfg)  # e.g. a variant='s storage keys with another storage=
     check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)
     check_logger_options(cfg.get("logger"))

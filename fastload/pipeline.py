@@ -78,7 +78,104 @@ class DataPath:
         }
 
 
+# Config groups whose yaml may set storage.* keys for the storage it picks (conf/variant/,
+# conf/experiment/): with another storage= on the command line, those keys stay.
+SETTING_GROUPS = ("variant", "experiment")
+
+
+def group_choices(cfg: DictConfig) -> dict:
+    """The config groups' chosen options (Hydra's runtime choices), {} where unknown."""
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
+    if choices is None:
+        from hydra.core.hydra_config import HydraConfig
+
+        try:
+            choices = HydraConfig.get().runtime.choices
+        except ValueError:  # no Hydra run (a config built by hand)
+            return {}
+    return {k: v for k, v in dict(choices).items() if v is not None}
+
+
+def storage_settings(cfg: DictConfig) -> list[tuple[str, str, set, str | None]]:
+    """(group, option, the storage.* keys its yaml sets, the storage= it picks or None) for
+    each chosen variant= / experiment= that sets storage keys."""
+    from fastload.config import conf_dir
+
+    choices, out = group_choices(cfg), []
+    for group in SETTING_GROUPS:
+        name = choices.get(group)
+        path = conf_dir() / group / f"{name}.yaml"
+        if name is None or not path.is_file():
+            continue
+        node = OmegaConf.load(path)
+        keys = set(node.get("storage") or {})
+        picks = None
+        for entry in node.get("defaults") or []:
+            if isinstance(entry, DictConfig) and "override /storage" in entry:
+                picks = entry["override /storage"]
+        if keys:
+            out.append((group, name, keys, picks))
+    return out
+
+
+def check_storage_options(cfg: DictConfig) -> None:
+    """A storage.* key that the chosen storage's class does not take, refused before any
+    data work with the storages that take it: a variant= (or experiment=) written for one
+    storage keeps its keys when storage= picks another (variant=lmdb_lz4 storage=shards:
+    storage.compression), and the storage's constructor failed with a traceback."""
+    import inspect
+
+    from fastload.config import conf_dir
+
+    target = cfg.storage.get("_target_")
+    try:
+        params = inspect.signature(get_class(target)).parameters
+    except Exception:  # not importable here: instantiating it says why, with its own words
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    extra = [k for k in cfg.storage if not str(k).startswith("_") and k not in params]
+    if not extra:
+        return
+    key = extra[0]
+    chosen = group_choices(cfg).get("storage", target)
+    takers = sorted(p.stem for p in conf_dir().glob("storage/*.yaml") if key in OmegaConf.load(p))
+    if takers:
+        names = " or ".join(filter(None, [", ".join(takers[:-1]), takers[-1]]))
+        fix = f", or pick a storage that takes it (storage={names})"
+    else:
+        fix = " (no shipped storage takes it)"
+    setters = [(g, n, picks) for g, n, keys, picks in storage_settings(cfg) if key in keys]
+    if setters:
+        group, name, picks = setters[0]
+        written = f", written for storage={picks}," if picks else ""
+        raise ConfigError(
+            f"storage.{key}={cfg.storage[key]!r}: {group}={name} sets it{written} but "
+            f"storage={chosen} takes no such option. Drop {group}= (or storage=){fix}."
+        )
+    raise ConfigError(
+        f"storage.{key}={cfg.storage[key]!r}: storage={chosen} takes no such option. Drop it{fix}."
+    )
+
+
+def word(value) -> str:
+    """A config value as it is written on the command line (null, true, 8)."""
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
+
+
 def build_storage(cfg: DictConfig):
+    choices = group_choices(cfg)
+    for group, name, keys, picks in storage_settings(cfg):
+        if picks is not None and choices.get("storage") not in (None, picks):
+            # e.g. variant=raw_shards storage=lmdb: an LMDB of raw pixels, not shards
+            log.info(
+                "storage=%s with %s=%s's %s (%s=%s is written for storage=%s)",
+                choices["storage"], group, name,
+                ", ".join(f"storage.{k}={word(cfg.storage.get(k))}" for k in sorted(keys)),
+                group, name, picks,
+            )  # fmt: skip
     return instantiate(cfg.storage)
 
 

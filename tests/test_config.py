@@ -117,3 +117,64 @@ def test_experiments_use_the_cores_this_machine_has():
     for name in options("experiment"):
         cfg = compose_config([f"experiment={name}", "dataset.root=/data/real"])
         assert cfg.loader.num_workers == "auto", name
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["variant=preresized_shards", "storage=disk"],
+            "storage.kind='jpeg': variant=preresized_shards sets it, written for storage=shards, "
+            "but storage=disk takes no such option. Drop variant= (or storage=), or pick a "
+            "storage that takes it (storage=lmdb, shards or webdataset).",
+        ),
+        (
+            ["variant=lmdb_lz4", "storage=shards"],
+            "storage.compression='lz4': variant=lmdb_lz4 sets it, written for storage=lmdb, but "
+            "storage=shards takes no such option",
+        ),
+        (["variant=lmdb_lz4", "storage=tmpfs"], "storage.kind='raw': variant=lmdb_lz4 sets it"),
+        (["+storage.shard_count=4"], "storage.shard_count=4: storage=disk takes no such option"),
+    ],
+)
+def test_a_storage_key_the_storage_does_not_take_is_refused_by_name(overrides, message):
+    """A variant= written for one storage kept its storage keys under another storage=, whose
+    constructor then failed with a traceback (DiskStorage got an unexpected keyword 'kind')."""
+    from fastload.engine import check_config
+    from fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config(overrides))
+    assert message in err.value.user_message
+
+
+def test_a_variants_storage_keys_under_another_storage_are_refused_before_packing(
+    tiny_folder, tmp_path
+):
+    from conftest import tiny_overrides
+    from test_train import assert_clean_failure
+
+    packs = tmp_path / "packs"
+    args = ["variant=lmdb_lz4", "storage=shards", f"storage.path={packs}"]
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "x" / "run", *args))
+    assert_clean_failure(out, "storage.compression='lz4': variant=lmdb_lz4 sets it")
+    assert not packs.exists()
+
+
+def test_a_variants_storage_keys_another_storage_takes_are_logged(caplog):
+    """variant=raw_shards storage=lmdb packs an LMDB of raw pixels (LMDB takes kind=raw):
+    the run says so."""
+    import logging
+
+    from fastload.engine import check_config
+    from fastload.pipeline import build_storage
+
+    cfg = compose_config(["variant=raw_shards", "storage=lmdb"])
+    check_config(cfg)
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        storage = build_storage(cfg)
+    assert storage.kind == "raw"
+    assert (
+        "storage=lmdb with variant=raw_shards's storage.kind=raw, storage.size=null "
+        "(variant=raw_shards is written for storage=shards)" in caplog.text
+    )
