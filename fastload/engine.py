@@ -33,6 +33,7 @@ from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.host import code_version, global_rank, hostname, size_text
+from fastload.loaders import checks as loader_checks
 from fastload.loaders.workers import dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import (
@@ -489,6 +490,33 @@ def check_choices(cfg: DictConfig) -> None:
                 else ""
             )
             raise ConfigError(f"{key}={value!r}: use one of {words}{hint}.")
+
+
+def check_loader(cfg: DictConfig) -> None:
+    """The loader's options its constructor checks (fastload/loaders/checks.py), refused
+    before any data work (dataset generation, staging, packing), with the same words."""
+    loader = cfg.loader
+    loader_checks.check_options(loader.get("timeout", 0), loader.get("prefetch_factor", 2))
+    loader_checks.resolve_balanced_tail(loader.get("balanced_tail", "auto"), on_cuda=False)
+    loader_checks.resolve_pin_cap(loader.get("pin_memory_max_mb", "auto"), local_world_size=1)
+    if "max_prefetch" in loader:  # loader=bg, prefetch+bg
+        loader_checks.check_max_prefetch(loader.max_prefetch)
+
+
+# Storage options that take a whole number or null (their ranges: the storage's constructor).
+STORAGE_WHOLE_OR_NULL = {
+    "max_side": "the longer side of re-encoded images, or null: the source bytes unchanged",
+    "size": "the longer side of stored pixels, or null: full resolution",
+}
+
+
+def check_storage_numbers(cfg: DictConfig) -> None:
+    """A word for a storage size (storage.max_side=abc) failed in the packing, after the
+    dataset was generated: refused up front."""
+    for key, meaning in STORAGE_WHOLE_OR_NULL.items():
+        value = cfg.storage.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"storage.{key}={value!r}: use a whole number or null ({meaning}).")
 
 
 def check_writable(run_dir: Path) -> None:
@@ -1029,8 +1057,11 @@ def finished_already(path: Path, run_dir: Path, cfg, ctx) -> dict:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """The checks of the config alone that every run makes before any work: `???` values,
-    the trainer's, optimiser's, skip-share and logger's (logger=wandb) options."""
+    """The checks of the config alone that every run makes before any work (dataset
+    generation, staging, packing): `???` values, the trainer's, the switches' and words'
+    (CHOICES), loader=auto's, the optimiser's (optim=apex_sgd: apex importable), the
+    storage's keys and sizes, the loader's, the transforms', skip-share and logger's
+    (logger=wandb) options."""
     check_required(cfg)
     check_trainer(cfg)
     check_choices(cfg)
@@ -1038,6 +1069,8 @@ def check_config(cfg: DictConfig) -> None:
         tune_settings(cfg)  # loader=auto's probe settings
     check_optim_options(cfg.optim)
     check_storage_options(cfg)  # e.g. a variant='s storage keys with another storage=
+    check_storage_numbers(cfg)
+    check_loader(cfg)
     check_transforms(cfg.dataset)
     checked_share(cfg.dataset.max_skipped_share)
     check_logger_options(cfg.get("logger"))

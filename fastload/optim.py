@@ -10,7 +10,8 @@ import torch
 
 def check_options(optim_cfg) -> None:
     """Numbers the optimiser would reject with a traceback (a negative lr) or, worse, accept
-    and train on to nothing (nan, inf): refused before anything starts, naming the option."""
+    and train on to nothing (nan, inf), and optim=apex_sgd where apex is missing: refused
+    before anything starts, naming the option."""
     rules = {
         "base_lr": (lambda v: v > 0, "a finite number > 0 (e.g. 0.1; it is scaled by the "
                     "global batch / 256)"),
@@ -30,6 +31,9 @@ def check_options(optim_cfg) -> None:
             from fastload.errors import ConfigError
 
             raise ConfigError(f"optim.{key}={value!r}: use {use}.")
+    optimizer = optim_cfg.get("optimizer") or {}
+    if optimizer.get("_target_") == f"{__name__}.apex_fused_sgd":
+        apex_fused_sgd_class()  # apex missing: said before any work, not after the data's
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float, skip_bn_and_bias: bool) -> list:
@@ -71,9 +75,8 @@ def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float = 0.0):
     return factor
 
 
-def apex_fused_sgd(params, **kwargs):
-    """apex.optimizers.FusedSGD (NVIDIA containers ship apex; it is not on PyPI). torch's own
-    fused SGD, which optim=sgd uses on CUDA, is the portable equivalent."""
+def apex_fused_sgd_class():
+    """apex.optimizers.FusedSGD, or the ConfigError saying how to get apex."""
     try:
         from apex.optimizers import FusedSGD
     except ImportError:
@@ -84,4 +87,10 @@ def apex_fused_sgd(params, **kwargs):
             "use an NVIDIA PyTorch container (it ships apex) or build it from source "
             "(github.com/NVIDIA/apex); or use optim=sgd (torch's fused SGD on CUDA)."
         ) from None
-    return FusedSGD(params, **kwargs)
+    return FusedSGD
+
+
+def apex_fused_sgd(params, **kwargs):
+    """apex.optimizers.FusedSGD (NVIDIA containers ship apex; it is not on PyPI). torch's own
+    fused SGD, which optim=sgd uses on CUDA, is the portable equivalent."""
+    return apex_fused_sgd_class()(params, **kwargs)

@@ -490,6 +490,61 @@ def test_every_shipped_group_config_passes_the_switch_checks(overrides):
     check_config(compose_config(overrides))
 
 
+def apex_importable() -> bool:
+    try:
+        import apex  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+NO_APEX = pytest.mark.skipif(apex_importable(), reason="apex is installed here")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loader=bg", "loader.max_prefetch=abc"], "loader.max_prefetch='abc': use a whole"),
+        (["loader=bg", "loader.max_prefetch=2.7"], "loader.max_prefetch=2.7: use a whole number"),
+        (["loader=prefetch+bg", "loader.max_prefetch=0"], "loader.max_prefetch=0: use a whole"),
+        (["storage=shards", "storage.max_side=abc"], "storage.max_side='abc': use a whole number"),
+        (["storage=lmdb", "storage.max_side=1.5"], "storage.max_side=1.5: use a whole number"),
+        (["storage=lmdb", "storage.size=big"], "storage.size='big': use a whole number or null"),
+        (["loader.prefetch_factor=0"], "loader.prefetch_factor=0: use a whole number >= 1"),
+        (["loader.timeout=-1"], "loader.timeout=-1: use 0 (wait forever) or seconds > 0"),
+        (["loader.timeout=soon"], "loader.timeout='soon': use 0 (wait forever)"),
+        (["loader.balanced_tail=maybe"], "loader.balanced_tail='maybe': use auto"),
+        (["loader.pin_memory_max_mb=lots"], "loader.pin_memory_max_mb='lots': use a number"),
+        pytest.param(["optim=apex_sgd"], "optim=apex_sgd needs NVIDIA apex", marks=NO_APEX),
+    ],
+)
+def test_a_loader_storage_or_optimizer_option_is_refused_before_any_work(overrides, message):
+    """loader.max_prefetch=abc and storage.max_side=abc failed with a traceback (2.7 was
+    cut to 2); the loader's and optim=apex_sgd's own checks ran only when the loader or the
+    optimiser was built, after the data work."""
+    from fastload.engine import check_config
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config(overrides))
+    assert message in err.value.user_message
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        pytest.param(["optim=apex_sgd"], "optim=apex_sgd needs NVIDIA apex", marks=NO_APEX),
+        (["loader.num_workers=1", "loader.prefetch_factor=0"], "loader.prefetch_factor=0: use"),
+        (["storage.max_side=abc"], "storage.max_side='abc': use a whole number or null"),
+    ],
+)
+def test_refused_options_stop_the_run_before_the_packing(extra, message, tiny_folder, tmp_path):
+    packs = tmp_path / "packs"
+    args = ["storage=shards", f"storage.path={packs}", *extra]
+    out = run_train(tiny_overrides(tiny_folder, tmp_path / "out" / "x" / "run", *args))
+    assert_clean_failure(out, message)
+    assert not packs.exists()
+
+
 def wandb_logged_out(tmp_path) -> dict:
     """An environment in which W&B finds no credentials (no key, no netrc, no settings)."""
     home = tmp_path / "home"

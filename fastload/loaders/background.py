@@ -31,6 +31,7 @@ import weakref
 from prefetch_generator import BackgroundGenerator
 
 from fastload.errors import ConfigError
+from fastload.loaders.checks import check_max_prefetch
 from fastload.loaders.dataloader_stream import DataLoaderStream
 
 log = logging.getLogger(__name__)
@@ -154,11 +155,8 @@ class BackgroundLoader(DataLoaderStream):
     """loader=bg: the DataLoader iterator runs in a background thread."""
 
     def __init__(self, *args, max_prefetch: int = 2, **kwargs):
-        if int(max_prefetch) < 1:
-            raise ConfigError(
-                f"loader.max_prefetch={max_prefetch}: use 1 or more (a bounded queue)."
-            )
-        self.max_prefetch = int(max_prefetch)
+        check_max_prefetch(max_prefetch)
+        self.max_prefetch = max_prefetch
         super().__init__(*args, **kwargs)
 
     @property

@@ -18,13 +18,23 @@ SHM_FLOOR = 256 * MB  # Docker's default is 64 MiB: workers die with "Bus error"
 
 def check_options(timeout, prefetch_factor) -> None:
     """Values torch's DataLoader would reject with a traceback, named as options instead."""
-    if timeout < 0:
-        raise ConfigError(f"loader.timeout={timeout}: use 0 (wait forever) or seconds > 0.")
+    number = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not (number and timeout >= 0):
+        raise ConfigError(f"loader.timeout={timeout!r}: use 0 (wait forever) or seconds > 0.")
     whole = isinstance(prefetch_factor, int) and not isinstance(prefetch_factor, bool)
     if prefetch_factor is not None and not (whole and prefetch_factor >= 1):
         raise ConfigError(
             f"loader.prefetch_factor={prefetch_factor!r}: use a whole number >= 1 (batches in "
             f"flight per worker; 2 is torch's default)."
+        )
+
+
+def check_max_prefetch(value) -> None:
+    """loader.max_prefetch (loader=bg): the background thread's queue, a whole number >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"loader.max_prefetch={value!r}: use a whole number >= 1 (batches queued ahead by "
+            f"the thread; a bounded queue)."
         )
 
 
