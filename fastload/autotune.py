@@ -1,7 +1,7 @@
 """loader=auto: pick num_workers, prefetch_factor, pin_memory and the backend at the start of a
 run with a bounded probe on the real dataset and model, and cache the choice.
 
-    python train.py loader=auto                        # probe (<= 30 s), or the cached choice
+    python train.py loader=auto                        # probe (30 s of trials), or the cached choice
     python train.py loader=auto loader.auto.budget_s=10 loader.auto.backends=[]
 
 A trial builds the real training loader (fastload/pipeline.py) with one candidate setting and
@@ -10,7 +10,8 @@ for the model's step waits the step's time with the GIL released (as a GPU step 
 trial's images/s is the end-to-end rate, not the loader's alone. The step's time is measured
 once on a throwaway copy of the model (eager, not compiled, never DDP: the real model is not
 touched), or given as `loader.auto.step_ms`. The search is coordinate-wise and stops at the
-budget: worker counts from usable cores / local ranks downwards (stopping once they fall well
+budget (`loader.auto.budget_s`: the trials' wall-clock time; measuring the model's step once
+adds to it, and a trial begun within it finishes the batch it waits for): worker counts from usable cores / local ranks downwards (stopping once they fall well
 behind), then prefetch factors at the best count, then pinning (CUDA), then the other
 backends. Rates within 3 % of the best count as equal and the cheaper setting wins (fewer
 workers, less prefetch, no pinning, the configured backend).
@@ -207,8 +208,9 @@ class Probe:
     channels_last: bool
     amp: object
     auto: dict
-    deadline: float
+    deadline: float  # the trials' end (loader.auto.budget_s; the step's measurement adds to it)
     step_s: float | None = None
+    measure_s: float = 0.0  # seconds measuring the model's step (outside the budget)
     trials: list = field(default_factory=list)
     backends: dict = field(default_factory=dict)  # name -> built backend
     gpu_ms: dict = field(default_factory=dict)  # backend name -> its device time per batch
@@ -295,7 +297,11 @@ def timed(probe: Probe, loader, t: Trial) -> None:
     if batch is None:
         return
     if probe.step_s is None:
+        m0 = time.perf_counter()
         probe.step_s = measure_step(probe, batch)
+        # the budget is the trials': the one-off measurement moves the deadline on
+        probe.measure_s = time.perf_counter() - m0
+        probe.deadline += probe.measure_s
         # this trial's workers built batches meanwhile, a head start no other trial has (its
         # rate came out ~40 % high): it starts again, its new workers warmed up the same way
         it.close()
@@ -476,18 +482,21 @@ def choose(plan, cfg, ctx, model, auto, channels_last, amp) -> dict | None:
     t0 = time.perf_counter()
     probe = Probe(cfg, plan, ctx, model, channels_last, amp, auto,
                   deadline=t0 + auto["budget_s"])  # fmt: skip
-    log.info("loader=auto: probing for up to %g s (loader.auto.budget_s)", auto["budget_s"])
+    log.info("loader=auto: probing: trials for up to %g s (loader.auto.budget_s), plus the "
+             "one-off measurement of the model's step", auto["budget_s"])  # fmt: skip
     chosen = search(probe)
     if chosen is None:
-        log.warning("loader=auto: no trial finished within %g s: using loader.num_workers=auto "
-                    "(raise loader.auto.budget_s)", auto["budget_s"])  # fmt: skip
+        log.warning("loader=auto: no trial finished within %g s of trials (the probe took %.1f s, "
+                    "%.1f s of it measuring the model's step): using loader.num_workers=auto "
+                    "(raise loader.auto.budget_s)", auto["budget_s"],
+                    time.perf_counter() - t0, probe.measure_s)  # fmt: skip
         return None
     first = probe.trials[0]
     log.info(
         "loader=auto: chose %s: %.0f img/s end to end (the first trial: %.0f), %d trials in "
-        "%.1f s; cached in %s",
+        "%.1f s (%.1f s of it measuring the model's step); cached in %s",
         chosen.text(), chosen.img_s, first.img_s, len(probe.trials),
-        time.perf_counter() - t0, path,
+        time.perf_counter() - t0, probe.measure_s, path,
     )  # fmt: skip
     write_cache(path, fields, chosen, probe)
     return chosen.setting()

@@ -562,6 +562,28 @@ def test_loader_auto_times_the_models_step_on_a_copy(tune_folder, caplog):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_loader_auto_budget_is_the_trials_not_the_step_measurement(
+    tune_folder, caplog, monkeypatch
+):
+    """The budget ran out while the model's step was measured (a ResNet on a CPU: seconds),
+    and "probing for up to 8 s" ended 26 s later with no trial: the measurement is outside
+    the budget now, and the log says what the time went to."""
+    import time
+
+    from fastload import autotune
+
+    def slow_measurement(probe, batch):
+        time.sleep(1.5)
+        return 0.001
+
+    monkeypatch.setattr(autotune, "measure_step", slow_measurement)
+    extra = ("loader.auto.workers=[0]", "loader.auto.batches=2", "loader.auto.budget_s=1")
+    tuned, trials, _ = tune_with(tune_folder, caplog, *extra)
+    assert len(trials) == 1, caplog.text
+    assert "trials for up to 1 s (loader.auto.budget_s), plus the one-off" in caplog.text
+    assert "s of it measuring the model's step" in caplog.text
+
+
 def fake_search_probe(
     rates: dict, *, mode="auto", device="cuda", normalize="device", backends=("turbo",)
 ):
@@ -711,7 +733,8 @@ def test_loader_auto_times_no_batch_built_while_it_measured_the_step(monkeypatch
     monkeypatch.setattr(measure, "feed", feed)
     loader = build_test_loader("loader=baseline", "loader.num_workers=1", "trainer.epochs=1",
                                dataset=BuildTimes(), collate_fn=collate)  # fmt: skip
-    probe = SimpleNamespace(step_s=None, auto={"batches": 3}, remaining=lambda: 30.0)
+    probe = SimpleNamespace(step_s=None, auto={"batches": 3}, remaining=lambda: 30.0,
+                            deadline=0.0, measure_s=0.0)  # fmt: skip
     try:
         autotune.timed(probe, loader, Trial(1, 2, False, "turbo"))
     finally:
