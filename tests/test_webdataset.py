@@ -36,6 +36,7 @@ from fastload.data.sampling import shard_stream_order
 from fastload.errors import StorageError
 from fastload.pack import main as pack_main
 from fastload.storage.disk import DiskStorage
+from fastload.storage.packing import SIDECAR, pack_order, stale_reason
 from fastload.storage.webdataset import WebDatasetStorage, expand_braces
 from tests.helpers import recorded, sample, targets
 
@@ -52,9 +53,29 @@ def data(tmp_path_factory):
     return root, base / "pack"
 
 
+class ReorderedReader:
+    """A reader's records in another order (`order[i]` at i), as a shuffled pack holds them."""
+
+    def __init__(self, reader, order):
+        self.reader, self.order = reader, list(order)
+
+    def __len__(self):
+        return len(self.order)
+
+    def get(self, i, name="image"):
+        return self.reader.get(self.order[i], name)
+
+    def column(self, name):
+        return np.asarray(self.reader.column(name))[self.order]
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
 def disk_samples(root, split="train"):
+    """The folder's samples in the order a webdataset pack of it holds them (shuffled)."""
     disk = DiskStorage().open(root, split)
-    return [sample(disk, i) for i in range(len(disk))]
+    return [sample(disk, i) for i in pack_order(len(disk), "shuffled")]
 
 
 # -- packing and the local folder ----------------------------------------------------------
@@ -70,11 +91,32 @@ def test_pack_writes_webdataset_tars_with_a_manifest_and_reads_the_disk_bytes(da
     with tarfile.open(pack / "train" / "shard-000000.tar") as tf:
         names = tf.getnames()
         assert names[:4] == ["00000000.jpg", "00000000.cls", "00000001.jpg", "00000001.cls"]
-        assert tf.extractfile("00000000.cls").read() == b"0"
+        assert tf.extractfile("00000000.cls").read() == b"%d" % disk_samples(root)[0][1]
     reader = WebDatasetStorage(url=str(pack)).open(root, "train")
     assert [sample(reader, i) for i in range(len(reader))] == disk_samples(root)
     assert "shard-000001.tar sample 1 of 4" in reader.describe(5)
     assert pack_main(["verify", str(pack)]) == 0
+
+
+def test_a_pack_of_a_class_sorted_folder_mixes_the_classes_in_its_shards(data, tmp_path):
+    """The training order permutes shards and shuffles within a window of consecutive
+    samples: shards written class by class (an image folder's order; ImageNet-sized shards
+    hold a class or two each) gave batches of a few classes. The pack holds the records in a
+    fixed shuffled order, and a pack written in the folder's order is out of date."""
+    root, pack = data
+    manifest = json.loads((pack / "train" / "manifest.json").read_text())
+    per_shard = [s["columns"]["label"] for s in manifest["shards"]]
+    labels = [label for shard in per_shard for label in shard]
+    assert sorted(labels) == sorted(targets(DiskStorage().open(root, "train")).tolist())
+    assert labels != sorted(labels) and manifest["params"]["order"] == "shuffled"
+    assert sum(len(set(shard)) > 1 for shard in per_shard) >= 4  # 6 shards, 3 classes
+    old = tmp_path / "old"
+    shutil.copytree(pack / "train", old)
+    sidecar = json.loads((old / SIDECAR).read_text())
+    del sidecar["params"]["order"]  # as packs were written before they were shuffled
+    (old / SIDECAR).write_text(json.dumps(sidecar))
+    assert "order" in stale_reason(root / "train", old, WebDatasetStorage().pack_options())
+    assert stale_reason(root / "train", pack / "train", WebDatasetStorage().pack_options()) is None
 
 
 def test_url_null_packs_beside_the_dataset_on_first_use(tmp_path):
@@ -315,13 +357,14 @@ def test_a_shard_re_packed_to_the_same_url_is_fetched_again(data, tmp_path):
     first.write_bytes(other.read_bytes())
     with web_server(served, tmp_path / "srv") as (url, _, log):
         store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c")
-        assert sample(store.open(root, "train"), 0) == disk_samples(root)[0]  # cached
+        at = pack_order(21, "shuffled").index(0)  # where the pack holds `first`
+        assert sample(store.open(root, "train"), at) == disk_samples(root)[at]  # cached
         args = ["webdataset", str(changed), str(tmp_path / "new"), "--shard-samples", "4"]
         assert pack_main(args) == 0
         shutil.copytree(tmp_path / "new", served, dirs_exist_ok=True)  # the upload
         reader = store.open(changed, "train")
         assert [sample(reader, i) for i in range(len(reader))] == disk_samples(changed)
-        assert gets(log)["/train/shard-000000.tar"] == 2
+        assert gets(log)[f"/train/shard-{at // 4:06d}.tar"] == 2
 
 
 def test_a_server_that_goes_away_gives_retries_then_a_named_error(data, tmp_path, caplog):
@@ -581,7 +624,8 @@ def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
     store.prepare(layout, ["train", "val"])
     for split in ("train", "val"):
         want, got = DiskStorage().open(layout, split), store.open(layout, split)
-        assert len(got) == len(want) and np.array_equal(targets(got), targets(want))
+        order = pack_order(len(want), "shuffled")
+        assert len(got) == len(want) and np.array_equal(targets(got), targets(want)[order])
         assert len(got.shard_sizes) > 1 and not got.has("lr")
         assert category_ids(got).tolist() == category_ids(want).tolist()
         assert dropped_counts(got) == dropped_counts(want) != {}
@@ -589,12 +633,12 @@ def test_coco_boxes_and_labels_equal_disk_and_train_runs(tmp_path):
         for i in range(len(want)):
             (gb, gl), (wb, wl) = (
                 (got.get(i, "boxes"), got.get(i, "labels")),
-                (want.get(i, "boxes"), want.get(i, "labels")),
+                (want.get(order[i], "boxes"), want.get(order[i], "labels")),
             )
             assert gb.dtype == np.float32 and gl.dtype == np.int64
             np.testing.assert_array_equal(gb, wb)
             np.testing.assert_array_equal(gl, wl)
-            assert sample(got, i) == sample(want, i)
+            assert sample(got, i) == sample(want, order[i])
             n_boxes += len(gl)
         assert n_boxes > 0 and any(not len(got.get(i, "labels")) for i in range(len(got)))
     shard = tmp_path / "wds" / "train" / "shard-000000.tar"
@@ -643,16 +687,22 @@ def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
     store.prepare(layout, ["train", "valid"])
     for split in ("train", "valid"):
         want, got = DiskStorage().open(layout, split), store.open(layout, split)
+        order = pack_order(len(want), "shuffled")
         assert got.has("lr") and len(got) == len(want)
-        assert np.array_equal(targets(got), targets(want))
+        assert np.array_equal(targets(got), targets(want)[order])
         for i in range(len(want)):
-            assert got.get(i, "image") == want.get(i, "image")
-            assert got.get(i, "lr") == want.get(i, "lr")
+            assert got.get(i, "image") == want.get(order[i], "image")
+            assert got.get(i, "lr") == want.get(order[i], "lr")
             assert "the lr member of" in got.describe(i, "lr") and "shard-" in got.describe(i, "lr")
         sets = [
             PairDataset(r, PILBackend(), scale=2, patch_size=16, train=True, seed=0, repeat=2)
             for r in (want, got)
         ]
+        # a patch is drawn from (seed, epoch, index): the pack's index i is the folder's order[i]
+        sets[0] = PairDataset(
+            ReorderedReader(want, order), PILBackend(), scale=2, patch_size=16, train=True,
+            seed=0, repeat=2,
+        )  # fmt: skip
         for key in [(0, i) for i in range(len(sets[0]))]:
             a, b = sets[0][key], sets[1][key]
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), key
@@ -663,7 +713,8 @@ def test_div2k_pairs_equal_disk_and_hr_only_packs_say_how_to_pair(tmp_path):
         pack_main(["webdataset", str(tmp_path / "solo"), "--source", "div2k", "--hr", str(hr)]) == 0
     )
     solo = WebDatasetStorage(path=str(tmp_path / "solo"), auto_pack=False).open(None, hr.name)
-    assert not solo.has("lr") and solo.get(0, "image") == (hr / "0001.png").read_bytes()
+    first = pack_order(len(solo), "shuffled")[0]  # the folder's image the pack holds first
+    assert not solo.has("lr") and solo.get(0, "image") == (hr / f"{first + 1:04d}.png").read_bytes()
     with pytest.raises(StorageError, match="holds no field 'lr'"):
         solo.get(0, "lr")
 

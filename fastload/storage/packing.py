@@ -280,21 +280,44 @@ def unchecked_note(columns: list[str]) -> list[str]:
 
 
 def record_options(
-    kind: str, max_side=None, quality: int = 90, size: int | None = 256, compression=None
-) -> dict:
+    kind: str, max_side=None, quality: int = 90, size: int | None = 256, compression=None,
+    order: str | None = None,
+) -> dict:  # fmt: skip
     """The options that decide a pack's records (only those that apply to its kind);
-    `compression` only when set, so packs made before it existed still match."""
+    `compression` and `order` only when set, so packs made before they existed still match."""
     if kind == "raw":
         opts = {"kind": "raw", "size": size}
     else:
         opts = {"kind": kind, "max_side": max_side, "quality": quality if max_side else None}
-    return {**opts, "compression": compression} if compression else opts
+    if compression:
+        opts["compression"] = compression
+    if order:
+        opts["order"] = order
+    return opts
 
 
-def pack_params(source, kind: str, max_side, quality: int, size, compression=None) -> dict:
+ORDERS = (None, "shuffled")
+SHUFFLE_SEED = 0  # order="shuffled": one fixed permutation, so a re-pack gives the same bytes
+
+
+def pack_order(n: int, order: str | None) -> list[int]:
+    """The source records' order in the pack. None: as the source lists them (an image
+    folder: class by class). "shuffled": a fixed permutation, for stores read as a stream of
+    shards (storage=webdataset), whose training order only permutes shards and shuffles
+    within a window of consecutive samples: shards of one class each would give batches of
+    a few classes."""
+    if order not in ORDERS:
+        raise StorageError(f"pack order {order!r}: use null or shuffled.")
+    if order is None:
+        return list(range(n))
+    return np.random.default_rng(SHUFFLE_SEED).permutation(n).tolist()
+
+
+def pack_params(source, kind: str, max_side, quality: int, size, compression=None,
+                order=None) -> dict:  # fmt: skip
     """What a pack records of how it was made (meta["params"]), with what the source adds
     of itself (`pack_metadata`: COCO's category ids and dropped annotations, ...)."""
-    params = record_options(kind, max_side, quality, size, compression)
+    params = record_options(kind, max_side, quality, size, compression, order)
     params["source"] = source.kind
     return {**params, **source.pack_metadata()}
 
@@ -391,6 +414,7 @@ def pack_split(
     what: str = "pack",
     skip_corrupt: bool = False,
     replacing: tuple[int, int] | None = None,
+    order: str | None = None,
 ) -> dict:
     """Pack one split into `dst` (atomically; `replacing`: over the outdated pack of this
     `atomic.folder_id`, unless another process re-packed it first) with
@@ -407,6 +431,7 @@ def pack_split(
     source.check_packing(bool(size if kind == "raw" else max_side))
     records = [source.record(i) for i in range(len(source))]
     digest, source_bytes = source_digest(records, source)
+    records = [records[i] for i in pack_order(len(records), order)]  # `pack_order`
     tasks = _tasks(records, kind, max_side, quality, size, check=skip_corrupt)
     bar = tqdm(
         total=len(tasks),
@@ -416,7 +441,7 @@ def pack_split(
         disable=not (sys.stderr.isatty() if progress is None else progress),
     )
     tally = [0, 0]  # records, bytes written
-    params = pack_params(source, kind, max_side, quality, size, compression)
+    params = pack_params(source, kind, max_side, quality, size, compression, order)
     try:
         with building(dst, replacing=replacing) as tmp, bar:
             out = writer(tmp, pack_schema(source, kind))
@@ -452,7 +477,7 @@ def pack_split(
     return {**meta, "skipped": skipped}
 
 
-OPTION_KEYS = ("kind", "max_side", "quality", "size", "compression")
+OPTION_KEYS = ("kind", "max_side", "quality", "size", "compression", "order")
 
 
 def stale_reason(make_source, pack_dir: Path, options: dict) -> str | None:

@@ -657,7 +657,10 @@ class WebDatasetStorage(PackedStorage):
         return self._reader(str(split_dir), manifest)
 
     def pack_options(self) -> dict:
-        return {"kind": "jpeg", "max_side": self.max_side, "quality": self.quality}
+        # shuffled: the stream's order mixes classes only within a window of consecutive
+        # samples, so records written class by class would train on few classes per batch
+        return {"kind": "jpeg", "max_side": self.max_side, "quality": self.quality,
+                "order": "shuffled"}  # fmt: skip
 
     def cli_options(self) -> list[str]:
         opts = ["--shard-mb", f"{self.shard_mb:g}"]
