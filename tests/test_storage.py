@@ -973,6 +973,49 @@ def test_complete_staging_is_reused_and_a_damaged_one_restaged(tmp_path, monkeyp
     )
 
 
+def test_a_source_file_replaced_with_its_size_and_time_put_back_is_restaged(tmp_path, monkeypatch):
+    """`cp -p`, `rsync -a`, `touch -r`: other bytes of the same size under the same
+    modification time. The staged copy holds the old bytes: it is staged again (the change
+    time and inode differ), not reused."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    victim = root / "train" / "a" / "a_000.jpg"
+    st = victim.stat()
+    other = bytearray(victim.read_bytes())
+    other[-10] ^= 0xFF
+    new = victim.with_name("new.tmp")
+    new.write_bytes(bytes(other))
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(new, victim)  # as rsync -a puts it in place
+    assert (victim.stat().st_size, victim.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0) == final
+    assert (final / "train" / "a" / "a_000.jpg").read_bytes() == bytes(other)
+    # rewritten in place (the same inode), its time put back: the change time tells
+    other[-11] ^= 0xFF
+    victim.write_bytes(bytes(other))
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert (final / "train" / "a" / "a_000.jpg").read_bytes() == bytes(other)
+
+
+def test_a_copy_staged_with_an_earlier_manifest_is_restaged_once(tmp_path, monkeypatch):
+    """A copy whose manifest lists size and modification time alone (staged by an earlier
+    version) cannot tell a replaced file: it is staged again, once, then reused."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    manifest = json.loads((final / tmpfs.MANIFEST).read_text())
+    manifest["files"] = [f[:3] for f in manifest["files"]]
+    (final / tmpfs.MANIFEST).write_text(json.dumps(manifest))
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    for _ in range(2):
+        assert tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0) == final
+    assert calls == [1] and not list(target.glob(".*"))
+
+
 def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data")
     monkeypatch.setattr(

@@ -3,8 +3,9 @@
     prepare (local rank 0, the other ranks wait at a barrier):
       1. list the source splits (folders, empty ones too, and files with sizes): the manifest;
       2. reuse <target_dir>/<name> if it holds the requested splits as the source has them
-         now (its manifest, under those splits' paths, matches; other splits it holds do not
-         count) and its files match the manifest (sizes), else
+         now (its manifest, under those splits' paths, matches: each file's size,
+         modification and change times and inode; other splits it holds do not count) and
+         its files match the manifest (sizes), else
       3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
          against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
          refuse with the numbers and the fix when the dataset does not fit. A copy already
@@ -83,9 +84,19 @@ def users_lock(final: Path) -> Path:
     return final.with_name(final.name + ".users")
 
 
+def stat_entry(rel: str, st: os.stat_result) -> list:
+    """A file's manifest entry: [path, size, modification time, change time, inode]. Size
+    and modification time alone miss a file replaced by other bytes of the same size with
+    its time put back (`cp -p`, `rsync -a`, `touch -r`); the change time cannot be set by a
+    user and the replacement is another inode, so such a file no longer matches (a chmod
+    also changes the change time: the copy is staged again)."""
+    return [rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def build_manifest(layout, splits) -> dict:
     """Every file the splits need (the layout's folders and files, relative to its root),
-    with size and modification time: a changed source never matches an old staging; and
+    with size, modification and change times and inode (`stat_entry`): a changed source
+    never matches an old staging; and
     every folder, empty ones too: class indices come from the class folders, so the copy
     must have each one the source has (storage=disk and tmpfs give the same targets).
     A name that leads nowhere (a dangling symlink, a file removed since the listing) is left
@@ -96,8 +107,7 @@ def build_manifest(layout, splits) -> dict:
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
-            st = os.stat(base)
-            files.append([rel, st.st_size, st.st_mtime_ns])
+            files.append(stat_entry(rel, os.stat(base)))
             continue
         if not base.is_dir():
             raise StorageError(
@@ -123,7 +133,7 @@ def build_manifest(layout, splits) -> dict:
                         ) from None
                     broken.append(p)
                     continue
-                files.append([os.path.relpath(p, root), st.st_size, st.st_mtime_ns])
+                files.append(stat_entry(os.path.relpath(p, root), st))
     warn_skipped(root, skipped)
     if broken:
         log.info(
@@ -159,28 +169,35 @@ def _under(rel: str, paths) -> bool:
     return any(p == os.curdir or rel == p or rel.startswith(p + os.sep) for p in paths)
 
 
+def _entries(files, paths=None) -> set[tuple]:
+    """The manifest's file entries (`stat_entry`) as a set, those under `paths` when given."""
+    return {(os.path.normpath(f[0]), *f[1:]) for f in files if paths is None or _under(f[0], paths)}
+
+
 def _matches(folder: Path, manifest: dict) -> bool:
     """Whether `folder` is a complete copy of what `manifest` lists: under the manifest's
-    paths its own manifest has the same folders and files (size, modification time) as the
-    source has now, and they are there with those sizes. Other splits it holds besides do
-    not count: a copy staged for [train, val] serves a val-only run (evaluate=<checkpoint>)
-    as it is, while the training run that staged it goes on reading it."""
+    paths its own manifest has the same folders and files (size, modification and change
+    times, inode) as the source has now, and they are there with those sizes. A manifest
+    written with fewer fields per file (an earlier version) matches nothing: that copy is
+    staged again, once. Other splits it holds besides do not count: a copy staged for
+    [train, val] serves a val-only run (evaluate=<checkpoint>) as it is, while the training
+    run that staged it goes on reading it."""
     have = _read_manifest(folder)
     if have is None or have.get("source") != manifest["source"]:
         return False
     paths = manifest["paths"]
     try:
-        files = {(os.path.normpath(r), s, t) for r, s, t in have["files"] if _under(r, paths)}
+        files = _entries(have["files"], paths)
         dirs = {os.path.normpath(d) for d in have["dirs"] if _under(d, paths)}
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, IndexError):
         return False
-    if files != {(os.path.normpath(r), s, t) for r, s, t in manifest["files"]}:
+    if files != _entries(manifest["files"]):
         return False
     if dirs != {os.path.normpath(d) for d in manifest["dirs"]}:
         return False
     try:
         return all((folder / rel).is_dir() for rel in manifest["dirs"]) and all(
-            os.stat(folder / rel).st_size == size for rel, size, _ in manifest["files"]
+            os.stat(folder / f[0]).st_size == f[1] for f in manifest["files"]
         )
     except OSError:
         return False
