@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -1213,6 +1214,90 @@ def test_staging_names_an_image_that_leads_nowhere(tmp_path, monkeypatch):
     monkeypatch.setattr(tmpfs, "copy_files", lambda *a: victim.unlink() or real(*a))
     with pytest.raises(StorageError, match=re.escape(f"{victim}: no such file")):
         tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert not list(target.iterdir())
+
+
+NOBODY = 65534
+
+
+def as_another_user(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` as uid/gid nobody, with tmp_path/pub (root's own, 0755) at /media
+    in a private mount namespace: tmp_path itself is root's alone (0700). Skips where that
+    cannot be done (not root, no unshare -m or setpriv)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not can_mount_privately():
+        pytest.skip("needs root, unshare -m and setpriv")
+    pub = tmp_path / "pub"
+    pub.mkdir(exist_ok=True)
+    pub.chmod(0o755)
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    script = f'mount --bind "$0" /media && exec {" ".join(drop)} "$@"'
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(pub),
+         sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+
+
+_STAGE_AS_USER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from fastload.errors import StorageError
+from fastload.storage import tmpfs
+try:
+    print(tmpfs.stage(sys.argv[1], ["train", "val"], sys.argv[2], progress=False, reserve_gb=0))
+except StorageError as exc:
+    print("error:", exc)
+"""
+
+
+def test_staging_leaves_out_a_file_it_cannot_read_that_is_no_image(tmp_path):
+    """storage=disk trains on a dataset holding a file this user cannot read that is no
+    image (notes.txt, mode 600, another user's): it never reads it. Staging left it in the
+    manifest and died on it with a PermissionError traceback; now it is left out, saying so.
+    An image that cannot be read is refused in one line naming it and the fix."""
+    root = make_image_folder(tmp_path / "pub" / "data", ("a", "b"), per_split=(2, 1),
+                             size=(16, 12))  # fmt: skip
+    (root / "train" / "a" / "notes.txt").write_text("private")
+    (root / "train" / "a" / "notes.txt").chmod(0o600)
+    (tmp_path / "pub" / "shm").mkdir(mode=0o777)
+    (tmp_path / "pub" / "shm").chmod(0o777)
+    out = as_another_user(tmp_path, _STAGE_AS_USER, "/media/data", "/media/shm")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "left out 1 file(s) this user cannot read" in out.stderr
+    assert "/media/data/train/a/notes.txt" in out.stderr
+    final = tmpfs.staged_root("/media/data", tmp_path / "pub" / "shm")
+    assert out.stdout.strip() == f"/media/shm/{final.name}"
+    staged = sorted(p.relative_to(final) for p in final.rglob("*.jpg"))
+    assert staged == sorted(p.relative_to(root) for p in root.rglob("*.jpg"))
+    assert not (final / "train" / "a" / "notes.txt").exists()
+
+    (root / "val" / "b" / "b_000.jpg").chmod(0o600)
+    out = as_another_user(tmp_path, _STAGE_AS_USER, "/media/data", "/media/shm")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.startswith(
+        f"error: cannot stage /media/data/val/b/b_000.jpg: this user (uid {NOBODY}) may not "
+        f"read it, but storage=disk would list it as an image of its split. Make it readable "
+        f"(chmod a+r /media/data/val/b/b_000.jpg)"
+    ), out.stdout
+
+
+def test_a_file_that_became_unreadable_while_staging_is_named(tmp_path, monkeypatch):
+    """Readable when listed, not when copied (its mode changed meanwhile): one error naming
+    the file and the fix, not a PermissionError traceback; nothing is left in place."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    victim = root / "train" / "b" / "b_001.jpg"
+    real = shutil.copyfile
+
+    def copy(src, dst):
+        if Path(src) == victim:
+            raise PermissionError(errno.EACCES, "Permission denied", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(tmpfs.shutil, "copyfile", copy)
+    target = tmp_path / "shm"
+    with pytest.raises(StorageError, match=re.escape(f"{victim}: this user")) as err:
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert f"chmod a+r {victim}" in str(err.value)
     assert not list(target.iterdir())
 
 

@@ -99,14 +99,17 @@ def build_manifest(layout, splits) -> dict:
     never matches an old staging; and
     every folder, empty ones too: class indices come from the class folders, so the copy
     must have each one the source has (storage=disk and tmpfs give the same targets).
-    A name that leads nowhere (a dangling symlink, a file removed since the listing) is left
-    out when it is no image, as storage=disk never lists it; an image name is refused: the
-    split's index would list it and the run fail on it."""
+    A name that leads nowhere (a dangling symlink, a file removed since the listing) or a
+    file this user cannot read is left out when it is no image, as storage=disk never reads
+    it; an image is refused: the split's index would list it and the run fail on it. A file
+    the layout names itself (COCO's annotations) is refused when it cannot be read."""
     root = Path(layout.root).absolute()
-    files, dirs, skipped, broken = [], [], [], []
+    files, dirs, skipped, broken, denied = [], [], [], [], []
     for rel in layout.stage_paths(splits):
         base = root / rel
         if base.is_file():
+            if not _readable(base):
+                raise StorageError(_cannot_read(base, "the dataset reads it"))
             files.append(stat_entry(rel, os.stat(base)))
             continue
         if not base.is_dir():
@@ -133,6 +136,13 @@ def build_manifest(layout, splits) -> dict:
                         ) from None
                     broken.append(p)
                     continue
+                if not _readable(p):
+                    if n.lower().endswith(IMG_EXTENSIONS):
+                        raise StorageError(
+                            _cannot_read(p, "storage=disk would list it as an image of its split")
+                        )
+                    denied.append(p)
+                    continue
                 files.append(stat_entry(os.path.relpath(p, root), st))
     warn_skipped(root, skipped)
     if broken:
@@ -142,12 +152,33 @@ def build_manifest(layout, splits) -> dict:
             len(broken),
             ", ".join(broken[:5]) + (" ..." if len(broken) > 5 else ""),
         )
+    if denied:
+        log.info(
+            "storage=tmpfs: left out %d file(s) this user cannot read (no image: storage=disk "
+            "does not read them either): %s",
+            len(denied),
+            ", ".join(denied[:5]) + (" ..." if len(denied) > 5 else ""),
+        )
     # A folder not followed (a class folder linking to one already walked) is still a class
     # of its split, with no images of its own: staged empty, as storage=disk indexes it.
     dirs += [os.path.relpath(s, root) for s in skipped]
     splits = list(dict.fromkeys(splits))
     paths = list(dict.fromkeys(os.path.normpath(p) for p in layout.stage_paths(splits)))
     return {"source": str(root), "splits": splits, "paths": paths, "dirs": dirs, "files": files}
+
+
+def _readable(path) -> bool:
+    """Whether this process may open `path` for reading (its permissions, ACLs)."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, os.R_OK, effective_ids=True)
+    return os.access(path, os.R_OK)
+
+
+def _cannot_read(path, why: str) -> str:
+    return (
+        f"cannot stage {path}: this user (uid {os.geteuid()}) may not read it, but {why}. "
+        f"Make it readable (chmod a+r {path}) or move it out of the dataset."
+    )
 
 
 def _leads_nowhere(path) -> str:
@@ -267,6 +298,10 @@ def copy_files(
                 f"there when the dataset was listed. Was the source modified during the "
                 f"copy? Retry."
             ) from None
+        except PermissionError as exc:
+            if exc.filename is not None and Path(exc.filename) != src_root / rel:
+                raise  # the copy's side: stage() says so
+            raise StorageError(_cannot_read(src_root / rel, "it is part of the dataset")) from None
         return size
 
     with tqdm(
