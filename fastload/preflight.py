@@ -276,11 +276,13 @@ def staging_bytes(cfg: DictConfig, budget_s: float = 0.15) -> int | None:
         return 0
     if not os.path.realpath(target).startswith(os.path.realpath(SHM)):
         return 0
-    from fastload.storage.tmpfs import MANIFEST, staged_root
+    from fastload.storage.tmpfs import MANIFEST, earlier_root, staged_root
 
     root = str(cfg.dataset.get("root") or "")
-    if not root or not os.path.isdir(root) or (staged_root(root, target) / MANIFEST).exists():
+    if not root or not os.path.isdir(root):
         return 0
+    if any((f(root, target) / MANIFEST).exists() for f in (staged_root, earlier_root)):
+        return 0  # staged already (an earlier version's copy is moved, not staged again)
     total, end, stack = 0, time.perf_counter() + budget_s, [root]
     while stack:
         if time.perf_counter() > end:

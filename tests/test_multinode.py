@@ -70,16 +70,17 @@ def test_two_nodes_stage_to_tmpfs_once_each_into_their_own_folder(tiny_folder, t
     ]
     for k in range(2):
         said = nodes[k].stdout + nodes[k].stderr
-        assert f"into {target[k] / staged} in" in said, tails(nodes)  # its own folder
+        mine = tmpfs.user_folder(target[k])
+        assert f"into {mine / staged} in" in said, tails(nodes)  # its own folder
         assert str(target[1 - k]) not in said, tails(nodes)  # not the other node's
         # each node's own log file: rank 0's train.log, the second node's first rank's own
-        assert f"into {target[k] / staged} in" in logs[k].read_text()
+        assert f"into {mine / staged} in" in logs[k].read_text()
         assert str(target[1 - k]) not in logs[k].read_text()
         if cleanup:
-            assert os.listdir(target[k]) == [], os.listdir(target[k])
+            assert os.listdir(mine) == [], os.listdir(mine)
         else:
-            assert os.listdir(target[k]) == [staged]  # the copy, no temporary folder left
-            copy = target[k] / staged
+            assert os.listdir(mine) == [staged]  # the copy, no temporary folder left
+            copy = mine / staged
             assert (copy / tmpfs.MANIFEST).is_file()
             assert sorted(p.relative_to(copy) for p in copy.rglob("*.jpg")) == sorted(
                 p.relative_to(tiny_folder) for p in tiny_folder.rglob("*.jpg")

@@ -473,7 +473,7 @@ def test_a_full_disk_while_packing_or_staging_is_one_message(tmp_path, monkeypat
     monkeypatch.setattr(tmpfs.shutil, "copyfile", no_space)
     with pytest.raises(StorageError, match=r"no space left to write the staged copy .*target_dir"):
         tmpfs.stage(root, ["train"], tmp_path / "shm", progress=False)
-    assert not list((tmp_path / "shm").iterdir())
+    assert not list(tmpfs.user_folder(tmp_path / "shm").iterdir())
 
 
 # 12. Ctrl-C while the built-in dataset is generated -----------------------------------------

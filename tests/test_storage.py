@@ -10,6 +10,7 @@ import pickle
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -894,13 +895,13 @@ def test_staging_is_atomic_when_killed_midway_then_restaged(tmp_path):
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     final = tmpfs.staged_root(root, target)
-    leftovers = list(target.glob(f".{final.name}.tmp-*"))
+    leftovers = list(final.parent.glob(f".{final.name}.tmp-*"))
     assert not final.exists() and len(leftovers) == 1  # only a partial, never read
     assert len(list(leftovers[0].rglob("*.jpg"))) == 10
     with pytest.raises(StorageError, match="no complete staged copy"):
         tmpfs.TmpfsStorage(target_dir=target).open(root, "train")
     tmpfs.stage(root, ["train", "val"], target, progress=False)
-    assert not list(target.glob(f".{final.name}.tmp-*"))  # the stale partial copy is gone
+    assert not list(final.parent.glob(f".{final.name}.tmp-*"))  # the stale partial copy is gone
     disk, staged = (
         DiskStorage().open(root, "train"),
         tmpfs.TmpfsStorage(target_dir=target).open(root, "train"),
@@ -1033,7 +1034,7 @@ def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch
     msg = str(err.value)
     assert str(root) in msg and "short on: free space" in msg and "MiB" in msg
     assert "mount -o remount,size=" in msg and "storage.target_dir" in msg
-    assert not list((tmp_path / "shm").iterdir())  # nothing half-copied
+    assert not list(tmpfs.user_folder(tmp_path / "shm").iterdir())  # nothing half-copied
     # remount takes the tmpfs's mount point, not the folder inside it that was named
     point = tmpfs.mount_point(tmp_path / "shm" / "not-made-yet")
     assert os.path.ismount(point) and point in (tmp_path / "shm").parents
@@ -1179,7 +1180,7 @@ def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_spli
     assert [sample(staged, i) for i in range(len(disk))] == [
         sample(disk, i) for i in range(len(disk))
     ]
-    assert os.listdir(target) == [final.name]  # our own copy is gone
+    assert os.listdir(final.parent) == [final.name]  # our own copy is gone
 
 
 def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):
@@ -1214,7 +1215,7 @@ def test_staging_names_an_image_that_leads_nowhere(tmp_path, monkeypatch):
     monkeypatch.setattr(tmpfs, "copy_files", lambda *a: victim.unlink() or real(*a))
     with pytest.raises(StorageError, match=re.escape(f"{victim}: no such file")):
         tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
-    assert not list(target.iterdir())
+    assert not list(tmpfs.user_folder(target).iterdir())
 
 
 NOBODY = 65534
@@ -1265,8 +1266,9 @@ def test_staging_leaves_out_a_file_it_cannot_read_that_is_no_image(tmp_path):
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "left out 1 file(s) this user cannot read" in out.stderr
     assert "/media/data/train/a/notes.txt" in out.stderr
-    final = tmpfs.staged_root("/media/data", tmp_path / "pub" / "shm")
-    assert out.stdout.strip() == f"/media/shm/{final.name}"
+    name = tmpfs.staged_name("/media/data")
+    final = tmp_path / "pub" / "shm" / str(NOBODY) / name
+    assert out.stdout.strip() == f"/media/shm/{NOBODY}/{name}"
     staged = sorted(p.relative_to(final) for p in final.rglob("*.jpg"))
     assert staged == sorted(p.relative_to(root) for p in root.rglob("*.jpg"))
     assert not (final / "train" / "a" / "notes.txt").exists()
@@ -1279,6 +1281,77 @@ def test_staging_leaves_out_a_file_it_cannot_read_that_is_no_image(tmp_path):
         f"read it, but storage=disk would list it as an image of its split. Make it readable "
         f"(chmod a+r /media/data/val/b/b_000.jpg)"
     ), out.stdout
+
+
+def test_each_user_stages_into_a_folder_of_their_own_in_a_shared_target_dir(tmp_path):
+    """storage.target_dir (/dev/shm/fastload) made by the first user's run, 0755: a second
+    user's run died on a PermissionError traceback. It is made 1777 as /dev/shm is, each
+    user's copies go in a folder of their own (0700); a target_dir that another user made
+    and others may not write to is refused in one line naming it and the fixes."""
+    root = make_image_folder(tmp_path / "pub" / "data", ("a", "b"), per_split=(2, 1),
+                             size=(16, 12))  # fmt: skip
+    shm = tmp_path / "pub" / "shm"
+    mine = tmpfs.stage(root, ["train", "val"], shm, progress=False, reserve_gb=0)
+    assert stat.S_IMODE(shm.stat().st_mode) == 0o1777
+    assert mine.parent == shm / str(os.geteuid())
+    assert stat.S_IMODE(mine.parent.stat().st_mode) == 0o700
+    out = as_another_user(tmp_path, _STAGE_AS_USER, "/media/data", "/media/shm")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    name = tmpfs.staged_name("/media/data")
+    assert out.stdout.strip() == f"/media/shm/{NOBODY}/{name}"
+    theirs = shm / str(NOBODY)
+    assert theirs.stat().st_uid == NOBODY and stat.S_IMODE(theirs.stat().st_mode) == 0o700
+    assert (theirs / name / tmpfs.MANIFEST).is_file() and (mine / tmpfs.MANIFEST).is_file()
+
+    (tmp_path / "pub" / "shared").mkdir(mode=0o755)  # as an earlier version made it
+    out = as_another_user(tmp_path, _STAGE_AS_USER, "/media/data", "/media/shared")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stdout.startswith(
+        f"error: storage.target_dir=/media/shared: this user (uid {NOBODY}) cannot create its "
+        f"folder there (Permission denied: /media/shared belongs to uid {os.geteuid()}, mode "
+        f"755). Its owner can let every user stage there with `chmod 1777 /media/shared`"
+    ), out.stdout
+    assert f"storage.target_dir=/dev/shm/fastload-{NOBODY}" in out.stdout
+
+    planted = tmp_path / "pub" / "planted"
+    (planted / str(NOBODY)).mkdir(parents=True)  # root's, at nobody's name
+    planted.chmod(0o1777)
+    out = as_another_user(tmp_path, _STAGE_AS_USER, "/media/data", "/media/planted")
+    assert out.stdout.startswith(
+        f"error: storage.target_dir=/media/planted: /media/planted/{NOBODY}, where this user's"
+    ), out.stdout + out.stderr[-2000:]
+
+
+def test_a_copy_staged_before_folders_per_user_is_moved_into_ones_own(tmp_path, monkeypatch):
+    """Copies used to be staged at <target_dir>/<name>: one's own is moved into one's
+    folder and reused, not staged again beside it (its RAM held twice), unless a run uses
+    it there."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    old = tmpfs.earlier_root(root, target)
+    os.rename(final, old)
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    assert tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0) == final
+    assert calls == [] and not old.exists() and (final / tmpfs.MANIFEST).is_file()
+    assert sorted(os.listdir(target)) == [str(os.geteuid())]
+
+    os.rename(final, old)
+    other = subprocess.Popen(  # a run of the earlier version, reading the copy there
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], "
+         "os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_SH); print('held', flush=True); "
+         "time.sleep(60)", str(tmpfs.users_lock(old))],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout.readline().strip() == "held"
+        tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    finally:
+        other.kill()
+        other.wait()
+    assert calls == [1] and (old / tmpfs.MANIFEST).is_file() and (final / tmpfs.MANIFEST).is_file()
 
 
 def test_a_file_that_became_unreadable_while_staging_is_named(tmp_path, monkeypatch):
@@ -1298,7 +1371,7 @@ def test_a_file_that_became_unreadable_while_staging_is_named(tmp_path, monkeypa
     with pytest.raises(StorageError, match=re.escape(f"{victim}: this user")) as err:
         tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
     assert f"chmod a+r {victim}" in str(err.value)
-    assert not list(target.iterdir())
+    assert not list(tmpfs.user_folder(target).iterdir())
 
 
 # -- cold cache --------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 
     prepare (local rank 0, the other ranks wait at a barrier):
       1. list the source splits (folders, empty ones too, and files with sizes): the manifest;
-      2. reuse <target_dir>/<name> if it holds the requested splits as the source has them
-         now (its manifest, under those splits' paths, matches: each file's size,
-         modification and change times and inode; other splits it holds do not count) and
-         its files match the manifest (sizes), else
+      2. reuse <target_dir>/<uid>/<name> (in this user's own folder: `user_folder`) if it
+         holds the requested splits as the source has them now (its manifest, under those
+         splits' paths, matches: each file's size, modification and change times and
+         inode; other splits it holds do not count) and its files match the manifest
+         (sizes), else
       3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
          against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
          refuse with the numbers and the fix when the dataset does not fit. A copy already
@@ -24,7 +25,7 @@
 
     finish (local rank 0, at the end of the run): storage.cleanup=true removes the copy
     unless another run on this node is still using it. Each run holds a shared lock on
-    <target_dir>/<name>.users from before staging to its end (flock: released by the kernel
+    <target_dir>/<uid>/<name>.users from before staging to its end (flock: released by the kernel
     when a process dies); cleanup removes the copy only under the exclusive lock, so the last
     run to finish removes it and no run loses its files mid-epoch to another's cleanup.
 
@@ -41,6 +42,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import time
 import weakref
@@ -75,8 +77,72 @@ def staged_name(root) -> str:
     return f"{os.path.basename(root)}-{hashlib.sha1(root.encode()).hexdigest()[:8]}"
 
 
+def user_folder(target_dir) -> Path:
+    """<target_dir>/<uid>: this user's copies. On a shared node every user stages into a
+    folder of their own, which no other user may write to (or read: 0700): another user can
+    neither plant a copy this run would take for complete nor read a copy of a dataset they
+    may not read; one's own copies are reused run after run."""
+    return Path(target_dir) / str(os.geteuid())
+
+
 def staged_root(root, target_dir) -> Path:
+    return user_folder(target_dir) / staged_name(root)
+
+
+def earlier_root(root, target_dir) -> Path:
+    """Where a copy was staged before copies went into a folder per user."""
     return Path(target_dir) / staged_name(root)
+
+
+def make_user_folder(target_dir) -> Path:
+    """Create target_dir (mode 1777 when created here, as /dev/shm is: every user makes a
+    folder of their own in it) and this user's folder in it (0700); returns the latter.
+    Refused, naming storage.target_dir and the fix, when that cannot be done (a target_dir
+    of another user's that others may not write to, a read-only file system) or when the
+    folder at this user's name is not this user's own."""
+    target_dir = Path(target_dir)
+    mine = user_folder(target_dir)
+    try:
+        try:
+            target_dir.parent.mkdir(parents=True, exist_ok=True)
+            target_dir.mkdir()
+            target_dir.chmod(0o1777)
+        except FileExistsError:
+            pass
+        with contextlib.suppress(FileExistsError):
+            mine.mkdir(mode=0o700)
+    except PermissionError as exc:
+        raise StorageError(_not_writable(target_dir, exc)) from None
+    except OSError as exc:
+        raise StorageError(
+            f"storage.target_dir={target_dir}: cannot create it ({exc.strerror}); point it at a "
+            f"writable tmpfs (df -t tmpfs lists them)."
+        ) from None
+    st = os.lstat(mine)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        what = "a folder" if stat.S_ISDIR(st.st_mode) else "no folder"
+        raise StorageError(
+            f"storage.target_dir={target_dir}: {mine}, where this user's (uid {os.geteuid()}) "
+            f"staged copies go, is {what} of uid {st.st_uid}'s, not this user's own. Remove "
+            f"it (as its owner or root), or point storage.target_dir at a folder of your own."
+        )
+    return mine
+
+
+def _not_writable(target_dir: Path, exc: OSError) -> str:
+    where = next((p for p in (target_dir, *target_dir.parents) if p.exists()), target_dir)
+    try:
+        st = os.stat(where)
+        owner = f"{where} belongs to uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
+    except OSError:
+        owner = f"{where} is not writable"
+    return (
+        f"storage.target_dir={target_dir}: this user (uid {os.geteuid()}) cannot create its "
+        f"folder there ({exc.strerror}: {owner}). Its owner can let every user stage there "
+        f"with `chmod 1777 {where}` (each user's copies go in a folder of their own), or "
+        f"point storage.target_dir at a folder of your own, e.g. "
+        f"storage.target_dir=/dev/shm/fastload-{os.geteuid()}."
+    )
 
 
 def users_lock(final: Path) -> Path:
@@ -333,16 +399,9 @@ def stage(
     layout = as_layout(root)
     root = Path(layout.root).absolute()
     target_dir = Path(target_dir)
-    try:
-        target_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise StorageError(
-            f"storage.target_dir={target_dir}: cannot create it ({exc.strerror}); point it at a "
-            f"writable tmpfs (df -t tmpfs lists them)."
-        ) from None
-    name = staged_name(root)
-    final = target_dir / name
+    final = make_user_folder(target_dir) / staged_name(root)
     manifest = wanted = build_manifest(layout, splits)
+    _adopt(earlier_root(root, target_dir), final)
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
@@ -376,6 +435,8 @@ def stage(
             f"copy is then replaced by one holding the splits of both runs; or give one of "
             f"them another storage.target_dir."
         ) from None
+    except PermissionError as exc:  # this user's folder, made unwritable meanwhile
+        raise StorageError(_not_writable(final.parent, exc)) from None
     except OSError as exc:
         if not is_disk_full(exc):
             raise
@@ -392,6 +453,40 @@ def stage(
         need / 1e6 / max(dt, 1e-9),
     )
     return final
+
+
+def _adopt(old: Path, final: Path) -> None:
+    """A copy of this user's staged where copies went before there was a folder per user
+    (<target_dir>/<name>) is moved into this user's folder, when no run uses it (its .users
+    lock is free) and nothing is there yet: reused (or brought up to date) there, not left
+    in RAM beside a new one."""
+    try:
+        st = os.lstat(old)
+    except OSError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or os.path.lexists(final):
+        return
+    if not (old / MANIFEST).is_file():
+        return
+    try:
+        fd = os.open(users_lock(old), os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(old, final)
+        users_lock(old).unlink(missing_ok=True)
+        log.info("storage=tmpfs: moved the staged copy %s into this user's folder: %s", old, final)
+    except OSError as exc:
+        log.info(
+            "storage=tmpfs: the staged copy %s stays where an earlier version put it (%s); "
+            "once no run uses it, remove it with rm -rf %s to free its RAM",
+            old,
+            "a run uses it" if isinstance(exc, BlockingIOError) else exc.strerror,
+            old,
+        )
+    finally:
+        os.close(fd)
 
 
 def _make_room(final: Path, layout, manifest: dict, reserve: int, alone=None):
@@ -524,8 +619,9 @@ class TmpfsStorage(Storage):
         (waiting while another run's cleanup removes it); before staging, so that a copy
         this run is about to reuse cannot be removed in between."""
         if self._users is None:
-            with contextlib.suppress(OSError):  # an unwritable target_dir: `stage` says so
-                final.parent.mkdir(parents=True, exist_ok=True)
+            # an unwritable target_dir: `stage` says so
+            with contextlib.suppress(OSError, StorageError):
+                make_user_folder(final.parent.parent)
                 self._lock(final, fcntl.LOCK_SH)
 
     def _lock(self, final: Path, how: int) -> bool:
