@@ -1142,17 +1142,20 @@ def test_a_copy_without_room_for_its_replacement_beside_it_is_removed_first(
 
 
 _STAGE = """
-import sys
+import contextlib, sys
 from fastload.storage import tmpfs
-tmpfs.stage(sys.argv[1], sys.argv[3:], sys.argv[2], progress=False, reserve_gb=0)
+if sys.argv[3] == "unlocked":  # another host on a shared target_dir: no flock between them
+    tmpfs.staging_lock = lambda final: contextlib.nullcontext()
+tmpfs.stage(sys.argv[1], sys.argv[4:], sys.argv[2], progress=False, reserve_gb=0)
 """
 
 
 def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_splits(
     tmp_path, monkeypatch
 ):
-    """Two runs on one node stage the same dataset at once: the one that finishes second
-    trains on the other's copy when it holds the splits it needs, else says what happened."""
+    """Two processes the staging lock does not reach (two hosts on a shared target_dir)
+    stage the same dataset at once: the one that finishes second trains on the other's copy
+    when it holds the splits it needs, else says what happened."""
     root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
     target = tmp_path / "shm"
     real = tmpfs.copy_files
@@ -1160,7 +1163,7 @@ def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_spli
     def another_stages_meanwhile(splits):
         def copy(*a):
             subprocess.run(
-                [sys.executable, "-c", _STAGE, str(root), str(target), *splits],
+                [sys.executable, "-c", _STAGE, str(root), str(target), "unlocked", *splits],
                 cwd=REPO,
                 check=True,
                 timeout=120,
@@ -1181,6 +1184,62 @@ def test_a_copy_staged_by_another_process_meanwhile_is_used_if_it_holds_the_spli
         sample(disk, i) for i in range(len(disk))
     ]
     assert os.listdir(final.parent) == [final.name]  # our own copy is gone
+
+
+_STAGE_SLOWLY = """
+import shutil, sys, time
+from fastload.storage import tmpfs
+real = shutil.copyfile
+def slow(src, dst):
+    print("copying", flush=True)
+    time.sleep(0.2)
+    return real(src, dst)
+tmpfs.shutil.copyfile = slow
+tmpfs.stage(sys.argv[1], ["train", "val"], sys.argv[2], threads=1, progress=False, reserve_gb=0)
+"""
+
+
+def test_two_runs_staging_one_dataset_at_once_copy_it_once(tmp_path, monkeypatch, caplog):
+    """With room for one copy, the second of two runs staging at once failed with "no space
+    left" while the first's complete copy was in place. One copies; the other waits for it,
+    then uses its copy."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    first = subprocess.Popen([sys.executable, "-c", _STAGE_SLOWLY, str(root), str(target)],
+                             cwd=REPO, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert first.stdout.readline().strip() == "copying"
+        room_for_one_copy(monkeypatch, root, tmpfs.staged_root(root, target))
+        calls = []
+        real = tmpfs.copy_files
+        monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+        with caplog.at_level("INFO", logger="fastload"):
+            final = tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+        assert first.wait(timeout=60) == 0
+    finally:
+        first.kill()
+        first.wait()
+    assert "another process on this node is staging" in caplog.text
+    assert calls == [] and "reusing the complete staged copy" in caplog.text
+    assert os.listdir(final.parent) == [final.name]  # no lock file, no temporary left
+
+
+def test_a_copy_completed_by_another_host_is_used_when_this_one_runs_out_of_room(
+    tmp_path, monkeypatch
+):
+    """Hosts staging into one shared target_dir (no flock between them): the tmpfs fills up
+    while the other's complete copy is in place; that copy is used."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+
+    def another_host_completes_it_then_full(*a):
+        subprocess.run([sys.executable, "-c", _STAGE, str(root), str(target), "unlocked",
+                        "train", "val"], cwd=REPO, check=True, timeout=120)  # fmt: skip
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tmpfs, "copy_files", another_host_completes_it_then_full)
+    final = tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0)
+    assert (final / tmpfs.MANIFEST).is_file() and os.listdir(final.parent) == [final.name]
 
 
 def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):

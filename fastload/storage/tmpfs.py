@@ -20,8 +20,11 @@
          the copy it replaces).
     An interrupted copy leaves only the temporary folder, which is never read and is removed
     by the next run on this host (when its process is gone). Of two runs on one node that
-    stage at once, the one that finishes second uses the other's copy if it holds the splits
-    it needs (step 2), else stops saying so.
+    stage one dataset at once, one copies and the other waits for it (`staging_lock`), then
+    uses its copy if it holds the splits it needs (step 2), else replaces it by one holding
+    the splits of both. Processes the lock does not reach (another host on a shared
+    target_dir) may copy at once: the one that finishes second, or runs out of room, uses
+    the other's copy if it holds the splits it needs, else stops saying so.
 
     finish (local rank 0, at the end of the run): storage.cleanup=true removes the copy
     unless another run on this node is still using it. Each run holds a shared lock on
@@ -400,8 +403,49 @@ def stage(
     root = Path(layout.root).absolute()
     target_dir = Path(target_dir)
     final = make_user_folder(target_dir) / staged_name(root)
-    manifest = wanted = build_manifest(layout, splits)
-    _adopt(earlier_root(root, target_dir), final)
+    manifest = build_manifest(layout, splits)
+    with staging_lock(final):
+        _adopt(earlier_root(root, target_dir), final)
+        return _stage(layout, final, manifest, threads, reserve_gb, progress, alone)
+
+
+@contextlib.contextmanager
+def staging_lock(final: Path):
+    """`with staging_lock(final):` held by one process of this node at a time: of two runs
+    that stage one dataset at once, one copies and the other waits, then reuses that copy
+    (when it holds the splits it needs) instead of copying beside it, which there may be no
+    room for. An flock on <name>.staging, released by the kernel when a process dies; the
+    file is removed by its holder, and a waiter that then gets the lock on a removed file
+    takes the one now at that path."""
+    path = final.with_name(final.name + ".staging")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info(
+                    "storage=tmpfs: another process on this node is staging %s: waiting for it",
+                    final,
+                )
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _stage(layout, final: Path, manifest: dict, threads, reserve_gb, progress, alone) -> Path:
+    """`stage` under the staging lock."""
+    root, wanted = Path(layout.root).absolute(), manifest
     if _matches(final, manifest):
         log.info("storage=tmpfs: reusing the complete staged copy %s", final)
         return final
@@ -440,6 +484,9 @@ def stage(
     except OSError as exc:
         if not is_disk_full(exc):
             raise
+        if _matches(final, wanted):  # another node's process, on a shared target_dir
+            log.info("storage=tmpfs: %s was staged by another process meanwhile: using it", final)
+            return final
         raise StorageError(
             no_space_message("the staged copy", final, need) + " (storage.target_dir)"
         ) from None
