@@ -9,6 +9,7 @@ calls the task's step object (fastload/tasks/; the benchmarks pass their own) on
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -532,8 +534,12 @@ def check_writable(run_dir: Path) -> None:
 
 
 def optimizer_copies(optimizer) -> int:
-    """Tensors of a parameter's size an optimizer keeps for it once stepping (in last.pt)."""
-    name, group = type(optimizer).__name__.lower(), optimizer.param_groups[0]
+    """Tensors of a parameter's size an optimizer keeps for it once stepping (in last.pt).
+    `optimizer`: one, or the config's factory of one (a functools.partial: optim.optimizer)."""
+    if isinstance(optimizer, functools.partial):
+        name, group = optimizer.func.__name__.lower(), optimizer.keywords
+    else:
+        name, group = type(optimizer).__name__.lower(), optimizer.param_groups[0]
     if "sgd" in name:
         return 1 if group.get("momentum") else 0
     return 3 if group.get("amsgrad") else 2  # Adam's two moments (and AMSGrad's maximum)
@@ -1098,42 +1104,61 @@ def fit(cfg: DictConfig) -> dict:
                 (lambda: keep_results(run_dir, found)) if ctx.is_main else None)  # fmt: skip
     if nothing_left(found, cfg):
         return finished_already(found[0], run_dir, cfg, ctx)
-    plan, model, channels_last, amp = set_up(cfg, ctx, splits=("train", "val"))
+
+    def room_for_checkpoints(model) -> None:  # before the data work: staging, packing
+        planned = SimpleNamespace(
+            model=model,
+            optimizer=instantiate(cfg.optim).optimizer,
+            ema=(cfg.trainer.get("ema") or {}).get("decay"),
+        )
+        dist.agreed(ctx, "checking the room for checkpoints",
+                    (lambda: check_checkpoint_room(run_dir, cfg, planned)) if ctx.is_main else None)  # fmt: skip
+
+    plan, model, channels_last, amp = set_up(
+        cfg, ctx, splits=("train", "val"), check_model=room_for_checkpoints
+    )
+    try:
+        summary = train_prepared(cfg, ctx, run_dir, found, plan, model, channels_last, amp)
+    finally:
+        if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging, also when
+            # the run fails before or while training
+            plan.storage.finish(plan.layout, list(plan.splits.values()))
+    dist.barrier(ctx)
+    return summary
+
+
+def train_prepared(cfg, ctx, run_dir: Path, found, plan, model, channels_last, amp) -> dict:
+    """`fit` once the data is prepared (staged, packed): tune, build the data, train."""
     # loader=auto: a bounded probe (or its cached result) sets workers, prefetch, pinning, backend
     resumed_backend = found[1].get("backend") if found is not None else None
     plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp,
                 resumed_backend=resumed_backend)  # fmt: skip
     data = build_data(plan, ctx, channels_last=channels_last)
-    task = plan.task
-    state = TrainState.create(
-        cfg, ctx.device, ctx.world_size, len(data.train), amp=amp, channels_last=channels_last,
-        model=model,
-    )  # fmt: skip
-    state.data_sizes = {"train": len(data.train.dataset), "val": len(data.val.dataset)}
-    state.backend = getattr(plan.backend, "name", None)
-    if found is not None:
-        state.load_state_dict(found[1], found[0], rank=ctx.rank)
-        log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
-    dist.agreed(ctx, "checking the room for checkpoints",
-                (lambda: check_checkpoint_room(run_dir, cfg, state)) if ctx.is_main else None)  # fmt: skip
-    record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
-    if found is not None:
-        record.carry_best(found[0], state.history)
-        record.carry_skipped(found[0], state.history)
     try:
-        Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
-    except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or a socket
-        raise plain_death(exc, ctx) from None
-    except TrainingInterrupted as exc:
-        record.stopped(exc.exit_code)
-        raise
+        task = plan.task
+        state = TrainState.create(
+            cfg, ctx.device, ctx.world_size, len(data.train), amp=amp,
+            channels_last=channels_last, model=model,
+        )  # fmt: skip
+        state.data_sizes = {"train": len(data.train.dataset), "val": len(data.val.dataset)}
+        state.backend = getattr(plan.backend, "name", None)
+        if found is not None:
+            state.load_state_dict(found[1], found[0], rank=ctx.rank)
+            log.info("resumed from %s at epoch %d step %d", found[0], state.epoch, state.step)
+        record = RunRecord(cfg, ctx, run_dir, state.history, task, plan)
+        if found is not None:
+            record.carry_best(found[0], state.history)
+            record.carry_skipped(found[0], state.history)
+        try:
+            Epochs(cfg, ctx, state, task.step(state, cfg, ctx, amp), data, record, task).run()
+        except RuntimeError as exc:  # torch's words for a dead worker or rank name a pid or socket
+            raise plain_death(exc, ctx) from None
+        except TrainingInterrupted as exc:
+            record.stopped(exc.exit_code)
+            raise
     finally:
         data.close()
-        if ctx.is_local_main:  # e.g. storage.cleanup=true removes a tmpfs staging
-            plan.storage.finish(plan.layout, list(plan.splits.values()))
-    summary = record.finish(state)
-    dist.barrier(ctx)
-    return summary
+    return record.finish(state)
 
 
 def set_up(cfg, ctx, splits: tuple[str, ...], check_model=None):

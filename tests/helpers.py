@@ -13,6 +13,7 @@ import torch
 import xxhash
 
 from fastload.data.layouts import as_layout
+from fastload.errors import StorageError
 from fastload.storage.disk import DiskStorage, SourceReader
 from fastload.storage.shards import ShardStorage
 from fastload.storage.tmpfs import TmpfsStorage
@@ -108,6 +109,14 @@ class RecordingTmpfs(TmpfsStorage):
         with open(self.record, "a") as f:
             f.write(f"{os.environ.get('RANK', '0')}\n")
         super().prepare(root, splits, **kw)
+
+
+class TmpfsOpenFails(TmpfsStorage):
+    """storage=tmpfs whose readers cannot be opened: a run that fails after staging, before
+    training (building the data)."""
+
+    def open(self, root, split):
+        raise StorageError(f"cannot open the staged {split} split (a test's failure)")
 
 
 class SigtermWebDataset(WebDatasetStorage):

@@ -1640,6 +1640,42 @@ def test_cleanup_leaves_a_copy_another_run_on_the_node_uses(tmp_path, caplog):
     assert not final.exists()
 
 
+def test_cleanup_removes_the_copy_of_a_run_that_fails_before_training(tmp_path):
+    """storage.cleanup=true: a run that failed after staging, before training (building the
+    data, tuning the loader) left its copy in RAM; it is removed whatever ends the run."""
+    root = make_image_folder(tmp_path / "data", ("a", "b", "c"), per_split=(2, 1),
+                             size=(16, 12))  # fmt: skip
+    target = tmp_path / "shm"
+    out = run_train(tiny_overrides(
+        root, tmp_path / "out" / "run", "storage=tmpfs", "storage._target_=tests.helpers.TmpfsOpenFails",
+        f"storage.target_dir={target}", "storage.cleanup=true", "storage.progress=false",
+    ))  # fmt: skip
+    assert out.returncode == 2 and "a test's failure" in out.stderr, out.stderr[-3000:]
+    assert "storage.cleanup=true: removed the staged copy" in out.stdout + out.stderr
+    assert not tmpfs.staged_root(root, target).exists()
+
+
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
+def test_checkpoints_that_do_not_fit_are_refused_before_staging(tmp_path):
+    """The room for checkpoints was checked after the staging: a user waited out the copy
+    of the dataset to learn that the output disk is too small. It is checked first."""
+    root = make_image_folder(tmp_path / "data", ("a", "b", "c"), per_split=(2, 1),
+                             size=(16, 12))  # fmt: skip
+    record, target, out_dir = tmp_path / "staged-by.txt", tmp_path / "shm", tmp_path / "out"
+    out_dir.mkdir()
+    args = tiny_overrides(root, out_dir / "run", "storage=tmpfs",
+                          "storage._target_=tests.helpers.RecordingTmpfs",
+                          f"+storage.record={record}", f"storage.target_dir={target}",
+                          "trainer.checkpoint_every=1")  # fmt: skip
+    train = " ".join(f"'{a}'" for a in [sys.executable, str(REPO / "train.py"), *args])
+    script = f"mount -t tmpfs -o size=96k tmpfs {out_dir} && {train}"
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "this run's checkpoints need about" in out.stderr, out.stderr[-3000:]
+    assert not record.exists() and not tmpfs.staged_root(root, target).exists()
+
+
 def test_a_copy_another_run_reads_is_not_removed_to_make_room(tmp_path, monkeypatch):
     """A run needing a split the copy lacks, with no room for a new copy beside it, removed
     the copy first, and a run on the node reading it failed. While another run holds it, the
