@@ -1242,6 +1242,26 @@ def test_a_copy_completed_by_another_host_is_used_when_this_one_runs_out_of_room
     assert (final / tmpfs.MANIFEST).is_file() and os.listdir(final.parent) == [final.name]
 
 
+def test_a_target_dir_inside_the_dataset_is_refused(tmp_path):
+    """storage.target_dir=<dataset.root>/train put each copy into the dataset: a new class
+    folder, and every later run staged one level deeper. Refused before any folder is made,
+    naming both options; so is a dataset.root inside the folder of staged copies."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    before = sorted(p for p in root.rglob("*"))
+    for target in (root / "train", root):
+        store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
+        with pytest.raises(ConfigError, match=re.escape(
+            f"storage.target_dir={target} is inside dataset.root={root}"
+        )):  # fmt: skip
+            store.prepare(root, ["train", "val"])
+        with pytest.raises(ConfigError, match="is inside dataset.root"):
+            tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
+    assert sorted(p for p in root.rglob("*")) == before
+    final = tmpfs.stage(root, ["train", "val"], tmp_path / "shm", progress=False, reserve_gb=0)
+    with pytest.raises(ConfigError, match=re.escape(f"dataset.root={final} is inside storage")):
+        tmpfs.stage(final, ["train", "val"], tmp_path / "shm", progress=False, reserve_gb=0)
+
+
 def test_staging_leaves_out_a_dangling_link_that_is_no_image(tmp_path):
     """storage=disk lists only image files: a link to nothing that is no image (an old
     notes.txt) is not staged and does not stop the staging."""

@@ -63,7 +63,7 @@ from fastload.atomic import (
 )
 from fastload.data.folder import IMG_EXTENSIONS, walk_once, warn_skipped
 from fastload.data.layouts import as_layout
-from fastload.errors import StorageError
+from fastload.errors import ConfigError, StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
 from fastload.storage.base import Storage
 from fastload.storage.disk import SourceReader
@@ -95,6 +95,26 @@ def staged_root(root, target_dir) -> Path:
 def earlier_root(root, target_dir) -> Path:
     """Where a copy was staged before copies went into a folder per user."""
     return Path(target_dir) / staged_name(root)
+
+
+def check_apart(root, target_dir) -> None:
+    """Refuse a folder of copies (<target_dir>/<uid>) inside dataset.root, where each copy
+    would become part of the dataset (a class folder, staged again one level deeper by every
+    run), or a dataset.root inside it (a staged copy for a source)."""
+    src = Path(os.path.realpath(root))
+    mine = Path(os.path.realpath(user_folder(target_dir)))
+    if mine == src or src in mine.parents:
+        raise ConfigError(
+            f"storage.target_dir={target_dir} is inside dataset.root={root}: the staged copy "
+            f"({mine}) would become part of the dataset it copies (a class folder, copied "
+            f"again one level deeper by every run). Give storage.target_dir outside "
+            f"dataset.root (a tmpfs, e.g. /dev/shm/fastload)."
+        )
+    if mine in src.parents:
+        raise ConfigError(
+            f"dataset.root={root} is inside storage.target_dir={target_dir}'s folder of staged "
+            f"copies ({mine}): point dataset.root at the dataset itself, not at a staged copy."
+        )
 
 
 def make_user_folder(target_dir) -> Path:
@@ -402,6 +422,7 @@ def stage(
     layout = as_layout(root)
     root = Path(layout.root).absolute()
     target_dir = Path(target_dir)
+    check_apart(root, target_dir)
     final = make_user_folder(target_dir) / staged_name(root)
     manifest = build_manifest(layout, splits)
     with staging_lock(final):
@@ -628,6 +649,7 @@ class TmpfsStorage(Storage):
         self.cleanup, self.progress, self.cold_cache = bool(cleanup), bool(progress), cold_cache
 
     def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
+        check_apart(as_layout(root).root, self.target_dir)  # before any folder is made
         self._use(staged_root(as_layout(root).root, self.target_dir))
         try:
             stage(
