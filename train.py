@@ -12,6 +12,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import sys
 
 import hydra
@@ -45,9 +46,12 @@ def main(cfg: DictConfig) -> None:
         if global_rank() == 0:
             logging.getLogger("fastload").warning(exc.user_message)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C outside the training loop (generating, packing, ...)
-        print("interrupted (Ctrl-C): nothing half-written was kept.", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # Ctrl-C outside the training loop (generating,
+        # packing, ...), or SIGTERM while preparing the data (fastload.host.Terminated)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"interrupted ({what}): nothing half-written was kept.", file=sys.stderr)
+        sys.exit(128 + signum)
     except Exception as exc:
         # A user error, raised by us or while Hydra built one of our objects (Hydra wraps it):
         # one clear message naming the file or option and the fix, no traceback, exit 2.

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -217,6 +218,37 @@ def spawn_pool(workers: int):
         return ctx.Pool(workers)  # its processes and threads start here, SIGINT blocked
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a pending Ctrl-C lands here
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM taken as Ctrl-C is (`sigterm_interrupts`): what is half-written is removed on
+    the way out; train.py says so in one line and exits 143 (128 + SIGTERM)."""
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """`with sigterm_interrupts():` a SIGTERM inside the block raises `Terminated`, a
+    KeyboardInterrupt, where the run has no step of its own to stop at (staging, packing,
+    generating the data): without it SIGTERM (Slurm, torchrun, `kill`) ended the process at
+    once, with no word, and left a partial copy in RAM. Only the main thread may swap signal
+    handlers; elsewhere the block runs unchanged."""
+    import threading
+
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

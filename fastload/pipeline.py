@@ -30,6 +30,7 @@ from fastload import dist
 from fastload.data.dataset import Normalize
 from fastload.data.sampling import EpochSampler, ShardSampler, ShardStreamSampler
 from fastload.errors import ConfigError
+from fastload.host import sigterm_interrupts
 from fastload.loaders.device_prep import DTYPES, DevicePrep
 from fastload.loaders.workers import resolve_num_workers
 from fastload.tasks.base import build_task
@@ -197,10 +198,11 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     storage = storage if storage is not None else build_storage(cfg)
 
     def prepare() -> None:
-        if cfg.dataset.prepare is not None:
-            instantiate(cfg.dataset.prepare)
-        names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
-        storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
+        with sigterm_interrupts():  # SIGTERM stops it as Ctrl-C does: nothing half-written kept
+            if cfg.dataset.prepare is not None:
+                instantiate(cfg.dataset.prepare)
+            names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
+            storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
 
     # staging hundreds of GB can take longer than a collective's timeout: no deadline
     dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,

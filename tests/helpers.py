@@ -111,6 +111,28 @@ class RecordingTmpfs(TmpfsStorage):
         super().prepare(root, splits, **kw)
 
 
+class SigtermWhileStaging(TmpfsStorage):
+    """storage=tmpfs that gets SIGTERM once it has copied 3 files."""
+
+    def prepare(self, root, splits, **kw):
+        import shutil
+
+        real, copied = shutil.copyfile, []
+
+        def copy(src, dst):
+            real(src, dst)
+            copied.append(src)
+            if len(copied) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the signal lands meanwhile
+
+        shutil.copyfile = copy
+        try:
+            super().prepare(root, splits, **kw)
+        finally:
+            shutil.copyfile = real
+
+
 class TmpfsOpenFails(TmpfsStorage):
     """storage=tmpfs whose readers cannot be opened: a run that fails after staging, before
     training (building the data)."""

@@ -1675,6 +1675,26 @@ def test_cleanup_removes_the_copy_of_a_run_that_fails_before_training(tmp_path):
     assert not tmpfs.staged_root(root, target).exists()
 
 
+def test_sigterm_while_staging_is_one_line_exit_143_and_leaves_no_partial_copy(tmp_path):
+    """SIGTERM (Slurm, torchrun, kill) while staging ended the run at once with no word, and
+    its partial copy stayed in RAM. It stops as Ctrl-C does: the partial copy removed, one
+    line, exit 143."""
+    root = make_image_folder(tmp_path / "data", ("a", "b", "c"), per_split=(2, 1),
+                             size=(16, 12))  # fmt: skip
+    target = tmp_path / "shm"
+    out = run_train(tiny_overrides(
+        root, tmp_path / "out" / "run", "storage=tmpfs", "storage.threads=1",
+        "storage._target_=tests.helpers.SigtermWhileStaging", f"storage.target_dir={target}",
+        "storage.progress=false",
+    ))  # fmt: skip
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "interrupted (SIGTERM): nothing half-written was kept."
+    ), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert list(tmpfs.user_folder(target).iterdir()) == []  # no partial copy, no lock file
+
+
 @pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
 def test_checkpoints_that_do_not_fit_are_refused_before_staging(tmp_path):
     """The room for checkpoints was checked after the staging: a user waited out the copy

@@ -402,8 +402,12 @@ def copy_files(
         disable=not progress,
     ) as bar:
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for size in pool.map(one, files, chunksize=64):
-                bar.update(size)
+            try:
+                for size in pool.map(one, files):
+                    bar.update(size)
+            except BaseException:  # a failed file, Ctrl-C, SIGTERM: stop, do not copy the rest
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
 
 
 def stage(
@@ -650,7 +654,8 @@ class TmpfsStorage(Storage):
 
     def prepare(self, root, splits, skip_corrupt: bool = False) -> None:
         check_apart(as_layout(root).root, self.target_dir)  # before any folder is made
-        self._use(staged_root(as_layout(root).root, self.target_dir))
+        final = staged_root(as_layout(root).root, self.target_dir)
+        self._use(final)
         try:
             stage(
                 root,
@@ -661,6 +666,9 @@ class TmpfsStorage(Storage):
                 progress=self.progress,
                 alone=self._exclusive,
             )
+        except BaseException:  # a failed or interrupted staging: this run uses no copy
+            self._release(final)
+            raise
         finally:
             self._shared()
 
