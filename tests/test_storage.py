@@ -1041,6 +1041,52 @@ def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch
     assert f"remount,size=<N>G {point}`" in msg
 
 
+def test_a_refusal_close_to_the_room_shows_the_bytes(tmp_path, monkeypatch):
+    """Rounded to 0.1 MiB the refusal read "needs 1.0 MiB ... free space 1.0 MiB"."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    need = sum(
+        -(-f[1] // tmpfs.PAGE) * tmpfs.PAGE
+        for f in tmpfs.build_manifest(tmpfs.as_layout(root), ["train", "val"])["files"]
+    )
+    monkeypatch.setattr(tmpfs, "room", lambda d: {"free space": need - 1, "available RAM": None,
+                                                  "container memory limit headroom": None})  # fmt: skip
+    with pytest.raises(StorageError) as err:
+        tmpfs.stage(root, ["train", "val"], tmp_path / "shm", progress=False, reserve_gb=0)
+    assert f"needs {need:,} bytes (+0 bytes" in str(err.value)
+    assert f"free space {need - 1:,} bytes" in str(err.value)
+
+
+_STAGE_INTO_FEW_INODES = """
+import sys
+from fastload.errors import StorageError
+from fastload.storage import tmpfs
+try:
+    tmpfs.stage(sys.argv[1], ["train", "val"], sys.argv[2], progress=False, reserve_gb=0)
+except StorageError as exc:
+    print("error:", exc)
+"""
+
+
+@pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
+def test_a_tmpfs_out_of_inodes_is_refused_naming_nr_inodes(tmp_path):
+    """A tmpfs with bytes to spare but too few inodes (nr_inodes): the refusal gave bytes
+    ("needs 0.1 MiB, 16 MiB free"); it counts files and folders and names nr_inodes."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(4, 2), size=(16, 12))
+    small = tmp_path / "small"
+    small.mkdir()
+    script = f'mount -t tmpfs -o size=16m,nr_inodes=16 tmpfs {small} && exec "$@"'
+    out = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh",
+         sys.executable, "-c", _STAGE_INTO_FEW_INODES, str(root), str(small / "fl")],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert out.stdout.startswith(
+        f"error: storage=tmpfs: the dataset {root} needs 20 files and folders in "
+    ), out.stdout + out.stderr[-3000:]
+    assert f"({small}, nr_inodes=16) takes only " in out.stdout
+    assert f"mount -o remount,nr_inodes=<N> {small}" in out.stdout
+
+
 def test_a_killed_stagings_leftover_is_removed_before_the_room_check(tmp_path, monkeypatch):
     """A partial copy left in tmpfs by a staging killed on this host takes room until it is
     removed: it goes before the room is measured, so it alone does not refuse the next one."""

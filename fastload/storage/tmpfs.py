@@ -354,15 +354,46 @@ def check_room(target_dir: Path, need: int, reserve: int, root) -> None:
     limits, short = short_of(target_dir, need + reserve)
     if not short:
         return
-    have = ", ".join(f"{k} {size_text(v)}" for k, v in limits.items() if v is not None)
+    text = size_text
+    if any(size_text(v) in (size_text(need), size_text(need + reserve)) for v in short.values()):
+        text = "{:,} bytes".format  # close: rounded, "needs 1.0 MiB" would read as "1.0 MiB free"
+    have = ", ".join(f"{k} {text(v)}" for k, v in limits.items() if v is not None)
     raise StorageError(
-        f"storage=tmpfs: the dataset {root} needs {size_text(need)} (+{size_text(reserve)} "
+        f"storage=tmpfs: the dataset {root} needs {text(need)} (+{text(reserve)} "
         f"kept free: storage.reserve_gb) in {target_dir}, but {have}; short on: "
         f"{', '.join(short)}. Fixes: grow the tmpfs (`mount -o remount,size=<N>G "
         f"{mount_point(target_dir)}`, "
         f"or in Docker `--shm-size=<N>g`; scripts/stage_tmpfs.sh mounts one), point "
         f"storage.target_dir at a larger tmpfs, train on a subset, or use storage=disk / "
         f"storage=shards (kind=jpeg with max_side=256 stores several times less)."
+    )
+
+
+def inodes_free(target_dir: Path) -> int | None:
+    """How many more files and folders the file system of target_dir takes (a tmpfs's
+    nr_inodes); None: no such limit."""
+    st = os.statvfs(target_dir)
+    return st.f_favail if st.f_files else None
+
+
+def inodes_fit(target_dir: Path, need: int) -> bool:
+    free = inodes_free(target_dir)
+    return free is None or free >= need
+
+
+def check_inodes(target_dir: Path, need: int, root) -> None:
+    """Refuse (with the numbers and the fix) when `need` files and folders do not fit: a
+    tmpfs can run out of inodes (nr_inodes) with bytes to spare."""
+    if inodes_fit(target_dir, need):
+        return
+    free = inodes_free(target_dir)
+    point = mount_point(target_dir)
+    total = os.statvfs(target_dir).f_files
+    raise StorageError(
+        f"storage=tmpfs: the dataset {root} needs {need:,} files and folders in {target_dir}, "
+        f"but its file system ({point}, nr_inodes={total:,}) takes only {free:,} more. "
+        f"Fixes: allow more (`mount -o remount,nr_inodes=<N> {point}`; 0: no limit), point "
+        f"storage.target_dir at another tmpfs, or use storage=shards (a few large files)."
     )
 
 
@@ -573,9 +604,11 @@ def _make_room(final: Path, layout, manifest: dict, reserve: int, alone=None):
         replacing = folder_id(final)
         manifest = _with_splits_of(final, layout, manifest)
     need = sum(-(-f[1] // PAGE) * PAGE for f in manifest["files"])
+    inodes = len(manifest["files"]) + len(manifest["dirs"]) + 2  # + the manifest, the folder
     if replacing is None:
+        check_inodes(target_dir, inodes, root)
         check_room(target_dir, need, reserve, root)
-    elif not short_of(target_dir, need + reserve)[1]:
+    elif not short_of(target_dir, need + reserve)[1] and inodes_fit(target_dir, inodes):
         # Built beside the old copy, then renamed over it (fastload/atomic.py): a run
         # reading the old one finds its files at the same paths in the new one.
         log.warning(
@@ -584,7 +617,9 @@ def _make_room(final: Path, layout, manifest: dict, reserve: int, alone=None):
             final, root, ", ".join(manifest["splits"]),
         )  # fmt: skip
     else:
-        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in final.rglob("*") if f.is_file())
+        held = list(final.rglob("*"))
+        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in held if f.is_file())
+        check_inodes(target_dir, max(0, inodes - len(held) - 1), root)
         check_room(target_dir, max(0, need - sum(pages)), reserve, root)
         if alone is not None and not alone():
             raise StorageError(
