@@ -7,8 +7,9 @@
          splits' paths, matches: each file's size, modification and change times and
          inode; other splits it holds do not count) and its files match the manifest
          (sizes), else
-      3. check room: free space of target_dir, available RAM (tmpfs pages are RAM and count
-         against a container's memory limit: cgroup v2 memory.max / v1 limit_in_bytes), and
+      3. check room: free space and inodes of target_dir (a tmpfs's size and nr_inodes),
+         available RAM (tmpfs pages are RAM and count against a container's memory limit:
+         cgroup v2 memory.max / v1 limit_in_bytes), and
          refuse with the numbers and the fix when the dataset does not fit. A copy already
          there (outdated, damaged, or without a requested split) is replaced by one holding
          its splits too, built beside it when both fit, so that a run reading it keeps its
