@@ -93,7 +93,7 @@ def test_two_hosts_sharing_a_folder_never_remove_each_others_build(tmp_path, mon
     day_ago = time.time() - 2 * atomic.DAY_S
     os.utime(theirs_old, (day_ago, day_ago))
 
-    monkeypatch.setattr(atomic, "hostname", lambda: "node-a")
+    monkeypatch.setattr(atomic, "process_space", lambda: "node-a")
     with atomic.building(final) as tmp:
         assert tmp == atomic.temp_path(final, host="node-a", pid=os.getpid())
         (tmp / "data").write_text("x")

@@ -1825,8 +1825,14 @@ def make_coco(root, sizes=((120, 80), (64, 48), (90, 150))):
 def open_pack(fmt, path, split):
     if fmt == "lmdb":
         return LmdbStorage(path=path, auto_pack=False).open(None, split)
-    if fmt == "webdataset":
-        return WebDatasetStorage(path=path, auto_pack=False).open(None, split)
+    if fmt == "webdataset":  # shuffled when packed: seen here in the source's order
+        from test_webdataset import ReorderedReader
+
+        from fastload.storage.packing import pack_order
+
+        reader = WebDatasetStorage(path=path, auto_pack=False).open(None, split)
+        order = pack_order(len(reader), "shuffled")
+        return ReorderedReader(reader, sorted(range(len(order)), key=order.__getitem__))
     return ShardStorage(path=path, auto_pack=False).open(None, split)
 
 
