@@ -184,6 +184,27 @@ def can_mount_privately() -> bool:
         return False
 
 
+NOBODY = 65534
+
+
+def as_another_user(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` as uid/gid nobody, with tmp_path/pub (root's own, 0755) at /media
+    in a private mount namespace: tmp_path itself is root's alone (0700). Skips where that
+    cannot be done (not root, no unshare -m or setpriv)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not can_mount_privately():
+        pytest.skip("needs root, unshare -m and setpriv")
+    pub = tmp_path / "pub"
+    pub.mkdir(exist_ok=True)
+    pub.chmod(0o755)
+    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    script = f'mount --bind "$0" /media && exec {" ".join(drop)} "$@"'
+    return subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(pub),
+         sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+
+
 def in_other_pid_namespace(code: str, *args: str, pid: int) -> subprocess.Popen:
     """`python -c code args` as pid `pid` of a new PID namespace on this host (as in a
     container of the same host name); skips the test where unshare is not allowed."""

@@ -17,6 +17,7 @@ from conftest import gets, make_image_folder, run_two_nodes, tails, web_server
 from fastload.data.sampling import shard_stream_order
 from fastload.pack import main as pack_main
 from fastload.storage import tmpfs
+from fastload.storage.user_dir import user_folder
 
 RANKS_PER_NODE = 2
 
@@ -126,7 +127,8 @@ def shards_of_ranks(ranks, epoch: int, sizes=(11, 10), world_size=4, seed=0) -> 
 
 def cached_shards(cache: Path) -> list[str]:
     """The complete shards in a node's cache (`<hash>-shard-NNNNNN.tar`)."""
-    return sorted(p.name.split("-", 1)[1] for p in cache.iterdir() if p.name.endswith(".tar"))
+    mine = user_folder(cache)
+    return sorted(p.name.split("-", 1)[1] for p in mine.iterdir() if p.name.endswith(".tar"))
 
 
 def test_two_nodes_fetch_each_shard_once_per_node_into_their_own_cache(wds_pack, tmp_path):
@@ -157,7 +159,7 @@ def test_two_nodes_fetch_each_shard_once_per_node_into_their_own_cache(wds_pack,
     assert sorted(tars) == want and set(tars.values()) == {2}, requests  # once per node
     for k in range(2):
         names = ["shard-000000.tar", "shard-000000.tar", "shard-000001.tar"]  # val, train x2
-        assert cached_shards(cache[k]) == names, sorted(os.listdir(cache[k]))
+        assert cached_shards(cache[k]) == names, sorted(os.listdir(user_folder(cache[k])))
 
 
 def packed_lines(text: str, dst: Path) -> list[str]:

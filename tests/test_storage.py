@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    NOBODY,
     REPO,
+    as_another_user,
     can_mount_privately,
     in_other_pid_namespace,
     make_image_folder,
@@ -1341,27 +1343,6 @@ def test_staging_names_an_image_that_leads_nowhere(tmp_path, monkeypatch):
     with pytest.raises(StorageError, match=re.escape(f"{victim}: no such file")):
         tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0)
     assert not list(tmpfs.user_folder(target).iterdir())
-
-
-NOBODY = 65534
-
-
-def as_another_user(tmp_path, code: str, *args: str) -> subprocess.CompletedProcess:
-    """`python -c code args` as uid/gid nobody, with tmp_path/pub (root's own, 0755) at /media
-    in a private mount namespace: tmp_path itself is root's alone (0700). Skips where that
-    cannot be done (not root, no unshare -m or setpriv)."""
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or not can_mount_privately():
-        pytest.skip("needs root, unshare -m and setpriv")
-    pub = tmp_path / "pub"
-    pub.mkdir(exist_ok=True)
-    pub.chmod(0o755)
-    drop = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-    script = f'mount --bind "$0" /media && exec {" ".join(drop)} "$@"'
-    return subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", script, str(pub),
-         sys.executable, "-c", code, *args],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
-    )  # fmt: skip
 
 
 _STAGE_AS_USER = """

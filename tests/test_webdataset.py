@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -20,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    NOBODY,
     REPO,
+    as_another_user,
     build_test_loader,
     can_mount_privately,
     free_port,
@@ -37,6 +40,7 @@ from fastload.errors import StorageError
 from fastload.pack import main as pack_main
 from fastload.storage.disk import DiskStorage
 from fastload.storage.packing import SIDECAR, pack_order, stale_reason
+from fastload.storage.user_dir import user_folder
 from fastload.storage.webdataset import WebDatasetStorage, expand_braces
 from tests.helpers import recorded, sample, targets
 
@@ -149,7 +153,7 @@ def test_brace_patterns_and_foreign_shards_without_a_manifest(data, tmp_path):
                     tf.addfile(info, __import__("io").BytesIO(blob))
     store = WebDatasetStorage(url=str(foreign / "part-{000..002}.tar"), cache_dir=tmp_path / "c")
     store.prepare(root, ["train"])  # local rank 0 derives the manifest once ...
-    assert len(list((tmp_path / "c").glob("*.json"))) == 1
+    assert len(list(user_folder(tmp_path / "c").glob("*.json"))) == 1
     reader = store.open(root, "train")  # ... the other ranks find it
     assert reader.classes == ("0", "1", "2") and list(reader.shard_sizes) == [7, 7, 7]
     assert [sample(reader, i) for i in range(21)] == samples
@@ -289,8 +293,8 @@ def test_http_epochs_through_the_loader_fill_the_cache_once_per_node(data, tmp_p
     # Two ranks x two workers x two epochs: each shard crossed the network exactly once.
     assert {p: requests[p] for p in shards} == dict.fromkeys(shards, 1), requests
     assert requests["/train/manifest.json"] == 2  # one per rank's open
-    assert len(list((tmp_path / "cache").glob("*shard-*.tar"))) == 6
-    assert not list((tmp_path / "cache").glob(".*tmp*"))  # nothing half-written
+    assert len(list(user_folder(tmp_path / "cache").glob("*shard-*.tar"))) == 6
+    assert not list(user_folder(tmp_path / "cache").glob(".*tmp*"))  # nothing half-written
 
 
 def test_resume_mid_epoch_continues_with_the_samples_the_run_would_have_seen(data, tmp_path):
@@ -318,9 +322,9 @@ def test_the_cache_limit_evicts_least_recently_used_shards(data, tmp_path):
         reader = store.open(root, "train")
         for i in range(0, 21, 4):
             sample(reader, i)
-        kept = sorted(p.name[-10:-4] for p in (tmp_path / "c").glob("*.tar"))
+        kept = sorted(p.name[-10:-4] for p in user_folder(tmp_path / "c").glob("*.tar"))
         assert kept == ["000003", "000004", "000005"]  # the least recently used went first
-        assert sum(p.stat().st_size for p in (tmp_path / "c").glob("*.tar")) <= 2.5 * one
+        assert sum(p.stat().st_size for p in user_folder(tmp_path / "c").glob("*.tar")) <= 2.5 * one
         reader = store.open(root, "train")  # a fresh process: the last two are local
         sample(reader, 20), sample(reader, 16)
         assert gets(log)["/train/shard-000005.tar"] == 1 and reader.cache.fetched == 0
@@ -343,7 +347,9 @@ def test_eviction_removes_only_the_caches_own_shards(data, tmp_path):
         for i in range(0, 21, 4):
             sample(reader, i)
     assert all(f.read_bytes() == b"x" * one for f in theirs)
-    assert len(list(scratch.glob("*-shard-*.tar"))) == 3  # the limit holds for its shards
+    assert (
+        len(list(user_folder(scratch).glob("*-shard-*.tar"))) == 3
+    )  # the limit holds for its shards
 
 
 def test_a_shard_re_packed_to_the_same_url_is_fetched_again(data, tmp_path):
@@ -436,6 +442,61 @@ def test_a_cache_dir_smaller_than_cache_gb_evicts_to_its_free_space_or_says_so(d
     assert [requests[p] for p in shards] == [1, 1, 1, 1, 1, 1]  # none fetched in vain
 
 
+# Reads train shard 0 of the pack at argv[1] through the cache argv[2]; prints its path or
+# the error.
+READ_ONE_SHARD = """
+import sys
+from fastload.errors import StorageError
+from fastload.storage.webdataset import WebDatasetStorage
+store = WebDatasetStorage(url=sys.argv[1], cache_dir=sys.argv[2], retry_backoff_s=0.05)
+try:
+    print(store.open(sys.argv[3], "train").local_path(0))
+except StorageError as exc:
+    print("error:", exc)
+"""
+
+
+def test_each_user_caches_shards_in_a_folder_of_their_own_in_a_shared_cache_dir(data, tmp_path):
+    """storage.cache_dir (/dev/shm/fastload-wds) made by the first user's run, 0755: a
+    second user's run died on a PermissionError traceback. It is made 1777 as /dev/shm is,
+    each user's shards go in a folder of their own (0700, shared by that user's ranks and
+    workers); a cache_dir that another user made and others may not write to, or a folder at
+    this user's name that is not theirs, is refused in one line naming it and the fixes."""
+    root, pack = data
+    cache = tmp_path / "pub" / "cache"
+    with web_server(pack, tmp_path / "srv") as (url, _, _log):
+        store = WebDatasetStorage(url=url, cache_dir=cache, retry_backoff_s=0.05)
+        mine = store.open(root, "train").local_path(0)
+        assert stat.S_IMODE(cache.stat().st_mode) == 0o1777
+        assert mine.parent == cache / str(os.geteuid())
+        assert stat.S_IMODE(mine.parent.stat().st_mode) == 0o700
+        out = as_another_user(tmp_path, READ_ONE_SHARD, url, "/media/cache", str(root))
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        theirs = cache / str(NOBODY)
+        assert out.stdout.strip() == f"/media/cache/{NOBODY}/{mine.name}", out.stdout
+        assert theirs.stat().st_uid == NOBODY and stat.S_IMODE(theirs.stat().st_mode) == 0o700
+        assert (theirs / mine.name).read_bytes() == mine.read_bytes()
+
+        (tmp_path / "pub" / "shared").mkdir(mode=0o755)  # as an earlier version made it
+        out = as_another_user(tmp_path, READ_ONE_SHARD, url, "/media/shared", str(root))
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert out.stdout.startswith(
+            f"error: storage.cache_dir=/media/shared: this user (uid {NOBODY}) cannot create "
+            f"its folder there (Permission denied: /media/shared belongs to uid "
+            f"{os.geteuid()}, mode 755). Its owner can let every user cache shards there with "
+            f"`chmod 1777 /media/shared`"
+        ), out.stdout
+        assert f"storage.cache_dir=/dev/shm/fastload-wds-{NOBODY}" in out.stdout
+
+        planted = tmp_path / "pub" / "planted"
+        (planted / str(NOBODY)).mkdir(parents=True)  # root's, at nobody's name
+        planted.chmod(0o1777)
+        out = as_another_user(tmp_path, READ_ONE_SHARD, url, "/media/planted", str(root))
+        assert out.stdout.startswith(
+            f"error: storage.cache_dir=/media/planted: /media/planted/{NOBODY}, where this user's"
+        ), out.stdout + out.stderr[-2000:]
+
+
 def test_a_full_disk_while_fetching_is_not_retried_as_a_network_failure(tmp_path, caplog):
     """A download that finds the cache's file system full (ENOSPC, EDQUOT) is no network
     failure: no backoff and retries, no advice about the server; it is tried once more after
@@ -462,7 +523,7 @@ def test_a_full_disk_while_fetching_is_not_retried_as_a_network_failure(tmp_path
         f"the shard cache storage.cache_dir={tmp_path / 'c'} has no room for http://host/train/"
     )
     assert "storage.url" not in str(err.value)
-    assert [p.name for p in (tmp_path / "c").iterdir() if "tmp" in p.name] == []
+    assert [p.name for p in cache.dir.iterdir() if "tmp" in p.name] == []
 
 
 def test_downloads_of_killed_processes_are_removed_before_the_next_fill(tmp_path):
@@ -473,7 +534,7 @@ def test_downloads_of_killed_processes_are_removed_before_the_next_fill(tmp_path
     from fastload.storage.wds_cache import ShardCache
 
     cache = ShardCache(tmp_path / "c", limit_bytes=16e9)
-    cache.dir.mkdir()
+    cache.ready()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     killed = temp_path(cache.path("http://host/train/shard-000001.tar"), pid=dead.pid)
@@ -493,6 +554,26 @@ def test_downloads_of_killed_processes_are_removed_before_the_next_fill(tmp_path
     assert names == [temp_path(final).name]  # host, PID namespace and pid: judged later
     assert not killed.exists() and not old_bad.exists()
     assert live.exists() and new_bad.exists()
+
+
+def test_shards_cached_before_folders_per_user_move_into_ones_own(tmp_path):
+    """Shards used to be cached at <cache_dir>/<key>: this user's own are moved into their
+    folder and used there (counted and evicted by the cache, not left holding RAM), no
+    other file is touched."""
+    from fastload.storage.wds_cache import ShardCache
+
+    cache = ShardCache(tmp_path / "c", limit_bytes=16e9)
+    url = "http://host/train/shard-000000.tar"
+    earlier = tmp_path / "c" / cache.key(url)
+    other = tmp_path / "c" / "notes.tar"
+    earlier.parent.mkdir()
+    earlier.write_bytes(b"shard")
+    other.write_bytes(b"mine")
+    fetched = []
+    final = cache.get(url, 5, None, lambda u, tmp: fetched.append(u))
+    assert fetched == [] and final == cache.dir / earlier.name
+    assert final.read_bytes() == b"shard" and not earlier.exists()
+    assert other.read_bytes() == b"mine"
 
 
 def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):

@@ -66,8 +66,10 @@ from fastload.data.folder import IMG_EXTENSIONS, walk_once, warn_skipped
 from fastload.data.layouts import as_layout
 from fastload.errors import ConfigError, StorageError
 from fastload.host import available_ram, memory_limit_available, size_text
+from fastload.storage import user_dir
 from fastload.storage.base import Storage
 from fastload.storage.disk import SourceReader
+from fastload.storage.user_dir import user_folder
 
 log = logging.getLogger("fastload")
 
@@ -79,14 +81,6 @@ def staged_name(root) -> str:
     """`<root basename>-<hash of the absolute root>`: two datasets never share a folder."""
     root = os.path.abspath(os.fspath(root)).rstrip("/")
     return f"{os.path.basename(root)}-{hashlib.sha1(root.encode()).hexdigest()[:8]}"
-
-
-def user_folder(target_dir) -> Path:
-    """<target_dir>/<uid>: this user's copies. On a shared node every user stages into a
-    folder of their own, which no other user may write to (or read: 0700): another user can
-    neither plant a copy this run would take for complete nor read a copy of a dataset they
-    may not read; one's own copies are reused run after run."""
-    return Path(target_dir) / str(os.geteuid())
 
 
 def staged_root(root, target_dir) -> Path:
@@ -118,55 +112,23 @@ def check_apart(root, target_dir) -> None:
         )
 
 
+# How storage=tmpfs words user_dir's messages.
+TARGET_DIR = "storage.target_dir", "stage there", "staged copies"
+
+
 def make_user_folder(target_dir) -> Path:
-    """Create target_dir (mode 1777 when created here, as /dev/shm is: every user makes a
-    folder of their own in it) and this user's folder in it (0700); returns the latter.
-    Refused, naming storage.target_dir and the fix, when that cannot be done (a target_dir
-    of another user's that others may not write to, a read-only file system) or when the
-    folder at this user's name is not this user's own."""
-    target_dir = Path(target_dir)
-    mine = user_folder(target_dir)
-    try:
-        try:
-            target_dir.parent.mkdir(parents=True, exist_ok=True)
-            target_dir.mkdir()
-            target_dir.chmod(0o1777)
-        except FileExistsError:
-            pass
-        with contextlib.suppress(FileExistsError):
-            mine.mkdir(mode=0o700)
-    except PermissionError as exc:
-        raise StorageError(_not_writable(target_dir, exc)) from None
-    except OSError as exc:
-        raise StorageError(
-            f"storage.target_dir={target_dir}: cannot create it ({exc.strerror}); point it at a "
-            f"writable tmpfs (df -t tmpfs lists them)."
-        ) from None
-    st = os.lstat(mine)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        what = "a folder" if stat.S_ISDIR(st.st_mode) else "no folder"
-        raise StorageError(
-            f"storage.target_dir={target_dir}: {mine}, where this user's (uid {os.geteuid()}) "
-            f"staged copies go, is {what} of uid {st.st_uid}'s, not this user's own. Remove "
-            f"it (as its owner or root), or point storage.target_dir at a folder of your own."
-        )
-    return mine
+    """<target_dir>/<uid>, this user's folder of copies, created (fastload/storage/user_dir.py:
+    target_dir made 1777, each user's folder 0700 and their own, or a StorageError naming
+    storage.target_dir and the fix)."""
+    return user_dir.make_user_folder(target_dir, *TARGET_DIR, _own())
 
 
 def _not_writable(target_dir: Path, exc: OSError) -> str:
-    where = next((p for p in (target_dir, *target_dir.parents) if p.exists()), target_dir)
-    try:
-        st = os.stat(where)
-        owner = f"{where} belongs to uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
-    except OSError:
-        owner = f"{where} is not writable"
-    return (
-        f"storage.target_dir={target_dir}: this user (uid {os.geteuid()}) cannot create its "
-        f"folder there ({exc.strerror}: {owner}). Its owner can let every user stage there "
-        f"with `chmod 1777 {where}` (each user's copies go in a folder of their own), or "
-        f"point storage.target_dir at a folder of your own, e.g. "
-        f"storage.target_dir=/dev/shm/fastload-{os.geteuid()}."
-    )
+    return user_dir.not_writable(target_dir, exc, *TARGET_DIR, _own())
+
+
+def _own() -> str:
+    return f"/dev/shm/fastload-{os.geteuid()}"
 
 
 def users_lock(final: Path) -> Path:

@@ -1,8 +1,12 @@
 """The node-local shard cache of storage=webdataset, and fetching a shard with retries.
 
-One folder per node (tmpfs or a local disk), shared by every rank and DataLoader worker of
-the node. A shard is fetched by whichever process needs it first; the others wait on its
-lock and then read the same file:
+One folder per node and user, <cache_dir>/<uid> (0700, in a storage.cache_dir made 1777 when
+created here, as /dev/shm is: fastload/storage/user_dir.py), shared by every rank and
+DataLoader worker of that user on the node; another user of the node has a folder of their
+own, and a cache_dir another user made that this one may not write to is one error naming
+it and the fix. Shards this user cached at <cache_dir>/<key> (before each user had a folder)
+are moved into it. A shard is fetched by whichever process needs it first; the others wait
+on its lock and then read the same file (<dir>: this user's folder):
 
     <dir>/<key>             a complete, verified shard (key: a hash of its URL and of the
                             manifest's checksum when there is one, + its name, ending in .tar)
@@ -28,7 +32,8 @@ key is the URL alone, and a changed shard behind an old URL is not noticed (clea
 folder after replacing such shards).
 
 Size limit: before a fill, the least recently used complete shards (by mtime, touched at
-each process's first use) are removed until the new one fits both in storage.cache_gb and in
+each process's first use) are removed until the new one fits both in storage.cache_gb (each
+user's folder on its own) and in
 the folder's file system (its free space: a 64 MB /dev/shm holds less than the default
 16 GB). A shard that does not fit even then, or a download that still finds the disk full,
 is one error naming storage.cache_dir, not a network failure retried. Only files named as
@@ -47,6 +52,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -55,6 +61,7 @@ import xxhash
 from fastload.atomic import NO_SPACE_ERRNOS, is_stale, temp_path
 from fastload.errors import StorageError
 from fastload.host import size_text
+from fastload.storage.user_dir import make_user_folder, user_folder
 
 log = logging.getLogger("fastload")
 
@@ -188,9 +195,40 @@ class ShardCache:
     """A node-local folder of fetched shards with a size limit (see the module docstring)."""
 
     def __init__(self, directory, limit_bytes: int):
-        self.dir = Path(directory)
+        self.base = Path(directory)  # storage.cache_dir, shared by the node's users
+        self.dir = user_folder(directory)  # <cache_dir>/<uid>: this user's shards
         self.limit = int(limit_bytes)
         self.fetched = 0  # shards this process downloaded (the others it found filled)
+
+    def ready(self) -> Path:
+        """This user's folder of shards, created (fastload/storage/user_dir.py: cache_dir
+        made 1777, each user's folder 0700 and their own, or a StorageError naming
+        storage.cache_dir and the fix)."""
+        mine = make_user_folder(
+            self.base,
+            "storage.cache_dir",
+            "cache shards there",
+            "cached shards",
+            f"/dev/shm/fastload-wds-{os.geteuid()}",
+        )
+        self.adopt_earlier()
+        return mine
+
+    def adopt_earlier(self) -> None:
+        """Move this user's own shards cached at <cache_dir>/<key> (where each user's shards
+        went before they had a folder of their own) into this user's folder: used and
+        evicted there, not left holding RAM on tmpfs that no cache counts."""
+        with contextlib.suppress(OSError):
+            for p in self.base.iterdir():
+                if not ENTRY.fullmatch(p.name):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = p.lstat()
+                    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                        if (self.dir / p.name).exists():
+                            p.unlink()
+                        else:
+                            os.rename(p, self.dir / p.name)
 
     @staticmethod
     def key(url: str, check: str | None = None) -> str:
@@ -215,7 +253,7 @@ class ShardCache:
         final = self.path(url, expect_check)
         bad = final.with_name(final.name + ".bad")
         if not final.is_file():
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.ready()
             with locked(final.with_name(final.name + ".lock")):
                 if fresh(bad):
                     raise CorruptShard(bad.read_text(encoding="utf-8"))
@@ -315,7 +353,7 @@ class ShardCache:
 
     def no_room(self, url: str, need: int, free: int) -> str:
         return (
-            f"the shard cache storage.cache_dir={self.dir} has no room for {url}: it needs "
+            f"the shard cache storage.cache_dir={self.base} has no room for {url}: it needs "
             f"{size_text(need)} and {size_text(free)} is free on that file system with the "
             f"other cached shards removed (storage.cache_gb={self.limit / 1e9:g} is the "
             f"cache's own limit). Point storage.cache_dir at a local disk with room for "

@@ -736,11 +736,10 @@ class WebDatasetStorage(PackedStorage):
             if all(parent(u) == folder for u in urls) and all(n in by_name for n in names):
                 return {**beside, "count": None, "shards": [by_name[n] for n in names]}
         # Foreign shards: read each once (into the cache when remote) and keep the result.
+        cache = ShardCache(self.cache_dir, self.cache_bytes)
         derived = (
-            Path(self.cache_dir)
-            / f"{xxhash.xxh3_64_hexdigest(f'v{VERSION} {pattern}'.encode())}.json"
+            cache.ready() / f"{xxhash.xxh3_64_hexdigest(f'v{VERSION} {pattern}'.encode())}.json"
         )
-        Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
         with locked(derived.with_suffix(".lock")):
             if derived.is_file():
                 return json.loads(derived.read_text(encoding="utf-8"))
@@ -754,7 +753,7 @@ class WebDatasetStorage(PackedStorage):
                         for u in urls
                     ],
                 },
-                cache=ShardCache(self.cache_dir, self.cache_bytes),
+                cache=cache,
                 verify=False,
                 retries=self.retries,
                 retry_backoff_s=self.retry_backoff_s,
