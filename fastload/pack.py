@@ -10,7 +10,7 @@
         --hr DIR [--lr DIR --scale 2|4]                          # -> DST/<HR folder name>/
     python -m fastload.pack webdataset SRC DST [--max-side N --quality Q] [--shard-mb M]
                                            [--shard-samples N]   # tar shards + manifest.json
-    python -m fastload.pack verify DST            # every record's checksum (shards, LMDB)
+    python -m fastload.pack verify DST            # every record's or shard's checksum
 
 A record holds the source's named fields (fastload/data/records.py). ImageFolder: image,
 label. COCO: one record per image (by image id): image, image_id, boxes [x, y, w, h]
@@ -28,8 +28,9 @@ re-encoded at --max-side, raw pixels at --size): fastload/storage/packing.py.
 
 `verify` checks every split found at or under DST (shards: each shard's whole-file crc32,
 each record's checksum and each int column's (the labels); LMDB: each record's crc32, each
-int column's and the pack's overall checksum), one line per split; exit 1 when one is
-damaged, 2 when DST holds no pack. A pack written before int columns had a checksum is
+int column's and the pack's overall checksum; webdataset: each tar shard's size, xxh3_64
+and headers, and each sample's int members (.cls, the labels) against the manifest's), one
+line per split; exit 1 when one is damaged, 2 when DST holds no pack. A pack written before int columns had a checksum is
 said so on its line (not checked, not damaged).
 
 An option given where it does nothing (--quality without --max-side, --max-side or

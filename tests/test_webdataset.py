@@ -102,6 +102,29 @@ def test_pack_writes_webdataset_tars_with_a_manifest_and_reads_the_disk_bytes(da
     assert pack_main(["verify", str(pack)]) == 0
 
 
+def test_verify_compares_the_manifests_labels_with_the_cls_members(data, tmp_path, capsys):
+    """The manifest's labels (what training takes) were not compared with the shards' .cls
+    members by verify, only by the reader at open: a pack whose manifest says another label
+    than its tar was verified ok. Each differing shard is named with the sample's key."""
+    root, pack = data
+    bad = tmp_path / "pack"
+    shutil.copytree(pack, bad)
+    manifest = json.loads((bad / "train" / "manifest.json").read_text())
+    labels = manifest["shards"][1]["columns"]["label"]
+    labels[2] = (labels[2] + 1) % len(CLASSES)
+    (bad / "train" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert pack_main(["verify", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert f"checked {bad / 'train'}: 21 records, 1 problem(s)" in out
+    assert f"checked {bad / 'val'}: 9 records, ok" in out
+    shard = bad / "train" / "shard-000001.tar"
+    assert f"CORRUPT {shard}: sample 00000006 has .cls {(labels[2] - 1) % 3}, the manifest " \
+        f"says {labels[2]}\n" in err, err  # fmt: skip
+    with pytest.raises(StorageError, match="sample 00000006 has .cls"):  # as the reader says
+        sample(WebDatasetStorage(url=str(bad)).open(root, "train"), 6)
+
+
 def test_a_pack_of_a_class_sorted_folder_mixes_the_classes_in_its_shards(data, tmp_path):
     """The training order permutes shards and shuffles within a window of consecutive
     samples: shards written class by class (an image folder's order; ImageNet-sized shards

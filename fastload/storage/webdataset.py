@@ -806,10 +806,13 @@ def _is_pattern(url: str) -> bool:
 
 def verify_split(split_dir) -> tuple[int, list[str]]:
     """`python -m fastload.pack verify` for one webdataset split: every shard's size, xxh3_64
-    and tar headers against the manifest. Returns (samples checked, problems)."""
+    and tar headers against the manifest, and its int members (.cls) against the manifest's
+    values (`columns`: the labels training takes from the manifest, as the reader checks
+    at open). Returns (samples checked, problems)."""
     split_dir = Path(split_dir)
     try:
         meta = read_manifest(str(split_dir / MANIFEST))
+        schema = Schema.from_json(meta["schema"])
     except StorageError as exc:
         return 0, [str(exc)]
     problems = []
@@ -823,13 +826,45 @@ def verify_split(split_dir) -> tuple[int, list[str]]:
             problems.append(f"{f}: {size} bytes, packed {s['bytes']}; its xxh3_64 differs")
             continue
         try:
-            keys = tar_index(f)[0]
+            keys, members = tar_index(f)
         except StorageError as exc:
             problems.append(str(exc))
             continue
         if len(keys) != s["count"]:  # a pack's every member belongs to one of its records
             problems.append(f"{f}: {len(keys)} samples, the manifest says {s['count']}")
+            continue
+        problems += column_problems(f, schema, s, keys, members)
     return int(meta["count"]), problems
+
+
+def column_problems(path: Path, schema: Schema, shard: dict, keys, members) -> list[str]:
+    """The samples of a shard whose int member (.cls) is missing or differs from the
+    manifest's value: one line per field, naming the shard and the first such sample."""
+    problems = []
+    with open(path, "rb") as fh:
+        for field in schema.columns:
+            found, want = field_members(field, members), shard["columns"].get(field.name, [])
+            ext = field.member_ext(b"")
+            wrong = []
+            for key, value in zip(keys, want, strict=False):
+                if key not in found:
+                    wrong.append(f"sample {key} has no .{ext} member, the manifest says {value}")
+                    continue
+                fh.seek(found[key][0])
+                try:
+                    have = field.coder.decode(fh.read(found[key][1]))
+                except ValueError as exc:
+                    wrong.append(f"sample {key} has .{ext} {exc}")
+                    continue
+                if have != int(value):
+                    wrong.append(f"sample {key} has .{ext} {have}, the manifest says {value}")
+            if len(want) != len(keys):
+                wrong.append(f"the manifest lists {len(want)} {field.name} values for "
+                             f"{len(keys)} samples")  # fmt: skip
+            if wrong:
+                more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+                problems.append(f"{path}: {wrong[0]}{more}")
+    return problems
 
 
 __all__ = ["KINDS", "WebDatasetStorage", "WdsReader", "WdsWriter", "verify_split"]
