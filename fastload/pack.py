@@ -101,12 +101,15 @@ def make_storage(args):
         return LmdbStorage(**common, compression=args.compression)
     if args.compression:
         raise StorageError("--compression is an LMDB option (shards stay uncompressed).")
+    # without --shard-mb: the store's default, storage.shard_mb's (conf/storage/<format>.yaml),
+    # so that a pack made here and one made on first use have shards of one size
+    size = {} if args.shard_mb is None else {"shard_mb": args.shard_mb}
     if args.format == "webdataset":
-        shard = {"shard_mb": args.shard_mb, "shard_samples": args.shard_samples}
         return WebDatasetStorage(
-            kind=args.kind, max_side=args.max_side, quality=args.quality, **shard
-        )
-    return ShardStorage(**common, shard_mb=args.shard_mb)
+            kind=args.kind, max_side=args.max_side, quality=args.quality,
+            shard_samples=args.shard_samples, **size,
+        )  # fmt: skip
+    return ShardStorage(**common, **size)
 
 
 def check_destination(dst: Path, outs: list[Path], store) -> None:
@@ -323,7 +326,10 @@ def parse(argv):
     )
     p.add_argument("--compression", choices=["lz4"], help="lmdb: lz4-compress every value")
     p.add_argument(
-        "--shard-mb", type=at_least(1), help="shards, webdataset: MB per shard (default 1024)"
+        "--shard-mb",
+        type=at_least(1),
+        help="shards, webdataset: MB per shard (default: storage.shard_mb's, shards 1024, "
+        "webdataset 256)",
     )
     p.add_argument(
         "--shard-samples", type=at_least(1), help="webdataset: at most N samples per shard"
@@ -344,7 +350,7 @@ def parse(argv):
     )
     args = p.parse_args(argv)
     refuse_unused(p, args)
-    defaults = {"quality": 90, "size": 256, "shard_mb": 1024}
+    defaults = {"quality": 90, "size": 256}
     for key, value in defaults.items():
         if getattr(args, key) in (None, UNSET):
             setattr(args, key, value)

@@ -125,6 +125,20 @@ def test_verify_compares_the_manifests_labels_with_the_cls_members(data, tmp_pat
         sample(WebDatasetStorage(url=str(bad)).open(root, "train"), 6)
 
 
+@pytest.mark.parametrize("fmt", ["webdataset", "shards"])
+def test_the_pack_command_uses_the_yamls_shard_mb(fmt):
+    """`python -m fastload.pack webdataset SRC DST` wrote 1024 MB shards (storage=shards'
+    size) while storage=webdataset packs 256 MB ones on first use: one dataset, two packs.
+    Without --shard-mb the command packs with the format's storage.shard_mb default."""
+    from conftest import compose_config
+
+    from fastload.pack import make_storage, parse
+
+    want = compose_config([f"storage={fmt}"]).storage.shard_mb
+    assert make_storage(parse([fmt, "SRC", "DST"])[1]).shard_mb == want
+    assert make_storage(parse([fmt, "SRC", "DST", "--shard-mb", "8"])[1]).shard_mb == 8
+
+
 def test_a_pack_of_a_class_sorted_folder_mixes_the_classes_in_its_shards(data, tmp_path):
     """The training order permutes shards and shuffles within a window of consecutive
     samples: shards written class by class (an image folder's order; ImageNet-sized shards
