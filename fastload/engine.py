@@ -36,7 +36,7 @@ from fastload.ema import check_options as check_ema_options
 from fastload.errors import CheckpointError, ConfigError, FastloadError
 from fastload.host import code_version, global_rank, hostname, size_text
 from fastload.loaders import checks as loader_checks
-from fastload.loaders.workers import dead_worker_error
+from fastload.loaders.workers import check_num_workers, dead_worker_error
 from fastload.optim import check_options as check_optim_options
 from fastload.pipeline import (
     DataPath,
@@ -48,6 +48,7 @@ from fastload.pipeline import (
     prepare_data,
 )
 from fastload.preflight import preflight
+from fastload.storage.packing import check_pack_numbers
 from fastload.telemetry.report import (
     AMOUNTS,
     ProgressBar,
@@ -498,6 +499,8 @@ def check_loader(cfg: DictConfig) -> None:
     """The loader's options its constructor checks (fastload/loaders/checks.py), refused
     before any data work (dataset generation, staging, packing), with the same words."""
     loader = cfg.loader
+    if "num_workers" in loader:  # loader=auto picks them itself
+        check_num_workers(loader.num_workers)
     loader_checks.check_options(loader.get("timeout", 0), loader.get("prefetch_factor", 2))
     loader_checks.resolve_balanced_tail(loader.get("balanced_tail", "auto"), on_cuda=False)
     loader_checks.resolve_pin_cap(loader.get("pin_memory_max_mb", "auto"), local_world_size=1)
@@ -512,13 +515,21 @@ STORAGE_WHOLE_OR_NULL = {
 }
 
 
+# The pack options a packed storage's constructor checks (check_pack_numbers), by key.
+PACK_NUMBERS = ("max_side", "quality", "size", "shard_mb", "shard_samples")
+
+
 def check_storage_numbers(cfg: DictConfig) -> None:
     """A word for a storage size (storage.max_side=abc) failed in the packing, after the
-    dataset was generated: refused up front."""
+    dataset was generated: refused up front, as are the pack options out of range
+    (storage.quality=abc, storage.shard_mb=abc) in the words the storage uses."""
     for key, meaning in STORAGE_WHOLE_OR_NULL.items():
         value = cfg.storage.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"storage.{key}={value!r}: use a whole number or null ({meaning}).")
+    given = {key: cfg.storage[key] for key in PACK_NUMBERS if key in cfg.storage}
+    if given:
+        check_pack_numbers(**given)
 
 
 def check_writable(run_dir: Path) -> None:

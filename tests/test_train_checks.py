@@ -515,13 +515,22 @@ NO_APEX = pytest.mark.skipif(apex_importable(), reason="apex is installed here")
         (["loader.timeout=soon"], "loader.timeout='soon': use 0 (wait forever)"),
         (["loader.balanced_tail=maybe"], "loader.balanced_tail='maybe': use auto"),
         (["loader.pin_memory_max_mb=lots"], "loader.pin_memory_max_mb='lots': use a number"),
+        (["loader.num_workers=2.7"], "loader.num_workers=2.7: use a whole number >= 0 or 'auto'"),
+        (["loader.num_workers=abc"], "loader.num_workers='abc': use a whole number >= 0"),
+        (["loader.num_workers=true"], "loader.num_workers=True: use a whole number >= 0"),
+        (["storage=webdataset", "storage.quality=abc"], "storage.quality='abc': use a JPEG"),
+        (["storage=lmdb", "storage.quality=0"], "storage.quality=0: use a JPEG quality from 1"),
+        (["storage=webdataset", "storage.shard_mb=abc"], "storage.shard_mb='abc': use a number"),
+        (["storage=shards", "storage.shard_mb=abc"], "storage.shard_mb='abc': use a number"),
+        (["storage=shards", "storage.max_side=-5"], "storage.max_side=-5: use null"),
         pytest.param(["optim=apex_sgd"], "optim=apex_sgd needs NVIDIA apex", marks=NO_APEX),
     ],
 )
 def test_a_loader_storage_or_optimizer_option_is_refused_before_any_work(overrides, message):
     """loader.max_prefetch=abc and storage.max_side=abc failed with a traceback (2.7 was
-    cut to 2); the loader's and optim=apex_sgd's own checks ran only when the loader or the
-    optimiser was built, after the data work."""
+    cut to 2, as loader.num_workers=2.7 was); the loader's, the packed storages' (quality,
+    shard_mb) and optim=apex_sgd's own checks ran only when the loader, the storage or the
+    optimiser was built."""
     from fastload.engine import check_config
 
     with pytest.raises(ConfigError) as err:

@@ -23,13 +23,20 @@ def resolve_num_workers(value, local_world_size: int) -> int:
     """loader.num_workers: a whole number, or auto = usable cores / local ranks."""
     if value == "auto":
         return auto_num_workers(usable_cores(), local_world_size)
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = -1
-    if n < 0:
+    return check_num_workers(value)
+
+
+def check_num_workers(value) -> int | str:
+    """loader.num_workers as given: a whole number >= 0 (also as digits: an environment
+    variable's) or auto; ConfigError naming it otherwise (2.7 is not cut to 2, true is not
+    1)."""
+    if value == "auto":
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(f"loader.num_workers={value!r}: use a whole number >= 0 or 'auto'.")
-    return n
+    return value
 
 
 def fault_stream():
