@@ -623,7 +623,9 @@ def test_a_corrupt_shard_is_named_or_skipped_and_counted(data, tmp_path):
         store = WebDatasetStorage(url=url, cache_dir=tmp_path / "c", retries=0)
         with pytest.raises(StorageError, match=r"corrupt shard .*shard-000002.tar \(truncated"):
             sample(store.open(root, "train"), 9)
-        assert not list((tmp_path / "c").glob("*shard-000002.tar"))  # never entered the cache
+        assert not list(
+            user_folder(tmp_path / "c").glob("*shard-000002.tar")
+        )  # never entered the cache
     # Local folder, through the dataset: stop with the shard's name, or skip and count.
     overrides = wds_overrides(
         bad, tmp_path / "c3", "loader.num_workers=0", "loader.drop_last=false"
@@ -661,7 +663,7 @@ def test_s3_through_moto_server(data, tmp_path, monkeypatch):
                                   cache_dir=tmp_path / "c")  # fmt: skip
         reader = store.open(root, "train")
         assert [sample(reader, i) for i in range(len(reader))] == disk_samples(root)
-        assert len(list((tmp_path / "c").glob("*.tar"))) == 6
+        assert len(list(user_folder(tmp_path / "c").glob("*.tar"))) == 6
         missing = WebDatasetStorage(url="s3://data/in/train/shard-{000007..000008}.tar",
                                     storage_options=opts, cache_dir=tmp_path / "c2", retries=1)  # fmt: skip
         with pytest.raises(StorageError, match=r"s3://data/in/train/shard-000007.tar"):
@@ -862,9 +864,9 @@ def test_an_html_page_instead_of_a_shard_is_never_cached_under_its_name(data, tm
     served.mkdir()
     page = b"<!DOCTYPE html><html><body>Please log in</body></html>"
     (served / "part-000.tar").write_bytes(page)
-    cache = tmp_path / "c"
+    cache = user_folder(tmp_path / "c")
     with web_server(served, tmp_path / "srv") as (url, _, _log):
-        store = WebDatasetStorage(url=f"{url}/part-{{000..000}}.tar", cache_dir=cache,
+        store = WebDatasetStorage(url=f"{url}/part-{{000..000}}.tar", cache_dir=cache.parent,
                                   retries=0)  # fmt: skip
         with pytest.raises(StorageError) as err:
             store.prepare(root, ["train"])
