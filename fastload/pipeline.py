@@ -28,7 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import dist
 from fastload.data.dataset import Normalize
-from fastload.data.sampling import EpochSampler, ShardSampler, ShardStreamSampler
+from fastload.data.sampling import (
+    EpochSampler,
+    ShardSampler,
+    ShardStreamSampler,
+    window_class_mix,
+)
 from fastload.errors import ConfigError
 from fastload.host import sigterm_interrupts
 from fastload.loaders.device_prep import DTYPES, DevicePrep
@@ -335,6 +340,31 @@ def build_plan(cfg: DictConfig, *, local_world_size: int = 1, storage=None, back
     )
 
 
+_MIX_CHECKED: set = set()
+
+
+def warn_if_class_sorted(reader, split: str) -> None:
+    """A store read as a stream of shards (storage=webdataset) mixes only within its window:
+    shards written class by class (another tool's, or an image folder's order) train on a
+    few classes per batch. Said once, with the numbers, from the class labels it lists."""
+    field = next((f for f in reader.schema.columns if f.classes), None)
+    key = (getattr(reader, "base", None), split, len(reader), reader.shuffle_buffer)
+    if field is None or key in _MIX_CHECKED:  # loader=auto's trials build it again
+        return
+    _MIX_CHECKED.add(key)
+    seen, uniform = window_class_mix(reader.column(field.name), reader.shard_sizes,
+                                     reader.shuffle_buffer)  # fmt: skip
+    if uniform >= 4 and seen < 0.5 * uniform:
+        log.warning(
+            "storage=webdataset: the %s shards are stored nearly class by class: a window of "
+            "%d consecutive samples (storage.shuffle_buffer, what the epoch's shuffle mixes) "
+            "holds %.1f classes on average, a full shuffle %.1f, so batches hold few classes. "
+            "Write the shards in shuffled order (python -m fastload.pack webdataset does), or "
+            "raise storage.shuffle_buffer (more shards open and cached at once).",
+            split, reader.shuffle_buffer, seen, uniform,
+        )  # fmt: skip
+
+
 def build_loader(
     plan: DataPlan,
     split: str,
@@ -359,6 +389,8 @@ def build_loader(
     # or repeats them (super-resolution patches) is sampled map-style, reading its shards
     # in place or through the node cache.
     if shard_sizes is not None and len(dataset) == int(shard_sizes.sum()):
+        if train and rank == 0:
+            warn_if_class_sorted(dataset.reader, split)
         sampler = ShardStreamSampler(
             shard_sizes,
             rank=rank,

@@ -4,6 +4,7 @@ deterministic shard-aware order with equal parts per rank and exact resume."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -158,6 +159,37 @@ def test_a_pack_of_a_class_sorted_folder_mixes_the_classes_in_its_shards(data, t
     (old / SIDECAR).write_text(json.dumps(sidecar))
     assert "order" in stale_reason(root / "train", old, WebDatasetStorage().pack_options())
     assert stale_reason(root / "train", pack / "train", WebDatasetStorage().pack_options()) is None
+
+
+def test_class_sorted_shards_are_said_to_mix_few_classes(tmp_path, caplog):
+    """Shards from another tool written class by class (one class each): the window shuffle
+    cannot mix them, and the training loader says so with the numbers; fastload's own
+    (shuffled) pack of the same folder is not flagged."""
+    classes = tuple("abcdef")
+    root = make_image_folder(tmp_path / "d", classes=classes, per_split=(8, 1), size=(24, 16))
+    disk = DiskStorage().open(root, "train")  # class by class
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    for k in range(len(classes)):
+        with tarfile.open(foreign / f"part-{k}.tar", "w") as tf:
+            for i in range(k * 8, k * 8 + 8):
+                image, label = sample(disk, i)
+                for ext, blob in (("jpg", image), ("cls", b"%d" % label)):
+                    info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                    info.size = len(blob)
+                    tf.addfile(info, io.BytesIO(blob))
+    assert pack_main(["webdataset", str(root), str(tmp_path / "pack"), "--shard-samples", "8"]) == 0
+    flagged = []
+    for url in (f"{foreign}/part-{{0..5}}.tar", str(tmp_path / "pack")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fastload.pipeline"):
+            build_test_loader(
+                "storage=webdataset", f"storage.url='{url}'", "storage.shuffle_buffer=8",
+                f"storage.cache_dir={tmp_path / 'cache'}", "dataset.num_classes=6", folder=root,
+            )  # fmt: skip
+        flagged.append([r.getMessage() for r in caplog.records if "class by class" in r.message])
+    assert len(flagged[0]) == 1 and "holds 1.0 classes on average" in flagged[0][0], flagged
+    assert flagged[1] == []
 
 
 def test_url_null_packs_beside_the_dataset_on_first_use(tmp_path):

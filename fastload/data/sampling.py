@@ -209,6 +209,25 @@ def cut_batch(keys: list, workers: int) -> list[BatchPart]:
     ]
 
 
+def window_class_mix(labels, shard_sizes, window: int, seed: int = 0) -> tuple[float, float]:
+    """How well `shard_stream_order`'s window shuffle can mix classes: (the mean number of
+    classes in a window of `window` consecutive samples of an epoch's stream, that number
+    for a uniform shuffle). A store written class by class holds one or two classes per
+    window whatever the shuffle inside it; a shuffled one about as many as uniform."""
+    labels = np.asarray(labels, dtype=np.int64)
+    n = len(labels)
+    if n == 0:
+        return 0.0, 0.0
+    w = max(1, min(int(window), n))
+    order = shard_stream_order(shard_sizes, seed=seed, epoch=0, rank=0, world_size=1, window=1)[0]
+    stream = labels[np.asarray(order, dtype=np.int64)]
+    blocks = [stream[a : a + w] for a in range(0, n - w + 1, w)]
+    seen = float(np.mean([len(np.unique(b)) for b in blocks]))
+    share = np.bincount(labels - labels.min()) / n
+    share = share[share > 0]
+    return seen, float(np.sum(1.0 - (1.0 - share) ** w))
+
+
 def shard_stream_order(
     shard_sizes, *, seed: int, epoch: int, rank: int, world_size: int, window: int,
     remainder: str = "pad",
