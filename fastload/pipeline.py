@@ -203,15 +203,17 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     storage = storage if storage is not None else build_storage(cfg)
 
     def prepare() -> None:
-        with sigterm_interrupts():  # SIGTERM stops it as Ctrl-C does: nothing half-written kept
-            if cfg.dataset.prepare is not None:
-                instantiate(cfg.dataset.prepare)
-            names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
-            storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
+        if cfg.dataset.prepare is not None:
+            instantiate(cfg.dataset.prepare)
+        names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
+        storage.prepare(build_layout(cfg), names, skip_corrupt=cfg.dataset.skip_corrupt)
 
-    # staging hundreds of GB can take longer than a collective's timeout: no deadline
-    dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,
-                waiting="waiting for local rank 0 to prepare the data")  # fmt: skip
+    # staging hundreds of GB can take longer than a collective's timeout: no deadline. A
+    # SIGTERM, to the rank at work or to one waiting for it, stops it as Ctrl-C does
+    # (nothing half-written kept, one line), not killed without a word.
+    with sigterm_interrupts():
+        dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,
+                    waiting="waiting for local rank 0 to prepare the data")  # fmt: skip
     return storage
 
 

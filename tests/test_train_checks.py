@@ -204,9 +204,11 @@ class _SlowStorage:
             os._exit(3)  # killed while staging: no error, no word to the other ranks
 
 
-def _prepare_on_ranks(rank, world, init, tmp_path, out, seconds=6.0, die=False) -> None:
+def _prepare_on_ranks(rank, world, init, tmp_path, out, seconds=6.0, die=False,
+                      term_after=None) -> None:  # fmt: skip
     """Rank 0 (local rank 0) prepares the data for `seconds` under a 2 s process group
-    timeout; rank 1 waits. Puts (rank, outcome, what rank 1 logged)."""
+    timeout; rank 1 waits (and gets a SIGTERM after `term_after` seconds). Puts (rank,
+    outcome, what rank 1 logged)."""
     import datetime
     import logging
 
@@ -231,10 +233,16 @@ def _prepare_on_ranks(rank, world, init, tmp_path, out, seconds=6.0, die=False) 
         "prepare": None, "train_split": "train", "val_split": "val", "skip_corrupt": False,
         "layout": {"_target_": "builtins.dict"}}})  # fmt: skip
     ctx = DistContext(rank=rank, local_rank=rank, world_size=world, local_world_size=world)
+    if term_after is not None and rank == 1:
+        import os
+        import signal
+        import threading
+
+        threading.Timer(term_after, os.kill, (os.getpid(), signal.SIGTERM)).start()
     try:
         prepare_data(cfg, ctx, storage=_SlowStorage(seconds, die))
         outcome = "prepared"
-    except Exception as exc:
+    except BaseException as exc:  # Terminated is a KeyboardInterrupt
         outcome = f"{type(exc).__name__}: {exc}"
     out.put((rank, outcome, lines))
     if outcome == "prepared":
@@ -275,6 +283,31 @@ def test_a_rank_killed_while_preparing_the_data_stops_the_waiting_ranks(tmp_path
         "RankLost: rank 1 waited for the other ranks while "
         "preparing the data: 1 of 2 ranks are not done"
     )
+
+
+def test_a_sigterm_to_a_rank_waiting_for_the_data_preparation_stops_it_as_ctrl_c_does(
+    tmp_path,
+):
+    """Slurm or torchrun ends every rank with SIGTERM: one that waits for local rank 0's
+    staging ends like the staging rank (Terminated: one line, exit 143 in train.py), not
+    killed without a word."""
+    import functools
+
+    import torch.multiprocessing as mp
+
+    spawn = mp.get_context("spawn")
+    out = spawn.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    target = functools.partial(_prepare_on_ranks, seconds=20.0, term_after=2.0)
+    procs = [spawn.Process(target=target, args=(r, 2, init, tmp_path, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, outcome, _ = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert rank == 1 and outcome.startswith("Terminated"), outcome
 
 
 def _resume_different_checkpoints(ctx):
