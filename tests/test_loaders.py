@@ -1133,3 +1133,28 @@ def test_spare_batch_is_the_first_decodable_samples_as_the_step_takes_them(tmp_p
         assert loader_.spare_batch() is None
     finally:
         loader_.close()
+
+
+def test_a_stop_signal_landing_before_a_worker_ignores_it_does_not_kill_the_worker(
+    tiny_folder, monkeypatch
+):
+    """torchrun and Slurm send SIGTERM to the whole process group, at any moment: one that
+    reached a worker after its fork but before `worker_init` (which ignores it, leaving it to
+    the main process's checkpoint) killed the worker, and the run ended "worker killed by
+    signal Terminated" without its checkpoint. Here it lands there on purpose."""
+    import signal
+
+    import fastload.loaders.dataloader_stream as stream_mod
+
+    real = workers_mod.worker_init
+
+    def signalled_first(worker_id):
+        os.kill(os.getpid(), signal.SIGTERM)  # as if the group's SIGTERM came right now
+        real(worker_id)
+
+    monkeypatch.setattr(stream_mod, "worker_init", signalled_first)
+    loader = build_test_loader("loader.num_workers=2", "loader.persistent_workers=false",
+                               folder=tiny_folder)  # fmt: skip
+    loader.set_epoch(0)
+    seen = sum(len(batch["target"]) for batch in loader)
+    assert seen == len(loader.dataset) - len(loader.dataset) % 4  # drop_last, batch 4

@@ -54,6 +54,7 @@ from fastload.loaders.workers import (
     WorkerSeeding,
     register_workers,
     resolve_num_workers,
+    stop_signals_blocked,
     worker_init,
 )
 from fastload.torch_internals import shutdown_workers, stop_persistent_workers
@@ -210,7 +211,8 @@ class DataLoaderStream:
         ring = self.slots.open() if self.slots is not None else None
         if ring is not None:
             ring.reset()  # before the iterator exists: no batch of this stream is in flight
-        it = iter(self.dataloader)
+        with stop_signals_blocked():  # forks the workers (the first time, if persistent)
+            it = iter(self.dataloader)
         register_workers(it, "training" if self.train else "evaluation")
         return _DataLoaderBatches(self, it, ring, time.perf_counter())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import io
 import random
@@ -52,6 +53,24 @@ def fault_stream():
     return None
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked():
+    """`with stop_signals_blocked(): iter(dataloader)`: the workers are forked with Ctrl-C
+    and SIGTERM blocked (a signal mask survives fork), so one that lands between a worker's
+    fork and its `worker_init`, which ignores them, waits there and is then dropped, instead
+    of killing the worker with the default action (a preempted run then ended "worker killed
+    by signal Terminated", without its checkpoint). The parent gets any that arrived once
+    the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def worker_init(worker_id: int) -> None:
     # Global RNGs are seeded per batch by WorkerSeeding (below), which also covers
     # persistent workers and batches of an epoch reached across a pipelined boundary.
@@ -67,6 +86,7 @@ def worker_init(worker_id: int) -> None:
     # with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # forked blocked: see below
     # The stall watchdog sends SIGUSR1 to a stuck worker: it prints its own Python stacks
     # (from C, so it works even while the worker is blocked in a read or a decoder).
     stream = fault_stream()
