@@ -86,6 +86,16 @@ def test_readme_and_ci_use_the_same_test_command():
     assert "make test" in readme and "make test" in ci
 
 
+def test_debug_fasts_small_div2k_has_a_cache_folder_of_its_own(tmp_path):
+    """debug=fast draws smaller DIV2K images than a run of the same counts: in one folder
+    the two refused each other ("generated with different parameters")."""
+    counts = ["dataset.prepare.train_count=32", "dataset.prepare.val_count=4"]
+    fast = compose_config(["dataset=div2k", "debug=fast", f"hydra.run.dir={tmp_path}"], tmp_path)
+    plain = compose_config(["dataset=div2k", *counts, f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert fast.dataset.root != plain.dataset.root
+    assert fast.dataset.prepare.root == fast.dataset.root and fast.dataset.root.endswith("-l96-128")
+
+
 def test_default_dataset_folder_is_named_by_generator_version(tmp_path):
     """A new synthetic renderer must land in a new cache folder, not trip over an old one."""
     from fastload.data.synthetic import GENERATOR_VERSION
