@@ -2113,6 +2113,14 @@ def test_the_storage_benchmark_removes_only_what_it_staged(tmp_path, capsys):
             "--json", str(tmp_path / "storage.json")]  # fmt: skip
     assert main(argv) == 0
     assert [p.name for p in shm.iterdir()] == ["theirs.txt"]  # the staged copy is gone
+    # this user's folder of a shared tmpfs dir there already (the training default's):
+    # the copy staged into it goes, what was there stays
+    mine = shm / str(os.geteuid())
+    mine.mkdir()
+    (mine / "earlier-copy").mkdir()
+    assert main(argv) == 0
+    assert sorted(p.name for p in shm.iterdir()) == [mine.name, "theirs.txt"]
+    assert [p.name for p in mine.iterdir()] == ["earlier-copy"]
     from fastload.bench.storage import removed_after
 
     made = tmp_path / "made"

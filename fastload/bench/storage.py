@@ -150,23 +150,31 @@ def removed_after(folder: Path, keep: bool = False):
     """Remove what the benchmark writes into `folder` (--tmpfs-dir, its -wds-cache) once
     done: the folder when this run made it, else only the entries it added, so that a
     --tmpfs-dir of /dev/shm itself, or any folder holding other files, keeps them."""
+    from fastload.storage.user_dir import user_folder
+
     folder = Path(folder)
-    before = {p.name for p in folder.iterdir()} if folder.is_dir() else None
+    # the stores write into this user's folder of it (<folder>/<uid>): what is new there
+    # goes too, when that folder was there before
+    places = (folder, user_folder(folder))
+    before = {p: {e.name for e in p.iterdir()} if p.is_dir() else None for p in places}
     try:
         yield
     finally:
         if keep or not folder.is_dir():
             pass
-        elif before is None:
+        elif before[folder] is None:
             shutil.rmtree(folder, ignore_errors=True)
         else:
-            for path in folder.iterdir():
-                if path.name in before:
-                    continue
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+            for place in places:
+                for path in place.iterdir() if place.is_dir() else ():
+                    if path.name in (before[place] or ()) or path == places[1]:
+                        continue
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
+            if before[places[1]] is None and places[1].is_dir():
+                shutil.rmtree(places[1], ignore_errors=True)  # made by this benchmark
 
 
 @contextlib.contextmanager
