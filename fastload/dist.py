@@ -295,6 +295,20 @@ class Heartbeat:
         self.thread.join()
 
 
+def polled_until(store, key: str, seconds: float) -> bool:
+    """Whether `key` appears in the store within `seconds`, polled: a store.wait that times
+    out makes c10d print two warning lines (socket.cpp "waitForInput ... likely a timeout"),
+    thousands of them over an hour of staging on a node's waiting ranks."""
+    end = time.monotonic() + seconds
+    while True:
+        if store.check([key]):
+            return True
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(0.2, left))
+
+
 def wait_for_ranks(ctx: DistContext, store, what: str, note: str | None) -> None:
     """Wait, without a deadline, until every rank is done with the slow phase `what`. A wait
     longer than a second is logged: `note` (a rank that had no work), or that this rank is
@@ -307,12 +321,8 @@ def wait_for_ranks(ctx: DistContext, store, what: str, note: str | None) -> None
     progress = (store.add("done", 0), store.add("beat", 0))
     start = moved = told = time.monotonic()
     while True:
-        pause = 1.0 if told == start else BEAT_S
-        try:
-            store.wait(["all-done"], datetime.timedelta(seconds=pause))
+        if polled_until(store, "all-done", 1.0 if told == start else BEAT_S):
             return
-        except Exception:  # the wait's timeout; a store gone fails the reads below
-            pass
         now, seen = time.monotonic(), (store.add("done", 0), store.add("beat", 0))
         if seen[0] >= world:
             return

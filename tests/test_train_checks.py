@@ -15,7 +15,6 @@ from conftest import (
     compose_config,
     make_image_folder,
     on_gloo_ranks,
-    run_gloo_ranks,
     run_train,
     tiny_overrides,
 )
@@ -249,13 +248,31 @@ def _prepare_on_ranks(rank, world, init, tmp_path, out, seconds=6.0, die=False,
         torch_dist.destroy_process_group()
 
 
-def test_ranks_wait_for_a_data_preparation_longer_than_the_collective_timeout(tmp_path):
+def test_ranks_wait_for_a_data_preparation_longer_than_the_collective_timeout(tmp_path, capfd):
     """Local rank 0's staging may take hours; the other ranks wait for it without the
     process group's deadline (which would end the run with gloo's or NCCL's timeout), and
-    say what they wait for."""
-    got = {rank: rest for rank, *rest in run_gloo_ranks(_prepare_on_ranks, tmp_path)}
+    say what they wait for, without c10d's timeout warnings at every poll of the TCP store
+    (torchrun's)."""
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    spawn = mp.get_context("spawn")
+    out = spawn.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [spawn.Process(target=_prepare_on_ranks, args=(r, 2, init, tmp_path, out))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    try:
+        got = {rank: rest for rank, *rest in (out.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            p.kill()
     assert got[0][0] == got[1][0] == "prepared"
     assert any("waiting for local rank 0 to prepare the data" in line for line in got[1][1])
+    assert "likely a timeout" not in capfd.readouterr().err
 
 
 def test_a_rank_killed_while_preparing_the_data_stops_the_waiting_ranks(tmp_path):
