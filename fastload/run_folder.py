@@ -112,7 +112,9 @@ def describe(who: dict) -> str:
 def _try_claim(folder: Path, me: dict, take_over: bool) -> dict | None:
     """Publish `me` as the folder's claim; None when done, else the other claim found."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{MARKER}.tmp-{me['host']}-{os.getpid()}"
+    # named by host, PID namespace and pid: two containers of one host name whose train.py
+    # has one pid, claiming at once, would write (and link) each other's file
+    tmp = folder / f"{MARKER}.tmp-{process_space()}-{os.getpid()}"
     tmp.write_text(json.dumps(me), encoding="utf-8")
     try:
         if take_over:

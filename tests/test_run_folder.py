@@ -74,6 +74,21 @@ def test_launches_in_two_containers_of_one_host_name_and_pid_get_a_folder_each(t
     assert theirs["launch"] != mine["launch"] and not run_folder.alive(theirs)
 
 
+def test_a_claims_temporary_file_is_named_by_pid_namespace_too(tmp_path, monkeypatch):
+    """Two containers of one host name, each train.py pid 1, claiming one folder in the
+    same second wrote the same temporary file: one published the other's identity, or
+    failed with a traceback when the other removed it first."""
+    from fastload.host import process_space
+
+    linked = []
+    real_link = os.link
+    monkeypatch.setattr(run_folder.os, "link", lambda a, b: linked.append(a) or real_link(a, b))
+    assert run_folder.claim(tmp_path / "run", named_by_us=True) == tmp_path / "run"
+    assert [Path(p).name for p in linked] == [
+        f"{run_folder.MARKER}.tmp-{process_space()}-{os.getpid()}"
+    ]
+
+
 def test_a_launch_keeps_its_folder_and_a_named_folder_is_not_shared_with_a_live_run(tmp_path):
     path = tmp_path / "run"
     me = run_folder.launch_identity()
