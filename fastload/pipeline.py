@@ -212,8 +212,19 @@ def prepare_data(cfg: DictConfig, ctx, storage=None, splits=tuple(SPLIT_KEYS)):
     # SIGTERM, to the rank at work or to one waiting for it, stops it as Ctrl-C does
     # (nothing half-written kept, one line), not killed without a word.
     with sigterm_interrupts():
-        dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,
-                    waiting="waiting for local rank 0 to prepare the data")  # fmt: skip
+        try:
+            dist.agreed(ctx, "preparing the data", prepare if ctx.is_local_main else None,
+                        waiting="waiting for local rank 0 to prepare the data")  # fmt: skip
+        except dist.RankFailed:
+            # this node's preparation went well, another's failed: the run stops before
+            # training, whose end would have cleaned up (storage.cleanup=true: a tmpfs copy)
+            if ctx.is_local_main:
+                names = [cfg.dataset[SPLIT_KEYS[s]] for s in splits]
+                try:
+                    storage.finish(build_layout(cfg), names)
+                except Exception as exc:  # the other node's error is the one to report
+                    log.warning("could not clean up after the data preparation: %s", exc)
+            raise
     return storage
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -186,6 +188,57 @@ def test_an_error_on_one_rank_stops_every_rank_at_once(tmp_path):
     assert got[1] == "ConfigError: storage.target_dir=/full: no room"
     assert got[0].startswith("RankFailed: rank 1 stopped with an error while preparing the data")
     assert "train.rank<N>.log" in got[0]
+
+
+class _NodeStorage:
+    """A storage whose preparation fails on rank 1 (another node's local rank 0) and whose
+    `finish` (storage.cleanup's) leaves a mark in `folder`."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def prepare(self, layout, names, skip_corrupt=False) -> None:
+        import torch.distributed as torch_dist
+
+        if torch_dist.get_rank() == 1:
+            raise ConfigError("storage.target_dir=/full: no room")
+
+    def finish(self, layout, names) -> None:
+        import torch.distributed as torch_dist
+
+        (self.folder / f"finished.{torch_dist.get_rank()}").write_text(",".join(names))
+
+
+def _two_nodes_prepare(ctx):
+    import torch.distributed as torch_dist
+    from omegaconf import OmegaConf
+
+    from fastload.dist import DistContext
+    from fastload.pipeline import prepare_data
+
+    rank = torch_dist.get_rank()
+    node = DistContext(rank=rank, local_rank=0, world_size=2, local_world_size=1)
+    cfg = OmegaConf.create({"dataset": {
+        "prepare": None, "train_split": "train", "val_split": "val", "skip_corrupt": False,
+        "layout": {"_target_": "builtins.dict"}}})  # fmt: skip
+    folder = Path(os.environ["NODE_FOLDER"])
+    try:
+        prepare_data(cfg, node, storage=_NodeStorage(folder))
+        return "prepared"
+    except FastloadError as exc:
+        return type(exc).__name__
+
+
+def test_a_node_whose_preparation_went_well_cleans_up_when_another_nodes_failed(
+    tmp_path, monkeypatch
+):
+    """storage.cleanup=true removes the tmpfs copy when training ends; a run stopped while
+    preparing the data, because another node's staging failed, left this node's copy in
+    RAM."""
+    monkeypatch.setenv("NODE_FOLDER", str(tmp_path))
+    got = on_gloo_ranks(_two_nodes_prepare, tmp_path)
+    assert got == {0: "RankFailed", 1: "ConfigError"}
+    assert (tmp_path / "finished.0").read_text() == "train,val"
 
 
 class _SlowStorage:
