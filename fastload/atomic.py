@@ -107,7 +107,7 @@ def _publish(tmp: Path, final: Path, replacing: tuple[int, int] | None) -> None:
     if replacing is not None and final.exists():
         if folder_id(final) != replacing:
             raise AlreadyBuilt(f"{final} was rebuilt by another process while this one built it")
-        old = temp_path(final).with_name(f"{temp_path(final).name}{OLD_SUFFIX}")
+        old = Path(f"{temp_path(final)}{OLD_SUFFIX}")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     try:
@@ -125,10 +125,15 @@ def _publish(tmp: Path, final: Path, replacing: tuple[int, int] | None) -> None:
 NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
 
+def is_no_space(exc: BaseException) -> bool:
+    """An OSError of a full file system or quota (ENOSPC, EDQUOT)."""
+    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
+
+
 def is_disk_full(exc: BaseException) -> bool:
-    """An OSError of a full disk or quota, or torch's zip writer failing mid-file on one (it
-    reports "unexpected pos" / "file write failed" instead of the errno)."""
-    if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+    """`is_no_space`, or torch's zip writer failing mid-file on a full disk (it reports
+    "unexpected pos" / "file write failed" instead of the errno)."""
+    if is_no_space(exc):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("unexpected pos" in text or "write failed" in text)

@@ -58,7 +58,7 @@ from pathlib import Path
 
 import xxhash
 
-from fastload.atomic import NO_SPACE_ERRNOS, is_stale, temp_path
+from fastload.atomic import is_no_space, is_stale, temp_path
 from fastload.errors import StorageError
 from fastload.host import size_text
 from fastload.storage.user_dir import make_user_folder, user_folder
@@ -124,11 +124,6 @@ def filesystem(url: str, storage_options: dict | None = None):
         raise StorageError(f"storage.url {url}: {protocol}:// needs {need}.") from None
 
 
-def disk_full(exc: BaseException) -> bool:
-    """A write that failed for a full file system or quota (ENOSPC, EDQUOT)."""
-    return isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS
-
-
 def with_retries(what: str, url: str, fn, retries: int, backoff_s: float):
     """fn() with up to `retries` more tries after a failure, sleeping backoff_s * 2**k;
     not-found (404 / NoSuchKey) fails at once, and a full local disk is raised as it is (no
@@ -141,7 +136,7 @@ def with_retries(what: str, url: str, fn, retries: int, backoff_s: float):
         except StorageError:
             raise
         except Exception as exc:  # network, HTTP, S3: all named below
-            if disk_full(exc):
+            if is_no_space(exc):
                 raise
             errors.append(describe_error(exc, url))
             if _not_found(exc):
@@ -275,7 +270,7 @@ class ShardCache:
             try:
                 fetch_fn(url, tmp)
             except OSError as exc:
-                if not disk_full(exc):
+                if not is_no_space(exc):
                     raise
                 # the other processes' downloads took the room counted on: evict, try once more
                 need = max(need, tmp.stat().st_size if tmp.exists() else 0)
@@ -284,7 +279,7 @@ class ShardCache:
                 try:
                     fetch_fn(url, tmp)
                 except OSError as again:
-                    if not disk_full(again):
+                    if not is_no_space(again):
                         raise
                     free = shutil.disk_usage(self.dir).free
                     raise StorageError(self.no_room(url, need, free)) from None
