@@ -165,16 +165,14 @@ def removed_after(folder: Path, keep: bool = False):
         elif before[folder] is None:
             shutil.rmtree(folder, ignore_errors=True)
         else:
-            for place in places:
+            for place in places:  # a user folder made by this benchmark goes whole first
                 for path in place.iterdir() if place.is_dir() else ():
-                    if path.name in (before[place] or ()) or path == places[1]:
+                    if path.name in (before[place] or ()):
                         continue
                     if path.is_dir() and not path.is_symlink():
                         shutil.rmtree(path, ignore_errors=True)
                     else:
                         path.unlink(missing_ok=True)
-            if before[places[1]] is None and places[1].is_dir():
-                shutil.rmtree(places[1], ignore_errors=True)  # made by this benchmark
 
 
 @contextlib.contextmanager

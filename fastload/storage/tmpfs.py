@@ -197,20 +197,16 @@ def build_manifest(layout, splits) -> dict:
                     continue
                 files.append(stat_entry(os.path.relpath(p, root), st))
     warn_skipped(root, skipped)
-    if broken:
-        log.info(
-            "storage=tmpfs: left out %d name(s) that lead to no file (no image: storage=disk "
-            "does not read them either): %s",
-            len(broken),
-            ", ".join(broken[:5]) + (" ..." if len(broken) > 5 else ""),
-        )
-    if denied:
-        log.info(
-            "storage=tmpfs: left out %d file(s) this user cannot read (no image: storage=disk "
-            "does not read them either): %s",
-            len(denied),
-            ", ".join(denied[:5]) + (" ..." if len(denied) > 5 else ""),
-        )
+    for names, what in ((broken, "name(s) that lead to no file"),
+                        (denied, "file(s) this user cannot read")):  # fmt: skip
+        if names:
+            log.info(
+                "storage=tmpfs: left out %d %s (no image: storage=disk does not read them "
+                "either): %s",
+                len(names),
+                what,
+                ", ".join(names[:5]) + (" ..." if len(names) > 5 else ""),
+            )
     # A folder not followed (a class folder linking to one already walked) is still a class
     # of its split, with no images of its own: staged empty, as storage=disk indexes it.
     dirs += [os.path.relpath(s, root) for s in skipped]
