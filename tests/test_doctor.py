@@ -343,8 +343,9 @@ def test_the_doctor_names_the_injected_slow_stage(tiny_folder):
     costs = disk.measured["costs_ms"]
     assert costs["storage read"] > 5 * costs["decode"]
     # among the largest expected gains (a many-core box also ties loader.num_workers=<cores>)
+    # (within 2 %: on a loaded 2-core machine the worker-count estimate can edge ahead)
     best = max(gain for _, gain, _ in disk.advice)
-    top = {change for change, gain, _ in disk.advice if gain == best}
+    top = {change for change, gain, _ in disk.advice if gain >= 0.98 * best}
     assert top & {"storage=tmpfs", "storage=shards"}, disk.advice
     # the rows the table and the chart show
     stages = [r["stage"] for r in disk.stages]
