@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fastload import checkpoint as ckpt
 from fastload import dist, run_folder
+from fastload.added_keys import check_added_keys
 from fastload.atomic import temp_path
 from fastload.autotune import settings as tune_settings
 from fastload.autotune import tune
@@ -1079,6 +1080,7 @@ def check_config(cfg: DictConfig) -> None:
     (CHOICES), loader=auto's, the optimiser's (optim=apex_sgd: apex importable), the
     storage's keys and sizes, the loader's, the transforms', skip-share and logger's
     (logger=wandb) options."""
+    check_added_keys(cfg)  # +trainer.lr_typo=0.5, as Hydra's own error suggests: unread
     check_required(cfg)
     check_trainer(cfg)
     check_choices(cfg)

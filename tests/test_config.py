@@ -144,7 +144,7 @@ def test_experiments_use_the_cores_this_machine_has():
             "storage=shards takes no such option",
         ),
         (["variant=lmdb_lz4", "storage=tmpfs"], "storage.kind='raw': variant=lmdb_lz4 sets it"),
-        (["+storage.shard_count=4"], "storage.shard_count=4: storage=disk takes no such option"),
+        (["+storage.shard_mb=64"], "storage.shard_mb=64: storage=disk takes no such option"),
     ],
 )
 def test_a_storage_key_the_storage_does_not_take_is_refused_by_name(overrides, message):
@@ -188,3 +188,51 @@ def test_a_variants_storage_keys_another_storage_takes_are_logged(caplog):
         "storage=lmdb with variant=raw_shards's storage.kind=raw, storage.size=null "
         "(variant=raw_shards is written for storage=shards)" in caplog.text
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["+trainer.lr_typo=0.5"], "trainer has no option 'lr_typo', and nothing reads one"),
+        (["+optim.lable_smoothing=0.2"], "Did you mean optim.label_smoothing=...?"),
+        (["+seeed=3"], "the config has no option 'seeed'"),
+        (["++trainer.epoch=3"], "Did you mean trainer.epochs=...?"),
+        (["+loader.num_worker=3"], "DataLoaderStream takes no such argument"),
+    ],
+)
+def test_an_added_key_nothing_reads_is_refused_by_name(overrides, message):
+    """Hydra refuses `trainer.lr_typo=0.5` and suggests `+trainer.lr_typo=0.5`, which then
+    trained without the setting, exit 0."""
+    from fastload.engine import check_config
+    from fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config(overrides))
+    assert message in err.value.user_message
+    assert err.value.user_message.startswith(overrides[0])
+    assert "the run would go on without it" in err.value.user_message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["+repeat=2"],  # the reproduce scripts' sweep axis
+        ["++trainer.epochs=3"],  # an option the config has
+        ["+hydra.job.env_set.OMP_NUM_THREADS=1"],
+        ["storage=webdataset", "+storage.storage_options.endpoint_url=http://minio:9000"],
+        ["+storage.shard_mb=64"],  # another storage's option: check_storage_options says
+        ["+backend.scratch_dir=/tmp", "backend=accimage"],  # an argument of the backend's class
+    ],
+)
+def test_an_added_key_something_reads_is_accepted(overrides):
+    from fastload.added_keys import check_added_keys
+
+    check_added_keys(compose_config(overrides))
+
+
+def test_a_run_with_an_unread_added_key_stops_before_any_work(tmp_path):
+    out = run_train(["debug=fast", "+trainer.lr_typo=0.5", f"output_root={tmp_path}"])
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "+trainer.lr_typo=0.5: trainer has no option 'lr_typo'" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not any(tmp_path.rglob("*.pt"))
