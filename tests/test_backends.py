@@ -438,6 +438,46 @@ def test_decode_error_falls_back_with_the_same_box(kinds, backend_name, monkeypa
     assert backend.pop_counts()["decode_fallback_decode_error"] == 1
 
 
+class BackendLoads(torch.utils.data.Dataset):
+    """`backend.load` of one image per index, the crop drawn from the index."""
+
+    def __init__(self, backend, data: bytes, n: int):
+        self.backend, self.data, self.n = backend, data, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        out = self.backend.load(self.data, RandomResizedCropFlip(32), sample_rng(0, 0, i))
+        return torch.from_numpy(np.ascontiguousarray(out))
+
+
+@pytest.mark.parametrize("proc", [True, False], ids=["proc-fd", "named-file"])
+def test_accimage_workers_leave_no_scratch_file(kinds, proc, tmp_path, monkeypatch):
+    """Each process writes the bytes accimage reads to its own scratch file; DataLoader workers
+    end with os._exit (no atexit), new ones every pass with persistent_workers=false, and
+    none may leave its file behind. Without /proc/self/fd the main process's named file stays
+    until its own exit; the pixels are the main process's either way."""
+    from fastload.decode import accimage as accimage_mod
+
+    if not proc:
+        monkeypatch.setattr(accimage_mod, "fd_path", lambda fd: None)
+    monkeypatch.setitem(sys.modules, "accimage", FakeAccimage())
+    backend = accimage_mod.AccimageBackend(scratch_dir=str(tmp_path))
+    dataset = BackendLoads(backend, kinds["baseline"], 6)
+    want = torch.stack([dataset[i] for i in range(6)])  # the main process's file first
+    assert backend.pop_counts()["decode_fallback_decode_error"] == 0
+    main_files = [] if proc else [os.path.basename(backend._scratch[2])]
+    assert sorted(os.listdir(tmp_path)) == main_files
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=2, num_workers=2, persistent_workers=False,
+        multiprocessing_context="fork",
+    )  # fmt: skip
+    for _ in range(3):
+        assert torch.equal(torch.cat(list(loader)), want)
+    assert sorted(os.listdir(tmp_path)) == main_files
+
+
 def test_missing_optional_backends_say_how_to_install(monkeypatch):
     from fastload.decode.accimage import AccimageBackend
     from fastload.decode.nvjpeg import NvjpegBackend

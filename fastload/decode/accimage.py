@@ -4,17 +4,21 @@ accimage (github.com/pytorch/accimage, conda-forge only, no wheels) offers `Imag
 `crop`, `resize`, `transpose(FLIP_LEFT_RIGHT)` and `copyto(buffer)`. Its constructor takes a
 file *path* only, while storage hands us bytes (files, LMDB, shards alike), so the bytes are
 written to one scratch file per process on tmpfs (/dev/shm when present): a memory copy of
-~30-150 KB, small beside the decode. The crop box is sampled on the header's full size (the
-same draw as backend=pil); non-JPEG, CMYK, EXIF-rotated, cut-short or undecodable files go
-through PIL's `open_rgb` with the same box, counted by reason. Note: accimage's resize takes the
-size tuple as (height, width); the output here is square, so the order cannot bite.
+~30-150 KB, small beside the decode. The file is unlinked as soon as it is made and accimage
+opens it as /proc/self/fd/<fd>, so nothing is left behind however the process ends (DataLoader
+workers end with os._exit, past atexit); without /proc it keeps its name and multiprocessing's
+finalizers, which workers run too, remove it at the process's exit. The crop box is sampled
+on the header's full size (the same draw as backend=pil); non-JPEG, CMYK, EXIF-rotated,
+cut-short or undecodable files go through PIL's `open_rgb` with the same box, counted by
+reason. Note: accimage's resize takes the size tuple as (height, width); the output here is
+square, so the order cannot bite.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import tempfile
+from multiprocessing.util import Finalize
 
 import numpy as np
 
@@ -45,7 +49,9 @@ class AccimageBackend(JpegOnlyBackend):
     def __init__(self, scratch_dir: str | None = None):
         self.accimage = import_accimage()
         self.scratch_dir = scratch_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self._scratch: str | None = None  # per process: created lazily, never pickled
+        # (pid, fd, path) of this process's scratch file: created lazily, never pickled; a
+        # forked worker sees its parent's and makes its own (the parent writes to that one)
+        self._scratch: tuple[int, int, str] | None = None
         self.counts = Counts(*(f"decode_fallback_{r}" for r in FALLBACK_REASONS))
 
     def __getstate__(self):
@@ -59,23 +65,35 @@ class AccimageBackend(JpegOnlyBackend):
         version = getattr(self.accimage, "__version__", "unknown")
         return {"decoder": f"accimage-{version}", "decoder_fallback": pillow_name()}
 
-    def _scratch_path(self) -> str:
-        if self._scratch is None or not self._scratch.endswith(f"-{os.getpid()}.jpg"):
+    def _scratch_path(self) -> tuple[int, str]:
+        """(fd, path accimage opens) of this process's scratch file."""
+        if self._scratch is None or self._scratch[0] != os.getpid():
+            if self._scratch is not None:
+                os.close(self._scratch[1])  # the parent's file, inherited through fork
+            self._scratch = None
             fd, path = tempfile.mkstemp(
                 prefix="fastload-accimage-", suffix=f"-{os.getpid()}.jpg", dir=self.scratch_dir
             )
-            os.close(fd)
-            atexit.register(_unlink, path)
-            self._scratch = path
-        return self._scratch
+            proc = fd_path(fd)
+            if proc is not None:
+                os.unlink(path)
+                path = proc
+            else:
+                Finalize(None, _unlink, args=(path,), exitpriority=0)
+            self._scratch = (os.getpid(), fd, path)
+        return self._scratch[1:]
+
+    def __del__(self):
+        scratch = getattr(self, "_scratch", None)
+        if scratch is not None and scratch[0] == os.getpid():
+            os.close(scratch[1])
 
     def load_jpeg(self, data: bytes, info, box, flip: bool, transform) -> np.ndarray:
         left, top, w, h = (round(v) for v in box)  # whole pixels only (the evaluation box is not)
         size = transform.size
-        path = self._scratch_path()
+        fd, path = self._scratch_path()
         try:
-            with open(path, "wb") as f:
-                f.write(data)
+            _rewrite(fd, data)
             img = self.accimage.Image(path)
             img.crop((left, top, left + w, top + h))
             img.resize((size, size))
@@ -87,6 +105,21 @@ class AccimageBackend(JpegOnlyBackend):
             self.counts.add("decode_fallback_decode_error")
             return load_with_box(data, box, flip, size)
         return chw.transpose(1, 2, 0)  # HWC view; the dataset permutes it back to CHW
+
+
+def fd_path(fd: int) -> str | None:
+    """A path that opens the file behind `fd` even once it has no name (Linux's
+    /proc/self/fd), or None where there is none."""
+    path = f"/proc/self/fd/{fd}"
+    return path if os.path.exists(path) else None
+
+
+def _rewrite(fd: int, data: bytes) -> None:
+    """The file behind `fd` holds `data` and nothing else."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], done)
+    os.ftruncate(fd, len(view))
 
 
 def _unlink(path: str) -> None:
