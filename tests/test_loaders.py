@@ -1024,6 +1024,46 @@ def test_a_killed_worker_is_named_with_its_loader_and_the_likely_cause(tiny_fold
     assert "docker run --shm-size" in workers_mod.dead_worker_error(bus).user_message
 
 
+def test_worker_owners_keep_only_workers_that_have_not_ended_cleanly(tiny_folder, monkeypatch):
+    """Non-persistent workers are new every epoch: the pid -> loader table forgets the ones
+    that exited cleanly when the next stream starts, so it holds the live ones only; a
+    worker that died stays named (its error may come after another stream started)."""
+    import signal
+
+    monkeypatch.setattr(workers_mod, "_OWNERS", {})
+    loader = build_test_loader("loader.num_workers=2", "loader.persistent_workers=false",
+                               "loader.cross_epoch=false", folder=tiny_folder,
+                               batch_size=1)  # fmt: skip
+    seen = set()
+    for e in range(4):
+        loader.set_epoch(e)
+        batches = iter(loader)
+        next(batches)
+        live = {p.pid for p in psutil.Process().children() if p.status() != "zombie"}
+        assert len(workers_mod._OWNERS) == 2 and set(workers_mod._OWNERS) <= live
+        assert not set(workers_mod._OWNERS) & seen  # new workers, the old ones forgotten
+        seen |= set(workers_mod._OWNERS)
+        for _ in batches:
+            pass
+    loader.set_epoch(4)
+    batches = iter(loader)
+    next(batches)
+    victim = min(workers_mod._OWNERS)
+    os.kill(victim, signal.SIGKILL)  # not reaped here: torch must see it die
+    with pytest.raises(RuntimeError) as caught:
+        for _ in batches:
+            time.sleep(0.2)  # each step gives torch's SIGCHLD check time to see the death
+    evaluation = build_test_loader("loader.num_workers=2", "loader.persistent_workers=false",
+                                   folder=tiny_folder, split="val", batch_size=1)  # fmt: skip
+    evaluation.set_epoch(0)
+    next(iter(evaluation))  # another stream starts before the death is reported
+    assert workers_mod._OWNERS[victim][0] == "training"
+    died = workers_mod.dead_worker_error(caught.value)
+    assert f"the training loader's worker (pid {victim})" in died.user_message
+    evaluation.close()
+    loader.close()
+
+
 @pytest.mark.skipif(not can_mount_privately(), reason="needs unshare -m and mount (root)")
 def test_a_full_dev_shm_is_one_message_and_leaves_no_segment(tmp_path):
     """/dev/shm (a private 24 MB tmpfs in its own mount namespace, 23 MB taken) with less free

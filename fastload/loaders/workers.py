@@ -175,10 +175,12 @@ class LoaderWorkerDied(FastloadError):
     """A DataLoader worker process died (a signal or an exit without a word)."""
 
 
-# pid -> "training" / "evaluation": which loader a worker belonged to, for the message below
-# (torch names only the pid). Filled when a loader starts its workers; pids are not reused
-# while their parent lives, so stale entries do no harm.
-_OWNERS: dict[int, str] = {}
+# pid -> (owner, process): which loader ("training" / "evaluation") a worker belongs to, for
+# the message below (torch names only the pid). Filled when a stream starts its workers; a
+# worker that has since ended cleanly (exit code 0: its stream shut it down) is dropped then,
+# or non-persistent workers (new ones every epoch) would pile up. One that died keeps its
+# entry: its error may be reported after another stream started.
+_OWNERS: dict[int, tuple[str, object]] = {}
 
 # torch's wordings: "DataLoader worker (pid 123) is killed by signal: Killed." and
 # "DataLoader worker (pid(s) 123, 456) exited unexpectedly".
@@ -187,10 +189,14 @@ _DIED = re.compile(r"DataLoader worker \(pids?\(?s?\)? ([\d, ]+)\) "
 
 
 def register_workers(it, owner: str) -> None:
-    """Remember which loader the workers of DataLoader iterator `it` serve."""
+    """Remember which loader the workers of DataLoader iterator `it` serve (and forget the
+    workers that have exited cleanly since)."""
+    for pid, (_, process) in list(_OWNERS.items()):
+        if process.exitcode == 0:
+            del _OWNERS[pid]
     for process in stuck_worker(it)[0]:
         if process.pid is not None:
-            _OWNERS[process.pid] = owner
+            _OWNERS[process.pid] = (owner, process)
 
 
 def dead_worker_error(exc: BaseException) -> LoaderWorkerDied | None:
@@ -201,7 +207,7 @@ def dead_worker_error(exc: BaseException) -> LoaderWorkerDied | None:
     if found is None:
         return None
     pids = [int(p) for p in found.group(1).replace(",", " ").split()]
-    owners = sorted({_OWNERS.get(p, "") for p in pids} - {""})
+    owners = sorted({_OWNERS.get(p, ("",))[0] for p in pids} - {""})
     whose = f"the {' and '.join(owners)} loader's" if owners else "a DataLoader"
     how = (
         f"was killed by signal {found.group(2).strip()}"
