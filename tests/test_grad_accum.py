@@ -280,3 +280,20 @@ def test_label_smoothing_null_trains_without_smoothing(tmp_path):
     step = ClassificationStep(state, cfg, DistContext(), None)
     assert step.criterion.label_smoothing == 0.0
     train(step, batches(1, 4))
+
+
+def test_validation_loss_is_plain_cross_entropy_whatever_the_smoothing(tmp_path):
+    """Training minimises the smoothed loss; val_loss is plain cross-entropy (timm's), so it
+    does not move with optim.label_smoothing."""
+    cfg = compose_config(tiny_overrides(tmp_path, tmp_path / "run", "optim.label_smoothing=0.3"))
+    state = TrainState.create(cfg, torch.device("cpu"), 1, 2, amp=None, channels_last=False,
+                              model=norm_free_net())  # fmt: skip
+    step = ClassificationStep(state, cfg, DistContext(), None)
+    assert step.criterion.label_smoothing == 0.3
+    (batch,) = batches(1, 4)
+    loss_sum, _, _, n = step.eval_sums(state.model, batch).tolist()
+    with torch.no_grad():
+        out = state.model(batch["image"]).float()
+    plain = torch.nn.functional.cross_entropy(out, batch["target"]).item()
+    assert loss_sum / n == pytest.approx(plain, rel=1e-5)
+    assert loss_sum / n != pytest.approx(step.criterion(out, batch["target"]).item(), rel=1e-3)
