@@ -447,8 +447,11 @@ def tune(plan, cfg: DictConfig, ctx, model, *, channels_last: bool, amp,
         with torch.random.fork_rng(devices=cuda):  # a probe leaves the run's RNGs as they were
             return choose(plan, cfg, ctx, model, auto, channels_last, amp)
 
-    # rank 0 probes; an error there stops every rank instead of leaving them in the broadcast
-    choice = dist.agreed(ctx, "probing loader=auto", probe if ctx.is_main else None)
+    # rank 0 probes; an error there stops every rank instead of leaving them in the broadcast.
+    # The others wait without the process group's deadline: loader.auto.budget_s may be set
+    # past its 30 minutes.
+    choice = dist.agreed(ctx, "probing loader=auto", probe if ctx.is_main else None,
+                         waiting="waiting for rank 0's loader=auto probe")  # fmt: skip
     choice = dist.broadcast_object(choice, ctx)
     if resumed_backend is not None:
         chosen = (choice or {}).get("backend", getattr(plan.backend, "name", None))
