@@ -251,11 +251,39 @@ def agreed(ctx: DistContext, what: str, work=None, waiting: str | None = None):
     if error is not None:
         raise error
     if failed:
-        raise RankFailed(
-            f"rank {failed - 1} stopped with an error while {what}; rank {ctx.rank} stops too. "
-            f"The error is in that rank's output (rank 0: train.log; rank N: train.rank<N>.log)."
-        )
+        raise rank_failed(failed - 1, ctx, what)
     return result
+
+
+def rank_failed(failed: int, ctx: DistContext, what: str) -> RankFailed:
+    return RankFailed(
+        f"rank {failed} stopped with an error while {what}; rank {ctx.rank} stops too. "
+        f"The error is in that rank's output (rank 0: train.log; rank N: train.rank<N>.log)."
+    )
+
+
+def gathered(ctx: DistContext, what: str, work) -> list:
+    """`work()` on every rank, and every rank's result, in rank order, on every rank (one
+    all_gather_object): what the ranks compare to agree. As with `agreed`, a rank whose work
+    raised raises its own error and the others a RankFailed naming it, so none is left
+    waiting at the next collective."""
+    error, result = None, None
+    try:
+        result = work()
+    except Exception as exc:  # raised below, once the other ranks know
+        error = exc
+    if not ctx.distributed:
+        if error is not None:
+            raise error
+        return [result]
+    parts: list = [None] * ctx.world_size
+    dist.all_gather_object(parts, (error is not None, None if error is not None else result))
+    if error is not None:
+        raise error
+    failed = next((rank for rank, (bad, _) in enumerate(parts) if bad), None)
+    if failed is not None:
+        raise rank_failed(failed, ctx, what)
+    return [part for _, part in parts]
 
 
 # A slow phase's ranks: those at work add to the phase's "beat" key every BEAT_S seconds; one

@@ -25,8 +25,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from fastload import agreement, dist, run_folder
 from fastload import checkpoint as ckpt
-from fastload import dist, run_folder
 from fastload.added_keys import check_added_keys
 from fastload.atomic import temp_path
 from fastload.autotune import settings as tune_settings
@@ -1101,11 +1101,16 @@ def fit(cfg: DictConfig) -> dict:
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
 
-    def check_run_dir() -> None:
-        check_writable(run_dir)
-        ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
+    def check_run_dir() -> dict:
+        if ctx.is_main:
+            check_writable(run_dir)
+            ckpt.remove_dead_temps(Path(cfg.output_root), cfg.name)
+        return agreement.run_record(cfg)
 
-    dist.agreed(ctx, "checking the run directory", check_run_dir if ctx.is_main else None)
+    # the run's first collective: every rank also shares its config and code, compared with
+    # rank 0's before any work
+    ranks = dist.gathered(ctx, "checking the run directory", check_run_dir)
+    agreement.check_runs_alike(cfg, ctx, ranks)
     if cfg.get("evaluate"):
         return evaluate_only(cfg, ctx, run_dir)
     # logger.mode=online without a W&B login: said now, not after the data work (rank 0 logs)
@@ -1146,14 +1151,23 @@ def train_prepared(cfg, ctx, run_dir: Path, found, plan, model, channels_last, a
     resumed_backend = found[1].get("backend") if found is not None else None
     plan = tune(plan, cfg, ctx, model, channels_last=channels_last, amp=amp,
                 resumed_backend=resumed_backend)  # fmt: skip
-    data = build_data(plan, ctx, channels_last=channels_last)
+    built = []
+
+    def build() -> dict:  # and what the ranks compare: each split's samples
+        built.append(build_data(plan, ctx, channels_last=channels_last))
+        splits = {"train": built[0].train.dataset, "val": built[0].val.dataset}
+        return agreement.data_record(splits, plan.layout.root)
+
     try:
+        ranks = dist.gathered(ctx, "building the data", build)
+        agreement.check_data_alike(ranks)
+        data, mine = built[0], ranks[ctx.rank]["splits"]
         task = plan.task
         state = TrainState.create(
             cfg, ctx.device, ctx.world_size, len(data.train), amp=amp,
             channels_last=channels_last, model=model,
         )  # fmt: skip
-        state.data_sizes = {"train": len(data.train.dataset), "val": len(data.val.dataset)}
+        state.data_sizes = {split: s["samples"] for split, s in mine.items()}
         state.backend = getattr(plan.backend, "name", None)
         if found is not None:
             state.load_state_dict(found[1], found[0], rank=ctx.rank)
@@ -1170,7 +1184,8 @@ def train_prepared(cfg, ctx, run_dir: Path, found, plan, model, channels_last, a
             record.stopped(exc.exit_code)
             raise
     finally:
-        data.close()
+        for data in built:
+            data.close()
     return record.finish(state)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,13 +89,29 @@ def test_two_nodes_stage_to_tmpfs_once_each_into_their_own_folder(tiny_folder, t
             )
 
 
-def test_two_nodes_with_static_rendezvous_write_one_run_directory(tiny_folder, tmp_path):
+@pytest.fixture(scope="module")
+def two_copies(tmp_path_factory):
+    """A dataset and a copy of it, as two nodes' own dataset.root; a third copy with one
+    training file fewer."""
+    base = tmp_path_factory.mktemp("copies")
+    root = make_image_folder(base / "a", per_split=(4, 2), size=(40, 32))
+    shutil.copytree(root, base / "b")
+    shutil.copytree(root, base / "short")
+    (base / "short" / "train" / "dog" / "dog_003.jpg").unlink()
+    return root, base / "b", base / "short"
+
+
+def test_two_nodes_with_static_rendezvous_write_one_run_directory(two_copies, tmp_path):
     """torchrun --master-addr/--master-port without --rdzv-id (static rendezvous): no run id
     is given and each node's agent starts at its own time, yet both nodes agree on one run
-    directory, named by the launch's first process through the launch's TCP store."""
+    directory, named by the launch's first process through the launch's TCP store. Node 1
+    reads its own copy of the dataset: dataset.root is node-local, and two copies alike
+    (file names, labels) are the same data (fastload/agreement.py)."""
+    root, copy, _ = two_copies
     out_root = tmp_path / "shared" / "outputs"
-    nodes = run_two_nodes(tiny_folder, tmp_path, f"output_root={out_root}", "name=static",
-                          "trainer.batch_size=2", rdzv_id=None, nproc=1)  # fmt: skip
+    nodes = run_two_nodes(root, tmp_path, f"output_root={out_root}", "name=static",
+                          "trainer.batch_size=2", rdzv_id=None, nproc=1,
+                          per_node=lambda k: [f"dataset.root={copy}"] if k == 1 else [])  # fmt: skip
     assert [n.returncode for n in nodes] == [0, 0], tails(nodes)
     (run_dir,) = (out_root / "static").iterdir()  # not one per node
     stamp = run_dir.name.removeprefix("torchrun-")
@@ -216,3 +233,54 @@ def test_two_nodes_packing_into_one_shared_folder_at_once_both_go_on(tmp_path):
         assert len(packed_lines(said, pack / split)) == 1, tails(nodes)  # one of them won
         assert said.count(f"{pack / split} was packed meanwhile") == 1, tails(nodes)
     assert sorted(p.name for p in pack.iterdir()) == ["train", "val"]  # no temporary left
+
+
+# -- every rank alike: config, code, data ----------------------------------------------------
+
+
+def run_unlike_nodes(root, tmp_path, name: str, node1: list[str], *extra: str):
+    """Two nodes of one rank each, node 1 with `node1` at the end of its command line."""
+    out_root = tmp_path / "shared" / "outputs"
+    return run_two_nodes(
+        root, tmp_path, f"output_root={out_root}", f"name={name}", "trainer.batch_size=2",
+        "trainer.epochs=1", *extra, per_node=lambda k: node1 if k == 1 else [],
+        rdzv_id=f"{name}-job", nproc=1, timeout=120, grace=20,
+    )  # fmt: skip
+
+
+def refused_alike(nodes, *needles: str) -> None:
+    """Both nodes stopped by themselves (not killed after a wait), each rank with the one
+    error line that has every needle (the same on every rank)."""
+    assert all(n.returncode not in (0, None) for n in nodes), tails(nodes)
+    assert not any("[run_two_nodes: killed" in n.stderr for n in nodes), tails(nodes)
+    said = []
+    for n in nodes:
+        errors = [line for line in n.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and all(w in errors[0] for w in needles), tails(nodes)
+        # no traceback of fastload's (torchrun's agent prints its own of the failed worker)
+        assert not re.search(r'File ".*/fastload/', n.stderr), tails(nodes)
+        said += errors
+    assert said[0] == said[1], said
+
+
+def test_a_node_whose_dataset_copy_differs_is_refused_on_every_rank(two_copies, tmp_path):
+    """Node 1's dataset.root lacks a file: its rank would plan other batches (some samples
+    trained twice, others never) and run another number of steps, and the ranks then hung in
+    mismatched collectives until the process group's timeout. Every rank stops at once with
+    the same error, naming the split."""
+    root, _, short = two_copies
+    nodes = run_unlike_nodes(root, tmp_path, "short", [f"dataset.root={short}"])
+    # the record's rank 0 is whichever node the rendezvous made it
+    refused_alike(nodes, "reads another train split than rank 0", " 11 ", " 12 ",
+                  str(short), "rsync")  # fmt: skip
+
+
+def test_a_node_started_with_another_setting_is_refused_naming_the_key(two_copies, tmp_path):
+    """Node 1 got optim.base_lr=0.5: its replica would step with another LR, silently (and
+    the run's config.yaml and checkpoints would hold rank 0's alone)."""
+    root, _, _ = two_copies
+    nodes = run_unlike_nodes(root, tmp_path, "lr", ["optim.base_lr=0.5"])
+    refused_alike(nodes, "was started with another configuration than rank 0",
+                  "optim.base_lr: ", "0.2", "0.5", "same command line")  # fmt: skip
+    # refused before any work: no epoch ran
+    assert not list((tmp_path / "shared" / "outputs").rglob("metrics.jsonl"))

@@ -82,6 +82,12 @@ class Source:
         """What a pack of this source records of it besides its fields (meta["params"])."""
         return {}
 
+    def identity(self) -> list:
+        """Its records' files by their names inside the source, in order (not where the
+        source lies: a node's own copy of the dataset has the same names), and what else a
+        record holds that its int fields do not show; nothing is read or stat'ed."""
+        return []
+
     def check_packing(self, resized: bool) -> None:
         """Refuse (DatasetError) a pack this source cannot be packed into; `resized`: its
         images are stored smaller than the files."""
@@ -102,6 +108,9 @@ class ImageFolderSource(Source):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def identity(self) -> list:
+        return [self.index.paths]
 
     def _path(self, i: int) -> str:
         # str(index.path(i)) as a string join: a pathlib Path per read was ~3 % of a worker's
@@ -302,6 +311,10 @@ class CocoSource(Source):
     def __len__(self) -> int:
         return len(self.ids)
 
+    def identity(self) -> list:
+        return [self.files, self.sizes, self.category_ids, self._boxes, self._labels,
+                self._offsets]  # fmt: skip
+
     def _path(self, i: int) -> str:
         return str(self.images / self.files[i])
 
@@ -379,6 +392,9 @@ class Div2kSource(Source):
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def identity(self) -> list:
+        return [self.files, *([self.pairs, repr(self.scale)] if self.pairs is not None else [])]
 
     def pack_metadata(self) -> dict:
         # pairs_exact: a resized pair is exactly scale apart (older packs: up to a pixel off)

@@ -23,6 +23,7 @@ shared torch tensor; file handles and mmaps never cross (each reader's `_unpickl
 from __future__ import annotations
 
 import abc
+import json
 import logging
 import os
 import time
@@ -104,6 +105,14 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def store_root(self) -> str:
         """The folder the split lives in (tmpfs detection)."""
+
+    def identity(self) -> tuple[str, list]:
+        """What names this split's records, in order, as far as the reader knows without
+        reading any (no file is opened or stat'ed): (what kind of names they are, the names:
+        strings or numpy arrays). `fastload.agreement.split_fingerprint` hashes them with
+        the length, classes, schema and int columns. The kind keeps apart what cannot be
+        compared: a folder's file names and a pack's checksums."""
+        return type(self).__name__, []
 
     def has(self, name: str) -> bool:
         """Whether the records hold field `name`."""
@@ -269,6 +278,15 @@ class PackedReader(Reader):
     @property
     def classes(self) -> tuple[str, ...]:
         return tuple(self.meta["classes"])
+
+    def identity(self) -> tuple[str, list]:
+        """The pack's record of its content (checksums, counts, how it was packed), not of
+        where it lies or was packed from: two nodes' packs of the same data agree."""
+        m = self.meta
+        what = {k: m.get(k) for k in ("count", "classes", "params", "schema", "checksum",
+                                      "column_checks")}  # fmt: skip
+        what["shards"] = [(s.get("bytes"), s.get("crc32")) for s in m.get("shards") or []]
+        return f"pack:{m.get('format')}", [json.dumps(what, sort_keys=True, default=str)]
 
     def column(self, name: str) -> np.ndarray:
         if name not in self._columns:

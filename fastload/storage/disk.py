@@ -35,6 +35,9 @@ class SourceReader(Reader):
     def classes(self) -> tuple[str, ...]:
         return tuple(self.source.classes)
 
+    def identity(self) -> tuple[str, list]:
+        return "files", self.source.identity()
+
     @property
     def index(self):
         """The folder index of an ImageFolder source."""

@@ -377,6 +377,14 @@ class WdsReader(Reader):
     def classes(self) -> tuple[str, ...]:
         return tuple(self.meta.get("classes") or ())
 
+    def identity(self) -> tuple[str, list]:
+        """The manifest's shards (samples, checksums) and how they were packed, not their
+        URLs (a node's own copy of a pack is the same pack)."""
+        params = {k: v for k, v in (self.meta.get("params") or {}).items() if k != "derived_from"}
+        what = {"classes": self.meta.get("classes"), "schema": self.meta.get("schema"),
+                "params": params, "checks": self.shard_checks}  # fmt: skip
+        return "webdataset", [json.dumps(what, sort_keys=True, default=str), self.shard_sizes]
+
     def column(self, name: str) -> np.ndarray:
         if name not in self._columns:
             self.field(name)  # names the fields there are

@@ -1,0 +1,63 @@
+"""What the ranks of a run compare (fastload/agreement.py), without a process group: the
+fingerprint of a split, and the errors made of differing records. tests/test_multinode.py
+runs the comparison between two nodes."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from conftest import make_image_folder
+
+from fastload.agreement import check_data_alike, check_runs_alike, split_fingerprint
+from fastload.errors import ConfigError, DatasetError
+from fastload.storage.disk import DiskReader
+from fastload.storage.shards import ShardStorage
+
+
+def test_a_splits_fingerprint_is_its_names_and_labels_wherever_it_lies(tmp_path):
+    root = make_image_folder(tmp_path / "a", per_split=(3, 1), size=(24, 16))
+    copy = shutil.copytree(root, tmp_path / "b")
+    print_of = lambda r: split_fingerprint(DiskReader(r / "train"))  # noqa: E731
+    first = print_of(root)
+    assert first.startswith("files:") and print_of(copy) == first  # another folder, alike
+    cat = copy / "train" / "cat"
+    (cat / "cat_000.jpg").rename(cat / "cat_zzz.jpg")  # as many files, another order
+    assert print_of(copy) != first
+    renamed = print_of(copy)
+    (cat / "cat_zzz.jpg").rename(copy / "train" / "dog" / "cat_zzz.jpg")  # another class
+    assert print_of(copy) not in (first, renamed)
+    # a pack of it has its own kind: a checkpoint of the folder is not compared with it
+    storage = ShardStorage(path=str(tmp_path / "pack"))
+    storage.prepare(root, ["train"])
+    packed = split_fingerprint(storage.open(root, "train"))
+    assert packed.startswith("pack:") and packed.split(":")[0] != first.split(":")[0]
+
+
+def records(**rank1) -> list[dict]:
+    rank0 = {"host": "node-a", "config": "c0", "code": "fastload 0.1.0, sources 11"}
+    return [rank0, {**rank0, "host": "node-b", **rank1}]
+
+
+def test_a_rank_on_other_code_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"rank 1 \(host node-b\) runs other fastload code "
+                       r"than rank 0 \(host node-a\): fastload 0.1.0, sources 22 there"):  # fmt: skip
+        check_runs_alike(None, None, records(code="fastload 0.1.0, sources 22"))
+    check_runs_alike(None, None, records())  # alike: nothing gathered, nothing said
+
+
+def data(samples: int, fingerprint: str, root: str) -> dict:
+    return {"host": f"host-{root}", "root": root,
+            "splits": {"train": {"samples": samples, "fingerprint": fingerprint},
+                       "val": {"samples": 3, "fingerprint": "files:v"}}}  # fmt: skip
+
+
+def test_a_rank_on_other_data_is_refused_naming_the_split():
+    with pytest.raises(DatasetError, match=r"rank 1 \(host host-b\) reads another train split "
+                       r"than rank 0 \(host host-a\): 11 samples from dataset.root=b there, 12 "
+                       r"from dataset.root=a on rank 0"):  # fmt: skip
+        check_data_alike([data(12, "files:x", "a"), data(11, "files:y", "b")])
+    with pytest.raises(DatasetError, match=r"as many samples \(12\), but other files"):
+        check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "a"),
+                          data(12, "files:y", "c")])  # fmt: skip
+    check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "b")])  # roots may differ
