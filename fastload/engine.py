@@ -1168,6 +1168,7 @@ def train_prepared(cfg, ctx, run_dir: Path, found, plan, model, channels_last, a
             channels_last=channels_last, model=model,
         )  # fmt: skip
         state.data_sizes = {split: s["samples"] for split, s in mine.items()}
+        state.data_fingerprints = {split: s["fingerprint"] for split, s in mine.items()}
         state.backend = getattr(plan.backend, "name", None)
         if found is not None:
             state.load_state_dict(found[1], found[0], rank=ctx.rank)

@@ -57,6 +57,9 @@ class TrainState:
     # samples of each split ({"train": n, "val": m}), set by the engine: a resume on a
     # dataset.root whose contents changed is refused (`check_same_data`)
     data_sizes: dict | None = None
+    # and their fingerprints ({"train": "files:<xxh3>"}, fastload/agreement.py): a resume on
+    # as many samples whose files were renamed or relabelled is refused too
+    data_fingerprints: dict | None = None
     # the decode backend trained with (loader=auto may choose another than backend=): a
     # resume keeps it (fastload/autotune.py: tune)
     backend: str | None = None
@@ -132,6 +135,7 @@ class TrainState:
             "model_config": self.model_config,
             "run_config": self.run_config,
             "data_sizes": self.data_sizes,
+            "data_fingerprints": self.data_fingerprints,
             "backend": self.backend,
             "epoch_skipped": self.epoch_skipped,
             **ema,
@@ -268,7 +272,10 @@ class TrainState:
         split than this one: the same dataset.root whose contents changed (files added or
         removed). Resumed inside an epoch, its plan of batches would index other files
         (some trained twice, others never), and the LR schedule's length follows the
-        epoch's. Checkpoints written before the sizes were kept are not checked."""
+        epoch's. As many samples with another fingerprint (files renamed, moved to another
+        class) would do the same. Checkpoints written before the sizes (the fingerprints)
+        were kept are not checked (by them); nor are fingerprints of another kind (a folder
+        resumed from its pack: fastload/agreement.py)."""
         saved, now = state.get("data_sizes"), self.data_sizes
         if not saved or not now:
             return
@@ -280,6 +287,18 @@ class TrainState:
                 f"removed from dataset.root since. Resumed on it, the epoch it continues would "
                 f"train some samples twice and others never. Resume with the data as it was, "
                 f"or start a new run: resume=null (or another name=)."
+            )
+        saved, now = state.get("data_fingerprints") or {}, self.data_fingerprints or {}
+        changed = [k for k in now if k in saved and saved[k] != now[k]
+                   and saved[k].split(":")[0] == now[k].split(":")[0]]  # fmt: skip
+        if changed:
+            raise CheckpointError(
+                f"checkpoint {path} was written by a run on other data in the "
+                f"{' and '.join(changed)} split{'s' if len(changed) > 1 else ''}: as many "
+                f"samples, but files renamed, replaced by others or moved to another class in "
+                f"dataset.root since. Resumed on it, the epoch it continues would train some "
+                f"samples twice and others never. Resume with the data as it was, or start a "
+                f"new run: resume=null (or another name=)."
             )
 
 

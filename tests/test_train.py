@@ -184,6 +184,46 @@ def test_a_resume_on_a_dataset_whose_files_changed_is_refused(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
 
 
+def test_a_resume_on_a_dataset_whose_files_were_renamed_is_refused(tmp_path):
+    """As many files, one renamed (cat_000.jpg -> cat_zzz.jpg): the sample counts agree, but
+    the folder's order moved, and the resumed epoch trained cat_002 and cat_008 twice and
+    cat_003 and cat_009 never. The split's fingerprint in the checkpoint tells."""
+    root = make_image_folder(tmp_path / "d")
+    common = ["storage._target_=tests.helpers.SigtermAfterReads", "name=m"]
+    stopped = run_train(tiny_overrides(root, tmp_path / "out" / "m" / "r1", *common),
+                        env={"SIGTERM_AFTER_READS": "6"})  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr
+    state = torch.load(tmp_path / "out" / "m" / "r1" / "checkpoints" / "last.pt",
+                       weights_only=True)  # fmt: skip
+    assert state["data_fingerprints"]["train"].startswith("files:"), state["data_fingerprints"]
+    cat = root / "train" / "cat"
+    (cat / "cat_000.jpg").rename(cat / "cat_zzz.jpg")
+    resumed = run_train(tiny_overrides(root, tmp_path / "out" / "m" / "r2", *common,
+                                       "resume=auto"))  # fmt: skip
+    assert_clean_failure(resumed, "was written by a run on other data in the train split",
+                         "renamed", "resume=null")  # fmt: skip
+
+
+def test_checkpoints_without_a_fingerprint_of_the_kind_resume_on_their_counts():
+    """A checkpoint written before the fingerprints (or of another kind: the folder's run
+    resumed on its pack) is checked by its sample counts alone, as before."""
+    from types import SimpleNamespace
+
+    from fastload.errors import CheckpointError
+    from fastload.train_state import TrainState
+
+    now = SimpleNamespace(data_sizes={"train": 18, "val": 9},
+                          data_fingerprints={"train": "files:aa", "val": "files:bb"})  # fmt: skip
+    check = TrainState.check_same_data
+    check(now, {"data_sizes": {"train": 18, "val": 9}}, "old.pt")
+    check(now, {"data_sizes": {"train": 18}, "data_fingerprints": {"train": "pack:lmdb:cc"}}, "p")
+    with pytest.raises(CheckpointError, match="train: 18 -> 19"):
+        check(SimpleNamespace(data_sizes={"train": 19}, data_fingerprints=None),
+              {"data_sizes": {"train": 18}}, "old.pt")  # fmt: skip
+    with pytest.raises(CheckpointError, match="in the val split"):
+        check(now, {"data_sizes": {"val": 9}, "data_fingerprints": {"val": "files:cc"}}, "n.pt")
+
+
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
     # with the EMA of the weights (trainer.ema), which the checkpoint carries too
     common = ["trainer.epochs=3", "loader.num_workers=0", "trainer.ema.decay=0.8"]
