@@ -45,8 +45,23 @@ NODE_LOCAL = (
 )
 
 
+# Settings of a node's own resources, which may differ between unlike nodes (more cores, less
+# RAM): they change how fast a rank's batches come, never which samples they hold or how
+# many there are (each sample's pixels are a function of (seed, epoch, index) alone).
+HOST_RESOURCES = (
+    "loader.num_workers",
+    "loader.prefetch_factor",
+    "loader.pin_memory",
+    "loader.pin_memory_max_mb",
+    "loader.timeout",
+    "storage.threads",
+    "storage.reserve_gb",
+    "trainer.progress",
+)
+
+
 def node_local(key: str) -> bool:
-    return any(key == p or key.startswith(p + ".") for p in NODE_LOCAL)
+    return any(key == p or key.startswith(p + ".") for p in NODE_LOCAL + HOST_RESOURCES)
 
 
 def shared_config(cfg) -> dict:
@@ -140,8 +155,8 @@ def check_runs_alike(cfg, ctx, records: list[dict]) -> None:
         f"{where(records, 0)} ({shown}; rank 0's -> rank {r}'s). Every rank of a run must "
         f"train with the same settings: another seed or LR trains a replica that drifts from "
         f"the others, another batch size or epoch count leaves ranks waiting for each other. "
-        f"Start every node with the same command line; only node-local folders may differ "
-        f"({', '.join(k for k in NODE_LOCAL if k != 'hydra')})."
+        f"Start every node with the same command line; only node-local folders and host "
+        f"resources may differ ({', '.join(k for k in NODE_LOCAL + HOST_RESOURCES if k != 'hydra')})."
     )
 
 

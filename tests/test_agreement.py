@@ -61,3 +61,21 @@ def test_a_rank_on_other_data_is_refused_naming_the_split():
         check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "a"),
                           data(12, "files:y", "c")])  # fmt: skip
     check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "b")])  # roots may differ
+
+
+def test_node_local_folders_and_host_resources_are_left_out_of_the_config_compared(tmp_path):
+    from conftest import compose_config
+
+    from fastload.agreement import config_digest, shared_config
+
+    def digest(*overrides):
+        # (HydraConfig set: the run name's interpolations read it, as in a run)
+        return config_digest(shared_config(compose_config(list(overrides), tmp_path / "run")))
+
+    base = digest()
+    # unlike nodes: another dataset copy, more cores, less RAM for pinned memory
+    assert digest("dataset.root=/local/copy", "loader.num_workers=14",
+                  "loader.pin_memory_max_mb=2048") == base  # fmt: skip
+    assert digest("optim.base_lr=0.5") != base
+    assert digest("trainer.batch_size=7") != base
+    assert digest("loader.drop_last=false") != base
