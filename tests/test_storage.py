@@ -557,6 +557,101 @@ def test_a_pack_whose_digest_took_the_paths_as_spelled_stays_current(tmp_path):
     assert stale_reason(tmp_path / "link" / "val", sidecar.parent, store.pack_options()) is None
 
 
+def former_source_digest(records, source, real_paths=True):
+    """source_digest as it was written when packs first recorded real paths: what every
+    existing pack's sidecar holds, so any faster digest must give its value."""
+    import xxhash
+
+    from fastload.data.records import ImageFile
+
+    h, total = xxhash.xxh3_128(), 0
+    h.update(f"{source.kind}\0{len(records)}\0{','.join(source.schema.names)}\n".encode())
+
+    def canonical(path):
+        folder, name = os.path.split(path)
+        return os.path.join(os.path.realpath(folder), name) if real_paths else path
+
+    for r in records:
+        for value in r.values():
+            if isinstance(value, ImageFile):
+                st = os.stat(value.path)
+                total += st.st_size
+                stated = f"\0{value.stated[0]}x{value.stated[1]}" if value.stated else ""
+                h.update(
+                    os.fsencode(canonical(value.path))
+                    + f"\0{st.st_size}\0{st.st_mtime_ns}{stated}\n".encode()
+                )
+            elif isinstance(value, np.ndarray):
+                h.update(
+                    f"{value.dtype}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+                )
+            else:
+                h.update(f"{value!r}\n".encode())
+    return h.hexdigest(), total
+
+
+def test_the_digest_read_from_the_source_is_the_digest_packs_hold(tmp_path, monkeypatch):
+    """The staleness check digests the source field by field, DIGEST_CHUNK records at a
+    time, without building its records: every pack made before must stay current, so it
+    equals the digest of the records for an image folder (spelled through a link or not,
+    over several chunks), COCO (boxes, labels, stated sizes) and DIV2K pairs."""
+    from fastload.data.sources import CocoSource, Div2kSource, ImageFolderSource
+    from fastload.storage import packing
+
+    monkeypatch.setattr(packing, "DIGEST_CHUNK", 4)
+    root = make_image_folder(tmp_path / "ds", per_split=(5, 1))
+    (tmp_path / "link").symlink_to(root)
+    hr, lr = make_div2k(tmp_path / "div2k")
+    sources = [
+        ImageFolderSource(root / "train"),
+        ImageFolderSource(tmp_path / "link" / "train"),
+        CocoSource(*make_coco(tmp_path / "coco")),
+        Div2kSource(hr, lr, 2),
+        Div2kSource(hr),
+    ]
+    for source in sources:
+        records = [source.record(i) for i in range(len(source))]
+        for real_paths in (True, False):
+            want = former_source_digest(records, source, real_paths)
+            assert packing.source_digest(records, source, real_paths) == want
+            assert packing.source_digest(None, source, real_paths) == want
+    assert len(sources[0]) == 15 and sources[2].stated(0, "image") == (64, 48)
+
+
+def test_a_file_rewritten_added_removed_or_moved_makes_an_image_folder_pack_out_of_date(
+    tmp_path,
+):
+    from fastload.storage.packing import stale_reason
+
+    root = make_image_folder(tmp_path / "ds", per_split=(3, 1))
+    store = ShardStorage(path=tmp_path / "p")
+    store.prepare(str(root), ["train"])
+    pack, split = tmp_path / "p" / "train", root / "train"
+
+    def stale() -> str | None:
+        return stale_reason(split, pack, store.pack_options())
+
+    assert stale() is None
+    first = split / "cat" / "cat_000.jpg"
+    data, stat_ = first.read_bytes(), first.stat()
+    edits = [  # (make the change, undo it)
+        (lambda: first.write_bytes(data + b"\0"), lambda: first.write_bytes(data)),
+        (lambda: os.utime(first, ns=(stat_.st_atime_ns, stat_.st_mtime_ns + 10**9)), None),
+        (lambda: (split / "dog" / "new.jpg").write_bytes(data),
+         lambda: (split / "dog" / "new.jpg").unlink()),
+        (lambda: first.unlink(), lambda: first.write_bytes(data)),
+        (lambda: first.rename(split / "dog" / first.name),
+         lambda: (split / "dog" / first.name).rename(first)),
+    ]  # fmt: skip
+    for change, undo in edits:
+        change()
+        assert "changed since it was packed" in stale()
+        if undo:
+            undo()
+        os.utime(first, ns=(stat_.st_atime_ns, stat_.st_mtime_ns))
+        assert stale() is None
+
+
 def test_a_class_added_without_images_makes_a_pack_out_of_date(tmp_path, caplog):
     """A class folder added after the last one (still empty) leaves every path and label as
     they were, so the digest is the same: the pack kept the old classes, and the run's

@@ -4,7 +4,8 @@ them from the dataset config).
 
 Every source has the same face, backed by numpy arrays (no per-worker copy-on-access growth):
 `name` (the split folder a pack gets), `classes`, `root`, `schema` (its records' named
-fields, fastload/data/records.py), `len()`, `file(i, name)` (the file of an image field),
+fields, fastload/data/records.py), `len()`, `file(i, name)` (the file of an image field;
+`file_paths(name, start, stop)` of a run of records, `stated(i, name)` its annotated size),
 `value(i, name)` (any other field), `column(name)` (an int field of every record, int64)
 and `record(i)` -> {name: value}, image fields as `ImageFile`s, all in a fixed order.
 Packing never decodes here; the pack workers read and (re-)encode the files.
@@ -31,7 +32,6 @@ keys instead (fastload/data/layouts.py).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from pathlib import Path
@@ -56,6 +56,15 @@ class Source:
     def file(self, i: int, name: str = "image") -> str:
         return self._files[name](i)
 
+    def file_paths(self, name: str, start: int, stop: int) -> list[str]:
+        """`file(i, name)` of records start..stop-1 (a source may list them faster)."""
+        return [self.file(i, name) for i in range(start, stop)]
+
+    def stated(self, i: int, name: str) -> tuple[int, int] | None:
+        """The (width, height) the annotations state for record i's image field `name`
+        (`ImageFile.stated`); None where they state none."""
+        return None
+
     def path(self, i: int) -> str:
         """The record's image file (where it lives, for errors)."""
         return self.file(i, "image")
@@ -71,7 +80,9 @@ class Source:
         out = {}
         for f in self.schema:
             if f.name in self._files:
-                out[f.name] = ImageFile(self.file(i, f.name), self._divide.get(f.name, 1))
+                out[f.name] = ImageFile(
+                    self.file(i, f.name), self._divide.get(f.name, 1), self.stated(i, f.name)
+                )
             else:
                 out[f.name] = self.value(i, f.name)
         return out
@@ -116,6 +127,10 @@ class ImageFolderSource(Source):
         # str(index.path(i)) as a string join: a pathlib Path per read was ~3 % of a worker's
         # time on JPEGs (the index root is a normalised Path, the names are plain relative).
         return os.path.join(self.index.root, str(self.index.paths[i]))
+
+    def file_paths(self, name: str, start: int, stop: int) -> list[str]:
+        root = os.path.join(self.index.root, "")  # = _path's, a concatenation per file
+        return [root + p for p in self.index.paths[start:stop].tolist()]
 
 
 def _load_coco(ann_path: Path):
@@ -318,10 +333,9 @@ class CocoSource(Source):
     def _path(self, i: int) -> str:
         return str(self.images / self.files[i])
 
-    def record(self, i: int) -> dict:
-        out = super().record(i)  # the image with the size the file states, to check against
-        out["image"] = dataclasses.replace(out["image"], stated=tuple(map(int, self.sizes[i])))
-        return out
+    def stated(self, i: int, name: str) -> tuple[int, int] | None:
+        # the image with the size the file states, to check against (0 where it states none)
+        return tuple(map(int, self.sizes[i])) if name == "image" else None
 
     def pack_metadata(self) -> dict:
         # labels are these category ids; the annotations left out, for the epoch row;
