@@ -754,3 +754,89 @@ def test_a_coco_pack_whose_frames_were_not_checked_is_packed_again(coco_root, tm
     sidecar.write_text(json.dumps(record))
     reason = stale_reason(lambda: layout.source("val"), sidecar.parent, store.pack_options())
     assert reason and "without checking them against the sizes" in reason
+
+
+def opened_split(fmt, layout, tmp_path, split="train"):
+    from fastload.storage.webdataset import WebDatasetStorage
+
+    if fmt == "disk":
+        return DiskStorage().open(layout, split)
+    if fmt == "webdataset":  # several shards
+        store = WebDatasetStorage(path=str(tmp_path / fmt), shard_samples=5)
+    else:
+        store = {"shards": ShardStorage, "lmdb": LmdbStorage}[fmt](path=str(tmp_path / fmt))
+    store.prepare(layout, [split])
+    return store.open(layout, split)
+
+
+@pytest.mark.parametrize("fmt", ["disk", "shards", "webdataset", "lmdb"])
+def test_training_finds_the_images_with_boxes_without_reading_every_record(
+    coco_root, tmp_path, fmt
+):
+    """Training leaves out the images without a box: it asks the store which have one (the
+    source's box offsets, a shard pack's index, a webdataset manifest) where reading every
+    record's labels was a pass over the whole split on every rank (webdataset: every shard
+    fetched and hashed). The answer is what reading each record gives; lmdb reads them."""
+    reader = opened_split(fmt, CocoLayout(str(coco_root)), tmp_path)
+    read = [len(reader.get(i, "labels")) > 0 for i in range(len(reader))]
+    assert not all(read) and any(read)
+    if fmt == "webdataset":
+        reader = opened_split(fmt, CocoLayout(str(coco_root)), tmp_path)  # no shard open yet
+    calls = []
+    real_get = reader.get
+    reader.get = lambda i, name: calls.append((i, name)) or real_get(i, name)
+    ds = DetectionDataset(reader, PILBackend(), keep, seed=0, train=True)
+    assert ds.indices.tolist() == np.flatnonzero(read).tolist()
+    assert len(calls) == {"disk": 0, "shards": 1, "webdataset": 0, "lmdb": len(reader)}[fmt]
+    if fmt == "webdataset":
+        assert reader._maps is None  # not a shard opened
+    if fmt != "lmdb":
+        assert reader.nonempty("labels").tolist() == read
+        assert reader.nonempty("boxes").tolist() == read
+    evaluation = DetectionDataset(reader, PILBackend(), keep, seed=0, train=False)
+    assert len(evaluation) == len(reader)
+
+
+def test_a_shard_pack_whose_every_image_has_boxes_keeps_them_all(coco_root, tmp_path):
+    """The shortest labels of a shard pack decide: here they hold a box, so every record
+    does (no record is taken for empty because its .npy bytes are the shortest)."""
+    root = tmp_path / "coco"
+    shutil.copytree(coco_root, root)
+    source = CocoLayout(str(root)).source("train")
+    empty = set(source.ids[source.rows("labels") == 0].tolist())
+    path = root / "annotations" / "instances_train.json"
+    ann = json.loads(path.read_text())
+    ann["images"] = [im for im in ann["images"] if im["id"] not in empty]
+    path.write_text(json.dumps(ann))
+    reader = opened_split("shards", CocoLayout(str(root)), tmp_path)
+    assert empty and len(reader) == len(source) - len(empty)
+    assert reader.nonempty("labels").all()
+    assert all(len(reader.get(i, "labels")) for i in range(len(reader)))
+
+
+def test_a_webdataset_manifest_without_box_counts_reads_the_records(coco_root, tmp_path):
+    """Manifests written before they held `sizes` (or by hand): the records are read; one
+    whose counts do not match its shards is refused where a sample is read."""
+    from fastload.errors import StorageError
+
+    layout = CocoLayout(str(coco_root))
+    reader = opened_split("webdataset", layout, tmp_path)
+    want = DetectionDataset(reader, PILBackend(), keep, seed=0, train=True).indices.tolist()
+    path = tmp_path / "webdataset" / "train" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    sizes = [s.pop("sizes") for s in manifest["shards"]]
+    path.write_text(json.dumps(manifest))
+    old = opened_split("webdataset", layout, tmp_path)
+    assert old.nonempty("labels") is None
+    assert DetectionDataset(old, PILBackend(), keep, seed=0, train=True).indices.tolist() == want
+    assert old._maps  # the shards were opened to read the labels
+    for s, size in zip(manifest["shards"], sizes, strict=True):
+        s["sizes"] = size
+    first = int(np.flatnonzero(reader.nonempty("labels"))[0])
+    k, j = reader.locate(first)
+    manifest["shards"][k]["sizes"]["labels"][j] = 0  # wrong: it has boxes
+    path.write_text(json.dumps(manifest))
+    wrong = opened_split("webdataset", layout, tmp_path)
+    assert first not in DetectionDataset(wrong, PILBackend(), keep, seed=0, train=True).indices
+    with pytest.raises(StorageError, match="the manifest was not written for these shards"):
+        wrong.get(first, "labels")

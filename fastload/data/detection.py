@@ -114,8 +114,16 @@ class DetectionDataset(torch.utils.data.Dataset):
         # the annotation file's (width, height) per image: None for a pack (checked when made)
         self.stated = getattr(getattr(reader, "source", None), "sizes", None)
         n = len(reader)
-        keep = [i for i in range(n) if self.has_boxes(i)] if train else range(n)
-        self.indices = np.asarray(keep, np.int64)  # numpy: no per-worker refcount copies
+        keep = np.arange(n, dtype=np.int64)
+        if train:
+            # the store's box counts (a source's offsets, a pack's index or manifest): reading
+            # every record's labels was a pass over the whole split (webdataset: fetching and
+            # hashing every shard) on every rank before the first step
+            boxed = reader.nonempty("labels")
+            if boxed is None:
+                boxed = [self.has_boxes(i) for i in range(n)]
+            keep = np.flatnonzero(np.asarray(boxed, bool)).astype(np.int64)
+        self.indices = keep  # numpy: no per-worker refcount copies
         if n and not len(self.indices):
             raise DatasetError(
                 f"none of the {n} images of {reader.store_root()} has a usable box (crowd and "

@@ -76,6 +76,11 @@ class Source:
     def column(self, name: str) -> np.ndarray:
         return self._values[name]
 
+    def rows(self, name: str) -> np.ndarray | None:
+        """The length of array field `name` of every record (int64), where the source holds
+        it without building the values; None where it does not."""
+        return None
+
     def record(self, i: int) -> dict:
         out = {}
         for f in self.schema:
@@ -351,6 +356,10 @@ class CocoSource(Source):
         """Image i's boxes (n, 4) float32 x, y, w, h and their category ids (n,) int64."""
         s, e = self._offsets[i], self._offsets[i + 1]
         return self._boxes[s:e].copy(), self._labels[s:e].copy()
+
+    def rows(self, name: str) -> np.ndarray | None:
+        """Each image's box count (its boxes' and labels' length), from the offsets."""
+        return np.diff(self._offsets) if name in ("boxes", "labels") else None
 
     def _box_xywh(self, i: int) -> np.ndarray:
         return self.boxes(i)[0]

@@ -90,6 +90,13 @@ class Reader(abc.ABC):
     def column(self, name: str) -> np.ndarray:
         """The int64 values of int field `name` for every record (no record is read)."""
 
+    def nonempty(self, name: str) -> np.ndarray | None:
+        """Whether array field `name` of each record holds any element (bool per record),
+        where the store knows it without reading every record (a source's arrays, a pack's
+        index or manifest); None where it does not: the caller reads the records (`get`)."""
+        self.field(name)
+        return None
+
     @abc.abstractmethod
     def describe(self, i: int, name: str | None = None) -> str:
         """Where record i (its field `name`) lives (file, record), for error messages."""

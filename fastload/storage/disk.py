@@ -66,6 +66,11 @@ class SourceReader(Reader):
         self._account(len(data), t0)
         return data
 
+    def nonempty(self, name: str) -> np.ndarray | None:
+        self.field(name)
+        rows = self.source.rows(name)
+        return None if rows is None else np.asarray(rows) > 0
+
     def column(self, name: str) -> np.ndarray:
         if not self.field(name).coder.column:
             raise StorageError(f"field {name!r} of {self.store_root()} is not an int column.")

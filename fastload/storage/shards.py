@@ -283,6 +283,23 @@ class ShardReader(PackedReader):
             self._maps[k] = mm
         return mm
 
+    def nonempty(self, name: str) -> np.ndarray | None:
+        """From the index's lengths, reading one record: a field stored as .npy bytes is a
+        header, which grows (in steps of 16 or 64 bytes) with the digits of the shape, then
+        the elements. So, within one pack, the empty arrays are its shortest values, all of
+        one length, and every array with an element is longer: the shortest value says
+        which the records of that length are."""
+        field = self.field(name)
+        if field.coder.name != "array" or name not in self._blob:
+            return None
+        lengths = np.asarray(self._row(slice(None))[self._blob[name][2]], np.int64)
+        if not len(lengths):
+            return np.zeros(0, bool)
+        shortest = int(np.argmin(lengths))
+        if np.size(self.get(shortest, name)):
+            return np.ones(len(lengths), bool)
+        return lengths > lengths[shortest]
+
     def get(self, i: int, name: str):
         """Field `name` of record i: raw pixels as a read-only memoryview of the shard (the
         resize reads it once, no ~200 KB copy), other bytes copied for their codec."""

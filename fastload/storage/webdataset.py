@@ -12,10 +12,12 @@ Shards (`python -m fastload.pack webdataset SRC DST` writes DST/<split>/):
                          image, even with zero boxes), DIV2K with --lr 00000000.lr.png
     manifest.json      format, version, schema (the fields and their codecs), count,
                        classes, pack params (COCO: category ids), and per shard: file,
-                       count, bytes, xxh3_64 of the whole file, and the values of every int
-                       field (`columns`). Written last: a folder without it is not a pack.
-                       Training knows the epoch length and every label from it, without
-                       listing the bucket.
+                       count, bytes, xxh3_64 of the whole file, the values of every int
+                       field (`columns`) and the element count of every array field of each
+                       sample (`sizes`: COCO's box counts; manifests written before have
+                       none). Written last: a folder without it is not a pack.
+                       Training knows the epoch length, every label and which images have
+                       boxes from it, without listing the bucket or reading a shard.
 
 `storage.url` names where the shards are:
   * null: the local pack beside dataset.root (packed on first use, storage.auto_pack);
@@ -167,7 +169,10 @@ class WdsWriter:
         # USTAR: fixed 512-byte headers, readable by every tar reader (WebDataset, DALI).
         self._tar = tarfile.open(self.dir / name, "w", format=tarfile.USTAR_FORMAT)
         columns = {f.name: [] for f in self.schema.columns}
+        sizes = {f.name: [] for f in self.schema if f.coder.name == "array"}
         self._cur = {"file": name, "count": 0, "bytes": 0, "columns": columns}
+        if sizes:
+            self._cur["sizes"] = sizes
 
     def _finish(self) -> None:
         if self._tar is None:
@@ -203,6 +208,8 @@ class WdsWriter:
             self._member(f"{key}.{f.member_ext(data)}", data)
         for f in self.schema.columns:
             self._cur["columns"][f.name].append(int(values[f.name]))
+        for name, sizes in self._cur.get("sizes", {}).items():
+            sizes.append(int(np.size(values[name])))
         self._cur["count"] += 1
         self.count += 1
 
@@ -354,7 +361,15 @@ class WdsReader(Reader):
             )
             for f in self.schema.columns
         }
-        for name, values in self._columns.items():
+        # array fields' element counts, where every shard's entry has them (`WdsWriter`)
+        self._sizes = {
+            f.name: np.asarray(
+                [v for s in shards for v in s["sizes"][f.name]] or np.zeros(0), np.int64
+            )
+            for f in self.schema
+            if f.coder.name == "array" and all(f.name in s.get("sizes", ()) for s in shards)
+        }
+        for name, values in {**self._columns, **self._sizes}.items():
             if len(values) != int(self._starts[-1]):
                 raise StorageError(
                     f"{self.base}: the manifest's {name} values and counts disagree."
@@ -390,6 +405,12 @@ class WdsReader(Reader):
             self.field(name)  # names the fields there are
             raise StorageError(f"field {name!r} of {self.base} is not an int column.")
         return self._columns[name]
+
+    def nonempty(self, name: str) -> np.ndarray | None:
+        """From the manifest's `sizes` (no shard is read); None for a manifest without them."""
+        self.field(name)
+        sizes = self._sizes.get(name)
+        return None if sizes is None else sizes > 0
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard, sample within it) of sample i."""
@@ -534,7 +555,15 @@ class WdsReader(Reader):
             )
         data = mm[off : off + n]
         self._account(n, t0)
-        return self.decode_field(field, data, i, name)
+        value = self.decode_field(field, data, i, name)
+        sizes = self._sizes.get(name)
+        if sizes is not None and np.size(value) != sizes[i]:  # what nonempty() told training
+            raise StorageError(
+                f"{self.describe(i, name)} holds {np.size(value)} values, but the manifest "
+                f"({self.base}) says {int(sizes[i])}: the manifest was not written for these "
+                f"shards. Re-pack the data (python -m fastload.pack webdataset SRC DST)."
+            )
+        return value
 
     def _evict(self) -> None:
         """cold_cache: a streamed split's shards leave the node cache (the epoch fetches them
