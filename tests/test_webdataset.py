@@ -992,3 +992,56 @@ def test_a_stream_stopped_on_one_rank_goes_on_over_two_with_what_it_had_left(dat
         order, _ = shard_stream_order([4, 4, 4, 4, 4, 1], seed=0, epoch=1, rank=r,
                                       world_size=2, window=6)  # fmt: skip
         assert [i for e, i, _ in after[r] if e == 1] == order
+
+
+# Reads every train sample of the local pack argv[1] with the shard cache argv[2]; prints
+# how many shards this process hashed, or the error.
+READ_LOCAL_PACK = """
+import sys
+import fastload.storage.webdataset as wds
+from fastload.errors import StorageError
+hashed = []
+real_xxh3 = wds.file_xxh3
+wds.file_xxh3 = lambda path: hashed.append(path) or real_xxh3(path)
+reader = wds.WebDatasetStorage(url=sys.argv[1], cache_dir=sys.argv[2]).open(sys.argv[3], "train")
+try:
+    for i in range(len(reader)):
+        reader.get(i, "image")
+    print("hashed", len(hashed), flush=True)
+except StorageError as exc:
+    print("error:", exc, flush=True)
+"""
+
+
+def test_a_local_shard_is_hashed_once_per_node_until_it_changes(data, tmp_path):
+    """verify=true hashed every local shard in every process that opened it: each
+    DataLoader worker read the whole split once more. A process of the node that hashed
+    it leaves a marker in the cache folder, and the next process trusts it while the
+    shard's file is the same; a shard written since (even with its size and mtime kept)
+    is hashed again, and a corrupt one is still named."""
+    root, pack = data
+    local = tmp_path / "pack"
+    shutil.copytree(pack, local)
+    shards = len(json.loads((local / "train" / "manifest.json").read_text())["shards"])
+
+    def read() -> str:
+        cmd = [sys.executable, "-c", READ_LOCAL_PACK, str(local), str(tmp_path / "c"), str(root)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                             cwd=REPO)  # fmt: skip
+        return out.stdout.strip() or out.stderr
+
+    assert read() == f"hashed {shards}"
+    assert read() == "hashed 0"
+    shard = local / "train" / "shard-000002.tar"
+    before = shard.stat()
+    data_ = bytearray(shard.read_bytes())
+    data_[700] ^= 0xFF  # inside the first member's bytes: the tar index still reads
+    shard.write_bytes(bytes(data_))
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    for _ in range(2):  # named by every process: no marker says ok
+        said = read()
+        assert said.startswith("error: corrupt shard") and "shard-000002.tar" in said, said
+    data_[700] ^= 0xFF
+    shard.write_bytes(bytes(data_))
+    assert read() == "hashed 1"
+    assert read() == "hashed 0"

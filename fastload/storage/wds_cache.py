@@ -17,6 +17,12 @@ on its lock and then read the same file (<dir>: this user's folder):
                             (never read under its final name half-written)
     <dir>/<key>.bad         why a shard is corrupt (the other processes read the verdict
                             instead of fetching it again, for a few minutes)
+    <dir>/verified/<state>  a local shard (read in place, not cached) whose xxh3_64 a
+                            process of this node checked against the manifest: "ok" once
+                            it matched; <state> hashes its real path, device, inode, size,
+                            mtime, ctime and the manifest's checksum, so a shard written
+                            since (or replaced) is hashed again (`verify_once`); a few
+                            bytes each, not evicted (the default /dev/shm empties at boot)
 
 Before each fill, downloads left by processes that are gone (killed mid-fetch: up to a
 whole shard each, which cache_gb does not count) are removed, as atomic.is_stale judges
@@ -85,6 +91,15 @@ def file_xxh3(path) -> str:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
+
+
+def shard_state(path, check: str) -> tuple[str, tuple]:
+    """(marker name, the stat fields it covers) of a local shard as it is now and the
+    checksum its manifest expects (`ShardCache.verify_once`)."""
+    st = os.stat(path)
+    fields = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    what = "\0".join(map(str, (os.path.realpath(path), *fields, check)))
+    return xxhash.xxh3_128_hexdigest(what.encode()), fields
 
 
 def describe_error(exc: BaseException, url: str = "") -> str:
@@ -237,6 +252,39 @@ class ShardCache:
 
     def path(self, url: str, check: str | None = None) -> Path:
         return self.dir / self.key(url, check)
+
+    def verify_once(self, path: Path, check: str, verify_fn) -> None:
+        """`verify_fn()` (which raises CorruptShard) for the local shard `path` unless a
+        process of this node verified it as it is now: a local split is read in place, and
+        with the sampler's block shuffle every DataLoader worker of every rank opens nearly
+        every shard, each hashing the whole split again (each epoch, without persistent
+        workers). The first process hashes it under the marker's lock while the others wait
+        and then find "ok"; a shard that fails leaves no "ok", so each process that opens it
+        hashes it and says so. Where the cache folder cannot hold markers, each process
+        verifies on its own as before."""
+        try:
+            folder = self.ready() / "verified"
+            folder.mkdir(exist_ok=True)
+            state, before = shard_state(path, check)
+            marker = open(folder / state, "a+b")  # noqa: SIM115
+        except (OSError, StorageError) as exc:
+            log.debug("verifying %s in this process only (no node marker: %s)", path, exc)
+            verify_fn()
+            return
+        with marker:
+            try:
+                fcntl.flock(marker.fileno(), fcntl.LOCK_EX)
+            except OSError as exc:  # a file system without locks
+                log.debug("verifying %s in this process only (no lock: %s)", path, exc)
+                verify_fn()
+                return
+            marker.seek(0)
+            if marker.read() == b"ok\n":
+                return
+            verify_fn()
+            if shard_state(path, check)[1] == before:  # not rewritten while it was hashed
+                marker.truncate(0)
+                marker.write(b"ok\n")
 
     def get(self, url: str, expect_bytes, expect_check, fetch_fn, check_fn=None) -> Path:
         """The local path of url's shard: filled by `fetch_fn(url, tmp)` under the shard's

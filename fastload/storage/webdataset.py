@@ -44,7 +44,9 @@ shuffled block-wise within `shuffle_buffer` samples, so a worker needs only the 
 one window overlaps and resume skips batches of a deterministic order like the others.
 
 Integrity: a fetched shard's size and xxh3_64 are checked against the manifest before it is
-renamed into the cache; a local shard's, once per process when it is first read (verify).
+renamed into the cache; a local shard's when it is first read (verify), once per node
+while the file is unchanged (a marker in the cache folder, `ShardCache.verify_once`: every
+DataLoader worker opens nearly every shard).
 A shard that fails (or whose tar headers are cut or damaged) is named in the error; with
 dataset.skip_corrupt=true its samples are skipped and counted instead (the reader hands the
 decoder empty bytes for an image field, None for any other, which the dataset's skip path
@@ -450,12 +452,20 @@ class WdsReader(Reader):
                     f"corrupt shard {path} ({cut}: {have} bytes, the manifest says {want}); "
                     f"re-pack it or set dataset.skip_corrupt=true."
                 )
-            if self.shard_checks[k] and file_xxh3(path) != self.shard_checks[k]:
-                raise CorruptShard(
-                    f"corrupt shard {path} (its xxh3_64 differs from the manifest's); re-pack "
-                    f"it (python -m fastload.pack verify {path.parent}) or set "
-                    f"dataset.skip_corrupt=true."
-                )
+            check = self.shard_checks[k]
+
+            def verify_hash() -> None:
+                if file_xxh3(path) != check:
+                    raise CorruptShard(
+                        f"corrupt shard {path} (its xxh3_64 differs from the manifest's); "
+                        f"re-pack it (python -m fastload.pack verify {path.parent}) or set "
+                        f"dataset.skip_corrupt=true."
+                    )
+
+            if check and self.cache is not None:  # once per node while the file is unchanged
+                self.cache.verify_once(path, check, verify_hash)
+            elif check:
+                verify_hash()
             self._verified.add(k)
         return path
 
