@@ -1115,6 +1115,32 @@ def test_a_copy_staged_with_an_earlier_manifest_is_restaged_once(tmp_path, monke
     assert calls == [1] and not list(target.glob(".*"))
 
 
+def test_the_manifest_lists_each_file_by_its_path_relative_to_the_root(tmp_path):
+    """Paths relative to the root, for a split folder (nested folders too), a file the layout
+    names, and a layout path that is the root itself ("."): as os.path.relpath gives them."""
+    from types import SimpleNamespace
+
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    (root / "train" / "a" / "deeper").mkdir()
+    (root / "train" / "a" / "deeper" / "x.jpg").write_bytes(b"x")
+    (root / "ann.json").write_text("{}")
+
+    def listed(paths):
+        layout = SimpleNamespace(root=str(root), stage_paths=lambda splits: paths)
+        m = tmpfs.build_manifest(layout, ["train"])
+        return sorted(f[0] for f in m["files"]), sorted(m["dirs"])
+
+    def walked(top):
+        files = [os.path.relpath(os.path.join(d, n), root) for d, _, ns in os.walk(top) for n in ns]
+        return sorted(files), sorted(os.path.relpath(d, root) for d, _, _ in os.walk(top))
+
+    files, dirs = walked(root / "train")
+    assert listed(["train", "ann.json"]) == (sorted([*files, "ann.json"]), dirs)
+    assert "train/a/deeper/x.jpg" in files
+    assert listed(["."]) == walked(root)
+    assert "ann.json" in walked(root)[0] and "." in walked(root)[1]
+
+
 def test_staging_refused_with_numbers_when_it_does_not_fit(tmp_path, monkeypatch):
     root = make_image_folder(tmp_path / "data")
     monkeypatch.setattr(

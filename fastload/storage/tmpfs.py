@@ -172,9 +172,15 @@ def build_manifest(layout, splits) -> dict:
         # Each path walked on its own, as each split is indexed on its own: a val class
         # folder that links to a train one is staged under val too. A link loop: once.
         for dirpath, _, names in walk_once(base, set(), skipped):
-            dirs.append(os.path.relpath(dirpath, root))
+            # relative to the root once per folder, its files' names joined on (a relpath
+            # per file was most of the time of listing ImageNet)
+            rel_dir = os.path.relpath(dirpath, root)
+            dirs.append(rel_dir)
+            prefix = "" if rel_dir == os.curdir else rel_dir + os.sep
+            if not dirpath.endswith(os.sep):
+                dirpath += os.sep
             for n in sorted(names):
-                p = os.path.join(dirpath, n)
+                p = dirpath + n
                 try:
                     st = os.stat(p)
                 except OSError as exc:
@@ -195,7 +201,7 @@ def build_manifest(layout, splits) -> dict:
                         )
                     denied.append(p)
                     continue
-                files.append(stat_entry(os.path.relpath(p, root), st))
+                files.append(stat_entry(prefix + n, st))
     warn_skipped(root, skipped)
     for names, what in ((broken, "name(s) that lead to no file"),
                         (denied, "file(s) this user cannot read")):  # fmt: skip
@@ -215,11 +221,12 @@ def build_manifest(layout, splits) -> dict:
     return {"source": str(root), "splits": splits, "paths": paths, "dirs": dirs, "files": files}
 
 
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+
 def _readable(path) -> bool:
     """Whether this process may open `path` for reading (its permissions, ACLs)."""
-    if os.access in os.supports_effective_ids:
-        return os.access(path, os.R_OK, effective_ids=True)
-    return os.access(path, os.R_OK)
+    return os.access(path, os.R_OK, effective_ids=_EFFECTIVE_IDS)
 
 
 def _cannot_read(path, why: str) -> str:
