@@ -1115,6 +1115,46 @@ def test_a_copy_staged_with_an_earlier_manifest_is_restaged_once(tmp_path, monke
     assert calls == [1] and not list(target.glob(".*"))
 
 
+@pytest.mark.parametrize("change", ["size", "mode", "replaced", "added", "removed", "folder"])
+def test_a_copy_is_reused_for_any_order_or_subset_of_its_splits_until_the_source_changes(
+    tmp_path, monkeypatch, change
+):
+    """Reused whichever order the splits come in, or a part of them; staged again when the
+    last file listed changes (its size; its change time alone, by a chmod; its inode and
+    change time, by the same bytes put in its place with its time), a file is added after
+    it or removed, or an empty class folder is added."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["val", "train"], target, progress=False, reserve_gb=0)
+    calls = []
+    real = tmpfs.copy_files
+    monkeypatch.setattr(tmpfs, "copy_files", lambda *a: calls.append(1) or real(*a))
+    for splits in (["train", "val"], ["val", "train"], ["train"], ["val"]):
+        assert tmpfs.stage(root, splits, target, progress=False, reserve_gb=0) == final
+    assert calls == []
+    last = root / "train" / "b" / "b_001.jpg"  # the last file of train listed
+    st = last.stat()
+    if change == "size":
+        last.write_bytes(last.read_bytes() + b"\0")
+    elif change == "mode":
+        last.chmod(0o600)
+    elif change == "replaced":
+        shutil.copy(last, last.with_name("new.tmp"))
+        os.utime(last.with_name("new.tmp"), ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(last.with_name("new.tmp"), last)
+        assert (last.stat().st_size, last.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    elif change == "added":
+        shutil.copy(last, last.with_name("b_002.jpg"))
+    elif change == "removed":
+        last.unlink()
+    else:
+        (root / "train" / "c").mkdir()
+    assert tmpfs.stage(root, ["train"], target, progress=False, reserve_gb=0) == final
+    assert calls == [1]
+    assert tmpfs.stage(root, ["train", "val"], target, progress=False, reserve_gb=0) == final
+    assert calls == [1]  # the new copy holds both splits
+
+
 def test_the_manifest_lists_each_file_by_its_path_relative_to_the_root(tmp_path):
     """Paths relative to the root, for a split folder (nested folders too), a file the layout
     names, and a layout path that is the root itself ("."): as os.path.relpath gives them."""

@@ -250,14 +250,41 @@ def _read_manifest(folder: Path) -> dict | None:
     return have if isinstance(have, dict) else None
 
 
-def _under(rel: str, paths) -> bool:
-    rel = os.path.normpath(rel)
-    return any(p == os.curdir or rel == p or rel.startswith(p + os.sep) for p in paths)
+def _under(paths):
+    """A test of whether a manifest path lies under one of `paths` (or is one), made once
+    for a pass over every file."""
+    paths = {os.path.normpath(p) for p in paths}
+    if os.curdir in paths:
+        return lambda rel: True
+    prefixes = tuple(p + os.sep for p in paths)
+
+    def under(rel: str) -> bool:
+        rel = os.path.normpath(rel)
+        return rel in paths or rel.startswith(prefixes)
+
+    return under
 
 
 def _entries(files, paths=None) -> set[tuple]:
     """The manifest's file entries (`stat_entry`) as a set, those under `paths` when given."""
-    return {(os.path.normpath(f[0]), *f[1:]) for f in files if paths is None or _under(f[0], paths)}
+    under = _under(paths) if paths is not None else lambda rel: True
+    return {(os.path.normpath(f[0]), *f[1:]) for f in files if under(f[0])}
+
+
+def _same_files(have, want, paths) -> bool:
+    """Whether the manifest entries `have` list, under `paths`, the files of `want` (each
+    with the same size, times and inode). One pass when they come in the same order (a copy
+    of these splits, listed the same way: the usual reuse), without a set of either; else
+    compared as sets (other splits first, or the source changed)."""
+    under = _under(paths)
+    it = iter(want)
+    for h in have:
+        if under(h[0]) and h != next(it, None):
+            break
+    else:
+        if next(it, None) is None:
+            return True
+    return _entries(have, paths) == _entries(want)
 
 
 def _matches(folder: Path, manifest: dict) -> bool:
@@ -273,17 +300,19 @@ def _matches(folder: Path, manifest: dict) -> bool:
         return False
     paths = manifest["paths"]
     try:
-        files = _entries(have["files"], paths)
-        dirs = {os.path.normpath(d) for d in have["dirs"] if _under(d, paths)}
-    except (KeyError, TypeError, ValueError, IndexError):
-        return False
-    if files != _entries(manifest["files"]):
+        under = _under(paths)
+        dirs = {os.path.normpath(d) for d in have["dirs"] if under(d)}
+        if not _same_files(have["files"], manifest["files"], paths):
+            return False
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return False
     if dirs != {os.path.normpath(d) for d in manifest["dirs"]}:
         return False
+    # str paths, not a Path per file: this stats every file of the copy on each reuse
+    top = os.fspath(folder) + os.sep
     try:
-        return all((folder / rel).is_dir() for rel in manifest["dirs"]) and all(
-            os.stat(folder / f[0]).st_size == f[1] for f in manifest["files"]
+        return all(os.path.isdir(top + rel) for rel in manifest["dirs"]) and all(
+            os.stat(top + f[0]).st_size == f[1] for f in manifest["files"]
         )
     except OSError:
         return False
