@@ -1641,6 +1641,62 @@ def test_a_file_that_became_unreadable_while_staging_is_named(tmp_path, monkeypa
     assert not list(tmpfs.user_folder(target).iterdir())
 
 
+def test_a_copy_of_more_files_than_are_handed_out_at_once_copies_each_in_order_of_need(
+    tmp_path, monkeypatch
+):
+    """The threads get COPY_WINDOW files ahead of the oldest one not yet copied (not a
+    future per file of the dataset at once); every file is copied, and a failure or a size
+    that differs late in the order is named as before."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = make_image_folder(tmp_path / "data", ("a", "b", "c"), per_split=(6, 3), size=(16, 12))
+    monkeypatch.setattr(tmpfs, "COPY_WINDOW", 4)
+    copied, ahead = [], []
+    real = shutil.copyfile
+
+    def copy(src, dst):
+        copied.append(src)
+        return real(src, dst)
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, fn, /, *a, **k):
+            ahead.append(len(ahead) - len(copied))  # handed out, not yet copied
+            return super().submit(fn, *a, **k)
+
+    monkeypatch.setattr(tmpfs.shutil, "copyfile", copy)
+    monkeypatch.setattr(tmpfs, "ThreadPoolExecutor", Counting)
+    target = tmp_path / "shm"
+    final = tmpfs.stage(root, ["train", "val"], target, threads=2, progress=False, reserve_gb=0)
+    files = sorted(p.relative_to(root) for p in root.rglob("*.jpg"))
+    assert len(files) == 27 and len(copied) == 27 and len(ahead) == 27
+    assert max(ahead) <= 4
+    assert sorted(p.relative_to(final) for p in final.rglob("*.jpg")) == files
+    assert all((final / f).read_bytes() == (root / f).read_bytes() for f in files)
+
+    shutil.rmtree(final)
+    late = root / "val" / "c" / "c_002.jpg"  # the last file listed
+
+    def unreadable_late(src, dst):
+        if Path(src) == late:
+            raise PermissionError(errno.EACCES, "Permission denied", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(tmpfs.shutil, "copyfile", unreadable_late)
+    with pytest.raises(StorageError, match=re.escape(f"cannot stage {late}: this user")):
+        tmpfs.stage(root, ["train", "val"], target, threads=2, progress=False, reserve_gb=0)
+    assert not list(tmpfs.user_folder(target).iterdir())
+
+    def short_late(src, dst):
+        real(src, dst)
+        if Path(src) == late:
+            Path(dst).write_bytes(b"x")
+
+    monkeypatch.setattr(tmpfs.shutil, "copyfile", short_late)
+    with pytest.raises(StorageError, match=r"1 file\(s\) differ .* \(first: val/c/c_002.jpg\)"):
+        tmpfs.stage(root, ["train", "val"], target, threads=2, progress=False, reserve_gb=0)
+    assert not list(tmpfs.user_folder(target).iterdir())
+
+
 # -- cold cache --------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ The storage itself is storage=disk on the staged folder: identical bytes, order 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -392,24 +393,35 @@ def check_inodes(target_dir: Path, need: int, root) -> None:
     )
 
 
+# How many files are handed to the copying threads ahead of the one the progress bar waits
+# for: a future per file of ImageNet held at once took gigabytes while the tmpfs filled RAM.
+COPY_WINDOW = 4096
+
+
 def copy_files(
     src_root: Path, dst_root: Path, files, threads: int, progress: bool, dirs=()
 ) -> None:
+    """Copy `files` (manifest entries) from src_root into dst_root (its `dirs` made, empty
+    ones too), `threads` at a time in order, then check that each copy has the size the
+    manifest lists (a StorageError naming the first that does not). The first file that
+    fails stops the copy with its error."""
     from tqdm import tqdm
 
     total = sum(f[1] for f in files)
     for d in sorted({*dirs, *(os.path.dirname(f[0]) for f in files)}):
         (dst_root / d).mkdir(parents=True, exist_ok=True)
+    src_top, dst_top = os.fspath(src_root) + os.sep, os.fspath(dst_root) + os.sep
 
     def one(item):
         rel, size = item[0], item[1]
+        src, dst = src_top + rel, dst_top + rel  # str: no Path per file
         try:
-            shutil.copyfile(src_root / rel, dst_root / rel)  # copy_file_range/sendfile fast path
+            shutil.copyfile(src, dst)  # copy_file_range/sendfile fast path
         except FileNotFoundError:
-            if os.path.exists(src_root / rel):
+            if os.path.exists(src):
                 raise
             raise StorageError(
-                f"cannot stage {src_root / rel}: {_leads_nowhere(src_root / rel)}; it was "
+                f"cannot stage {src_root / rel}: {_leads_nowhere(src)}; it was "
                 f"there when the dataset was listed. Was the source modified during the "
                 f"copy? Retry."
             ) from None
@@ -417,8 +429,9 @@ def copy_files(
             if exc.filename is not None and Path(exc.filename) != src_root / rel:
                 raise  # the copy's side: stage() says so
             raise StorageError(_cannot_read(src_root / rel, "it is part of the dataset")) from None
-        return size
+        return size, os.stat(dst).st_size == size
 
+    differ = []
     with tqdm(
         total=total,
         unit="B",
@@ -428,12 +441,31 @@ def copy_files(
         disable=not progress,
     ) as bar:
         with ThreadPoolExecutor(max(1, threads)) as pool:
+            pending = collections.deque()
+
+            def done() -> None:  # the oldest file handed out: copied, or its error raised
+                size, same = pending[0][1].result()
+                if not same:
+                    differ.append(pending[0][0])
+                pending.popleft()
+                bar.update(size)
+
             try:
-                for size in pool.map(one, files):
-                    bar.update(size)
+                for item in files:
+                    if len(pending) >= COPY_WINDOW:
+                        done()
+                    pending.append((item[0], pool.submit(one, item)))
+                while pending:
+                    done()
             except BaseException:  # a failed file, Ctrl-C, SIGTERM: stop, do not copy the rest
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
+    if differ:
+        raise StorageError(
+            f"staging {src_root} into {dst_root}: {len(differ)} file(s) differ from the source "
+            f"after copying (first: {differ[0]}); was the source modified during the "
+            f"copy? Retry."
+        )
 
 
 def stage(
@@ -508,13 +540,6 @@ def _stage(layout, final: Path, manifest: dict, threads, reserve_gb, progress, a
     try:
         with building(final, replacing) as tmp:
             copy_files(root, tmp, manifest["files"], threads, progress, manifest["dirs"])
-            bad = [f[0] for f in manifest["files"] if os.stat(tmp / f[0]).st_size != f[1]]
-            if bad:
-                raise StorageError(
-                    f"staging {root} into {tmp}: {len(bad)} file(s) differ from the source "
-                    f"after copying (first: {bad[0]}); was the source modified during the "
-                    f"copy? Retry."
-                )
             (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
     except AlreadyBuilt:
         # Another run on this node (a second job, or a restart racing the old run) staged it
