@@ -1904,6 +1904,42 @@ def test_cleanup_leaves_a_copy_another_run_on_the_node_uses(tmp_path, caplog):
     assert not final.exists()
 
 
+def test_the_size_of_the_copy_a_run_leaves_is_its_bytes_without_a_walk(
+    tmp_path, monkeypatch, caplog
+):
+    """The end of a run says how much RAM the copy it leaves holds: the bytes of its files
+    (its manifest too) as its manifest lists them, remembered from staging or reusing it,
+    without a stat per file; read from the manifest in a process that did neither (or
+    after another run replaced the copy); a walk of the copy when it has no manifest."""
+    root = make_image_folder(tmp_path / "data", ("a", "b"), per_split=(2, 1), size=(16, 12))
+    (root / "train" / "a" / "big.bin").write_bytes(os.urandom(3_000_000))
+    target = tmp_path / "shm"
+    store = tmpfs.TmpfsStorage(target_dir=target, progress=False, reserve_gb=0)
+    store.prepare(root, ["train", "val"])
+    final = tmpfs.staged_root(root, target)
+
+    def walked():
+        return sum(p.stat().st_size for p in final.rglob("*") if p.is_file())
+
+    real = tmpfs._held
+    monkeypatch.setattr(tmpfs, "_held", lambda folder: pytest.fail("walked the copy"))
+    with caplog.at_level(logging.INFO, logger="fastload"):
+        store.finish(root, ["train", "val"])
+    assert f"stays in RAM for the next run ({walked() / 1e6:.0f} MB)" in caplog.text
+    assert "(3 MB)" in caplog.text
+    assert tmpfs.staged_bytes(final) == walked()
+    tmpfs._listed_bytes.clear()  # another process: the manifest is read
+    assert tmpfs.staged_bytes(final) == walked()
+    (root / "val" / "b" / "more.jpg").write_bytes(b"more")  # another run replaces the copy
+    subprocess.run([sys.executable, "-c", _STAGE, str(root), str(target), "locked", "val"],
+                   cwd=REPO, check=True, timeout=120)  # fmt: skip
+    assert (final / "val" / "b" / "more.jpg").is_file()
+    assert tmpfs.staged_bytes(final) == walked()
+    monkeypatch.setattr(tmpfs, "_held", real)
+    (final / tmpfs.MANIFEST).unlink()
+    assert tmpfs.staged_bytes(final) == walked()
+
+
 def test_cleanup_removes_the_copy_of_a_run_that_fails_before_training(tmp_path):
     """storage.cleanup=true: a run that failed after staging, before training (building the
     data, tuning the loader) left its copy in RAM; it is removed whatever ends the run."""

@@ -245,10 +245,63 @@ def _leads_nowhere(path) -> str:
 
 def _read_manifest(folder: Path) -> dict | None:
     try:
-        have = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        with open(folder / MANIFEST, "rb") as f:
+            st = os.fstat(f.fileno())
+            have = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError):
         return None
-    return have if isinstance(have, dict) else None
+    if not isinstance(have, dict):
+        return None
+    _remember(st, have)
+    return have
+
+
+# The bytes of the files each manifest this process read or wrote lists, by the manifest
+# file's identity: `finish` says how large the copy is without a walk of it (a stat per file
+# at the end of each run).
+_listed_bytes: dict[tuple, int] = {}
+
+
+def _manifest_id(st: os.stat_result) -> tuple:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remember(st: os.stat_result, manifest: dict) -> None:
+    with contextlib.suppress(KeyError, TypeError, IndexError):
+        _listed_bytes[_manifest_id(st)] = sum(f[1] for f in manifest["files"])
+
+
+def _held(folder) -> tuple[int, int, int]:
+    """(files and folders, their bytes, those bytes in whole pages) under `folder`: a walk
+    of what is there (os.scandir: no Path per file)."""
+    count = nbytes = pages = 0
+    stack = [os.fspath(folder)]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for e in entries:
+                count += 1
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                elif e.is_file():
+                    size = e.stat().st_size
+                    nbytes += size
+                    pages += -(-size // PAGE) * PAGE
+    return count, nbytes, pages
+
+
+def staged_bytes(final: Path) -> int:
+    """The bytes of the files of the staged copy at `final` (its manifest too): as its
+    manifest lists them (a complete copy has them: checked when it was staged and each time
+    it is reused), remembered from when this process read or wrote it, else read now; a
+    walk of the copy when it has no readable manifest."""
+    with contextlib.suppress(OSError):
+        st = os.stat(final / MANIFEST)
+        listed = _listed_bytes.get(_manifest_id(st))
+        if listed is None and _read_manifest(final) is not None:
+            listed = _listed_bytes.get(_manifest_id(st))
+        if listed is not None:
+            return listed + st.st_size
+    return _held(final)[1]
 
 
 def _under(paths):
@@ -541,6 +594,7 @@ def _stage(layout, final: Path, manifest: dict, threads, reserve_gb, progress, a
         with building(final, replacing) as tmp:
             copy_files(root, tmp, manifest["files"], threads, progress, manifest["dirs"])
             (tmp / MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+            _remember(os.stat(tmp / MANIFEST), manifest)  # the same file once renamed
     except AlreadyBuilt:
         # Another run on this node (a second job, or a restart racing the old run) staged it
         # first: as good as ours when it holds what this run needs.
@@ -637,10 +691,9 @@ def _make_room(final: Path, layout, manifest: dict, reserve: int, alone=None):
             final, root, ", ".join(manifest["splits"]),
         )  # fmt: skip
     else:
-        held = list(final.rglob("*"))
-        pages = (-(-f.stat().st_size // PAGE) * PAGE for f in held if f.is_file())
-        check_inodes(target_dir, max(0, inodes - len(held) - 1), root)
-        check_room(target_dir, max(0, need - sum(pages)), reserve, root)
+        held, _, pages = _held(final)
+        check_inodes(target_dir, max(0, inodes - held - 1), root)
+        check_room(target_dir, max(0, need - pages), reserve, root)
         if alone is not None and not alone():
             raise StorageError(
                 f"storage=tmpfs: {final} does not match {root} (changed, incomplete, or "
@@ -841,6 +894,6 @@ class TmpfsStorage(Storage):
                 "the staged copy %s stays in RAM for the next run (%.0f MB); remove it with "
                 "rm -rf %s, or set storage.cleanup=true to remove it at the end of each run",
                 final,
-                sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e6,
+                staged_bytes(final) / 1e6,
                 final,
             )
