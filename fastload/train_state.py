@@ -288,9 +288,13 @@ class TrainState:
                 f"train some samples twice and others never. Resume with the data as it was, "
                 f"or start a new run: resume=null (or another name=)."
             )
+        # Compared for a folder's files only ("files:<digest>"): a pack's fingerprint holds
+        # its checksums, which a re-pack of the same samples (another node's, another
+        # Pillow's re-encode) changes, and another storage= reads the same samples from
+        # another kind of pack; those are checked by their counts above.
         saved, now = state.get("data_fingerprints") or {}, self.data_fingerprints or {}
         changed = [k for k in now if k in saved and saved[k] != now[k]
-                   and saved[k].split(":")[0] == now[k].split(":")[0]]  # fmt: skip
+                   and kind_of(saved[k]) == kind_of(now[k]) == "files"]  # fmt: skip
         if changed:
             raise CheckpointError(
                 f"checkpoint {path} was written by a run on other data in the "
@@ -300,6 +304,12 @@ class TrainState:
                 f"samples twice and others never. Resume with the data as it was, or start a "
                 f"new run: resume=null (or another name=)."
             )
+
+
+def kind_of(fingerprint: str) -> str:
+    """What a split fingerprint is of ("files", "pack:fastload-shards", ...): all but its
+    digest (fastload/agreement.py: split_fingerprint)."""
+    return fingerprint.rsplit(":", 1)[0]
 
 
 def updates_per_epoch(steps_per_epoch: int, grad_accum_steps: int) -> int:

@@ -222,6 +222,14 @@ def test_checkpoints_without_a_fingerprint_of_the_kind_resume_on_their_counts():
               {"data_sizes": {"train": 18}}, "old.pt")  # fmt: skip
     with pytest.raises(CheckpointError, match="in the val split"):
         check(now, {"data_sizes": {"val": 9}, "data_fingerprints": {"val": "files:cc"}}, "n.pt")
+    # a shards run resumed on an LMDB pack of the same data (another storage=), or on a pack
+    # made again (other checksums, as many samples): counts only
+    packed = SimpleNamespace(data_sizes={"train": 18},
+                             data_fingerprints={"train": "pack:fastload-lmdb:542a"})  # fmt: skip
+    check(packed, {"data_sizes": {"train": 18},
+                   "data_fingerprints": {"train": "pack:fastload-shards:258b"}}, "s.pt")  # fmt: skip
+    check(packed, {"data_sizes": {"train": 18},
+                   "data_fingerprints": {"train": "pack:fastload-lmdb:9999"}}, "l.pt")  # fmt: skip
 
 
 def test_sigterm_writes_checkpoint_and_resume_matches_uninterrupted(tiny_folder, tmp_path):
