@@ -42,6 +42,7 @@ NODE_LOCAL = (
     "storage.target_dir",
     "storage.cache_dir",
     "storage.url",
+    "backend.scratch_dir",  # accimage's scratch files
 )
 
 
@@ -56,7 +57,11 @@ HOST_RESOURCES = (
     "loader.timeout",
     "storage.threads",
     "storage.reserve_gb",
+    "storage.cache_gb",  # the WebDataset shard cache on the node's disk
+    "storage.progress",
+    "backend.cpu_threads",
     "trainer.progress",
+    "loader.auto",  # rank 0 probes and sends its choice to every rank: only its own is read
 )
 
 

@@ -76,6 +76,8 @@ def test_node_local_folders_and_host_resources_are_left_out_of_the_config_compar
     # unlike nodes: another dataset copy, more cores, less RAM for pinned memory
     assert digest("dataset.root=/local/copy", "loader.num_workers=14",
                   "loader.pin_memory_max_mb=2048") == base  # fmt: skip
+    webdataset = digest("storage=webdataset")
+    assert digest("storage=webdataset", "storage.cache_gb=64") == webdataset
     assert digest("optim.base_lr=0.5") != base
     assert digest("trainer.batch_size=7") != base
     assert digest("loader.drop_last=false") != base
