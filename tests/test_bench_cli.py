@@ -723,3 +723,14 @@ def test_a_peer_epoch_that_gives_no_image_is_an_error_not_a_rate_of_zero(monkeyp
     with pytest.raises(SystemExit) as stop:
         peer_timing.time_epochs(lambda: 0, 3)
     assert stop.value.code == 2 and "gave no image" in capsys.readouterr().err
+
+
+def test_bench_tools_refuse_an_added_key_nothing_reads():
+    """The tools compose without a Hydra app, whose overrides check_config reads: a typo the
+    user added with + was taken without a word."""
+    from fastload.bench.common import compose
+    from fastload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"\+trainer.lr_typo=0.5: trainer has no option"):
+        compose(["+trainer.lr_typo=0.5"])
+    assert compose(["+repeat=1"]).repeat == 1

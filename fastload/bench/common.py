@@ -135,11 +135,13 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from fastload.added_keys import check_added_keys
     from fastload.config import conf_dir
     from fastload.engine import check_config
 
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = hydra_compose("config", overrides=list(overrides))
+    check_added_keys(cfg, list(overrides))  # no Hydra app here to read them from
     check_config(cfg)
     return cfg
 
