@@ -13,7 +13,10 @@ can read it:
 * a parameter of the class or function its node is built with (`_target_`), which receives
   it (`+backend.scratch_dir=...`), or anything where that takes `**kwargs`;
 * Hydra's own settings (`+hydra.job.env_set.X=1`) and config groups (`+experiment=...`);
-* the sweep axes in SWEEP_AXES, which only tell runs apart.
+* the sweep axes in SWEEP_AXES, which only tell runs apart;
+
+but never an argument the code passes itself (SET_BY_CODE: the optimizer's lr and
+weight_decay), which would be overridden.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ from fastload.errors import ConfigError
 # Keys a sweep adds only to tell its runs apart: scripts/reproduce repeats each variant with
 # `+repeat=0,1,2`, and the report groups the runs by their overrides (fastload/report/).
 SWEEP_AXES = frozenset({"repeat"})
+
+
+# Arguments of a built class that the code always passes itself, so that one added in the
+# config is overridden without a word: the optimizer's learning rate and weight decay come
+# from these options (fastload/optim.py: build_optimizer).
+SET_BY_CODE = {
+    "optim.optimizer.lr": "optim.base_lr (scaled by the global batch)",
+    "optim.optimizer.weight_decay": "optim.weight_decay",
+}
 
 
 def check_added_keys(cfg: DictConfig, overrides: list[str] | None = None) -> None:
@@ -80,6 +92,11 @@ def added(overrides: list[str]) -> list[tuple[str, str]]:
 
 def unread(cfg: DictConfig, key: str) -> str | None:
     """Why nothing would read `key` (a dotted path) in `cfg`, or None when something can."""
+    if key in SET_BY_CODE:
+        return (
+            f"the run sets {key.rpartition('.')[2]} itself, from {SET_BY_CODE[key]}, so this "
+            f"value would be overridden. Set that option instead."
+        )
     known, open_nodes = shipped_keys()
     if key in known or key in SWEEP_AXES or any(key.startswith(f"{node}.") for node in open_nodes):
         return None
