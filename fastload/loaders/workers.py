@@ -192,7 +192,9 @@ def register_workers(it, owner: str) -> None:
     """Remember which loader the workers of DataLoader iterator `it` serve (and forget the
     workers that have exited cleanly since)."""
     for pid, (_, process) in list(_OWNERS.items()):
-        if process.exitcode == 0:
+        # the status its stream's shutdown collected (join), not `exitcode`, which would
+        # collect a dead worker's status itself before torch's SIGCHLD check could see it
+        if getattr(getattr(process, "_popen", None), "returncode", None) == 0:
             del _OWNERS[pid]
     for process in stuck_worker(it)[0]:
         if process.pid is not None:
