@@ -241,11 +241,30 @@ def tar_index(path, name: str = "") -> tuple[list[str], dict]:
     """(sample keys in the order they first appear, {ext: {key: (offset, length)}}) of a tar
     shard, from its headers only. Damaged or cut headers and members cut by the end of the
     file raise StorageError naming the shard."""
-    name = name or str(path)
-    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        return file_index(fh, name or str(path))
+
+
+def file_index(fh, name: str) -> tuple[list[str], dict]:
+    """tar_index of an open shard file: its headers walked directly (`fast_index`), or read
+    by tarfile where they are not plain (`tarfile_index`)."""
+    size = os.fstat(fh.fileno()).st_size
+    if size:
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            try:
+                return fast_index(mm, size)
+            except UnusualTar:
+                pass
+    return tarfile_index(fh, name, size)
+
+
+def tarfile_index(fh, name: str, size: int) -> tuple[list[str], dict]:
+    """tar_index by Python's tarfile (~25-50 us a member): every tar it reads, and the
+    errors of damaged ones."""
     keys, members = {}, {}
+    fh.seek(0)
     try:
-        with tarfile.open(path, "r:") as tf:
+        with tarfile.open(fileobj=fh, mode="r:") as tf:
             for m in tf:
                 if not m.isfile():
                     continue
@@ -263,6 +282,125 @@ def tar_index(path, name: str = "") -> tuple[list[str], dict]:
             f"it, or set dataset.skip_corrupt=true to skip and count its samples."
         ) from None
     return list(keys), members
+
+
+BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
+REGULAR = frozenset(b"0\x007")  # tarfile's regular types but sparse: data blocks follow
+NO_DATA = frozenset(b"123456")  # links, devices, directories, fifos: no data blocks
+NUMBERS = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337), (337, 345))
+HEADERS_AT_ONCE = 8192  # headers checked per numpy pass (4 MB)
+CHKSUM_DIGITS = 8 ** np.arange(5, -1, -1, dtype=np.int64)
+
+
+class UnusualTar(Exception):
+    """What fast_index leaves to tarfile."""
+
+
+def fast_index(data, size: int) -> tuple[list[str], dict]:
+    """tar_index of `data` (`size` bytes: a memory map) when its headers are plain ustar,
+    GNU or v7 ones (what fastload's packer and most tools write): the 512-byte headers
+    walked in Python, their checksums and number fields checked in bulk, ~15x faster than
+    tarfile and exactly what it reads. UnusualTar for what it leaves to tarfile: GNU long
+    names, pax headers, sparse or unknown members, a bad checksum or number, a header or
+    member cut by the end of the file, an empty file."""
+    enc = tarfile.ENCODING
+    keys, members, heads = {}, {}, []
+    pos = 0
+    while True:
+        if pos + BLOCK > size:
+            if pos == size and pos:  # the end, without end-of-archive blocks
+                break
+            raise UnusualTar
+        h = data[pos : pos + BLOCK]
+        kind = h[156]
+        if kind in REGULAR:
+            if not kind and h == ZERO_BLOCK:  # the end-of-archive block
+                break
+            heads.append(h)
+            if len(heads) == HEADERS_AT_ONCE:
+                check_headers(heads)
+                heads = []
+            if h[135] == 0:  # "%011o\0", as tar tools write it
+                try:
+                    length = int(h[124:135], 8)
+                except ValueError:
+                    length = size_field(h)
+            else:
+                length = size_field(h)
+            cut = h.find(0, 0, 100)
+            member = h[: cut if cut >= 0 else 100].decode(enc, "surrogateescape")
+            if not kind and member.endswith("/"):  # v7: a directory
+                pos += BLOCK
+                continue
+            if h[345]:  # ustar: the name's leading folders
+                cut = h.find(0, 345, 500)
+                member = h[345 : cut if cut >= 0 else 500].decode(enc, "surrogateescape") + (
+                    "/" + member
+                )
+            pos += BLOCK
+            if length < 0 or pos + length > size:  # cut by the end of the file
+                raise UnusualTar
+            if "/" in member:
+                key, ext = split_key(member)
+            else:  # split_key's result without its calls
+                key, _, ext = member.partition(".")
+                ext = ext.lower()
+            keys[key] = None  # a key seen before keeps its place
+            by_key = members.get(ext)
+            if by_key is None:
+                members[ext] = by_key = {}
+            by_key[key] = (pos, length)
+            pos += -(-length // BLOCK) * BLOCK
+        elif kind in NO_DATA:
+            heads.append(h)
+            pos += BLOCK
+        elif h == ZERO_BLOCK:
+            break
+        else:  # GNU long names, pax headers, sparse files, unknown types
+            raise UnusualTar
+    check_headers(heads)
+    return list(keys), members
+
+
+def size_field(h: bytes) -> int:
+    """A member's size as tarfile reads it (base-256 for a large one); UnusualTar for what
+    it does not read."""
+    try:
+        return tarfile.nti(h[124:136])
+    except tarfile.HeaderError:
+        raise UnusualTar from None
+
+
+def check_headers(heads: list[bytes]) -> None:
+    """UnusualTar unless each header's checksum matches and its number fields read (what
+    tarfile requires of a header before it reads on)."""
+    if not heads:
+        return
+    h = np.frombuffer(b"".join(heads), np.uint8).reshape(-1, BLOCK)
+    field = h[:, 148:156]
+    total = h.sum(1, dtype=np.uint32).astype(np.int64) - field.sum(1, dtype=np.int64) + 256
+    digits = field[:, :6] - np.uint8(48)
+    plain = (digits <= 7).all(1) & (field[:, 6] == 0)  # "%06o\0 ", as tar tools write it
+    stored = np.where(plain, (digits.astype(np.int64) * CHKSUM_DIGITS).sum(1), -1)
+    for i in np.flatnonzero(~plain).tolist():
+        try:
+            stored[i] = tarfile.nti(heads[i][148:156])
+        except tarfile.HeaderError:
+            raise UnusualTar from None
+    for i in np.flatnonzero(stored != total).tolist():  # the sum of signed bytes, by tarfile
+        if stored[i] not in tarfile.calc_chksums(heads[i]):
+            raise UnusualTar
+    # mode, uid, gid, size, mtime, devmajor, devminor: octal digits up to a NUL read as a
+    # number (tarfile's nts, int(.., 8)); any other byte, by tarfile
+    numbers = np.concatenate([h[:, 100:148], h[:, 329:345]], axis=1)
+    clean = ((numbers - np.uint8(48) <= 7) | (numbers == 0)).all(1)
+    for i in np.flatnonzero(~clean).tolist():
+        for lo, hi in NUMBERS:
+            try:
+                tarfile.nti(heads[i][lo:hi])
+            except tarfile.HeaderError:
+                raise UnusualTar from None
 
 
 def field_members(field, members: dict) -> dict:
