@@ -1158,3 +1158,41 @@ def test_the_fast_tar_index_fails_as_tarfile_on_cut_and_damaged_shards(data, tmp
     path.write_bytes(good[:1500])
     with pytest.raises(StorageError, match=r"corrupt shard S: truncated, member 00000000.jpg ends"):
         wds.tar_index(path, "S")
+
+
+def test_a_reopened_shard_is_mapped_again_without_reading_its_headers_while_unchanged(
+    data, tmp_path, monkeypatch
+):
+    """Every DataLoader worker opens nearly every shard, and opens again those its few
+    memory maps let go: each opening read the tar headers and every .cls member again. What
+    an opening computed is kept (8 bytes a sample: the image members' offsets and lengths)
+    while the shard's file is the same; one written since is read, and its labels checked
+    against the manifest, again."""
+    root, pack = data
+    local = tmp_path / "pack"
+    shutil.copytree(pack, local)
+    reader = WebDatasetStorage(url=str(local), cache_dir=tmp_path / "c").open(root, "train")
+    reader.max_maps = 1  # each shard's map is closed when the next one opens
+    indexed = []
+    index = wds.file_index
+    monkeypatch.setattr(wds, "file_index", lambda fh, name: indexed.append(name) or index(fh, name))
+    first = [sample(reader, i) for i in range(len(reader))]
+    assert len(indexed) == 6 and len(reader._maps) == 1
+    assert [sample(reader, i) for i in range(len(reader))] == first
+    assert len(indexed) == 6  # mapped again, not read again
+    offsets, lengths = reader._kept[0][1]["image"]  # no .cls: the manifest has the labels
+    assert list(reader._kept[0][1]) == ["image"] and offsets.dtype == lengths.dtype == np.int32
+    shard = local / "train" / "shard-000001.tar"
+    shutil.copyfile(shard, tmp_path / "copy.tar")
+    os.replace(tmp_path / "copy.tar", shard)  # the same bytes in a new file
+    assert [sample(reader, i) for i in range(len(reader))] == first
+    assert indexed[6:] == [str(shard)]
+    _keys, members = wds.tar_index(shard)
+    at, _n = members["cls"]["00000005"]  # sample 1 of shard 1
+    raw = bytearray(shard.read_bytes())
+    raw[at] = ord("0") + (raw[at] - ord("0") + 1) % len(CLASSES)
+    before = shard.stat()
+    shard.write_bytes(bytes(raw))  # in place (the hash is checked once per process)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # not in the same tick
+    with pytest.raises(StorageError, match="sample 00000005 has .cls .*, but the manifest"):
+        sample(reader, 5)

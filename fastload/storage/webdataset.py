@@ -37,7 +37,9 @@ record i): sample i lies in shard k at member offset o. The shard is fetched who
 a cached shard is found by its URL and the manifest's checksum, so a shard re-packed to the
 same URL is fetched again, but one without a manifest by its URL alone)
 or, for a local folder, read where it is; its tar index comes from the tar headers, read
-once per process; the member's bytes are sliced from a memory map. The order that makes this
+once per process while the file is unchanged (kept when its memory map is closed: 8 bytes a
+sample per non-int field, up to KEEP_INDEX_BYTES); the member's bytes are sliced from a
+memory map. The order that makes this
 stream shard by shard is the sampler's (fastload/data/sampling.py: ShardStreamSampler): the
 shards permuted per (seed, epoch), the stream cut into equal parts per rank, each part
 shuffled block-wise within `shuffle_buffer` samples, so a worker needs only the few shards
@@ -235,6 +237,11 @@ class WdsWriter:
 
 
 # -- reading one shard ------------------------------------------------------------------------
+
+
+# A reader keeps the index of this many bytes of shards it closed (8 bytes a sample for each
+# field but the int ones: ImageNet's 1.28M samples, 10 MB); beyond it, of the last used.
+KEEP_INDEX_BYTES = 64 << 20
 
 
 def tar_index(path, name: str = "") -> tuple[list[str], dict]:
@@ -469,7 +476,7 @@ class WdsReader(Reader):
     """The fields of one split's shards; a shard is fetched (or opened) on first use in each
     process, a few memory maps are kept open at a time."""
 
-    _unpicklable = ("_maps", "_verified", "_bad")
+    _unpicklable = ("_maps", "_verified", "_bad", "_kept")
 
     def __init__(
         self,
@@ -522,7 +529,8 @@ class WdsReader(Reader):
         self.cold_cache = bool(cold_cache)
         avg = max(1.0, float(self.shard_sizes.mean())) if len(shards) else 1.0
         self.max_maps = max(4, int(self.shuffle_buffer / avg) + 3)
-        self._maps = self._verified = self._bad = None
+        self._maps = self._verified = self._bad = self._kept = None
+        self._kept_bytes = 0
         self._init_stats()
 
     def __len__(self) -> int:
@@ -609,9 +617,13 @@ class WdsReader(Reader):
 
     def _open(self, k: int):
         """(memory map, {field: (offsets, lengths)}) of shard k, opened once per process;
-        -1 where a sample has no member of that field."""
+        -1 where a sample has no member of that field. Int fields (.cls) have none: their
+        values are the manifest's, checked against the members at the first opening of each
+        version of the file (`_check_columns`). What an opening computed is kept when the
+        map is closed (`_kept`), so opening the same file again only maps it."""
         if self._maps is None:
             self._maps, self._verified, self._bad = collections.OrderedDict(), set(), {}
+            self._kept, self._kept_bytes = collections.OrderedDict(), 0
         got = self._maps.get(k)
         if got is not None:
             self._maps.move_to_end(k)
@@ -619,12 +631,49 @@ class WdsReader(Reader):
         for attempt in (0, 1):
             try:
                 path = self.local_path(k)
-                keys, members = tar_index(path, self.urls[k])
                 fh = open(path, "rb")  # noqa: SIM115
                 break
             except FileNotFoundError:  # evicted by another process between fill and open
                 if attempt:
                     raise
+        with fh:
+            version = self._version(k, path, os.fstat(fh.fileno()))
+            kept = self._kept.pop(k, None)
+            if kept is not None:
+                self._kept_bytes -= kept[2]
+                if kept[0] != version:  # the file was written since
+                    kept = None
+            fields = kept[1] if kept is not None else self._index(k, fh)
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        if version is not None:
+            if kept is None:
+                kept = (version, fields, sum(a.nbytes for pair in fields.values() for a in pair))
+            self._kept[k] = kept
+            self._kept_bytes += kept[2]
+            while self._kept_bytes > KEEP_INDEX_BYTES and len(self._kept) > 1:
+                self._kept_bytes -= self._kept.popitem(last=False)[1][2]
+        self._maps[k] = got = (mm, fields)
+        while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
+            self._maps.popitem(last=False)[1][0].close()
+        return got
+
+    def _version(self, k: int, path: Path, st: os.stat_result) -> tuple | None:
+        """What identifies the bytes of shard k's file, for keeping its index (None: not
+        kept). A local shard: its path and stat (inode, size, mtime, ctime). A shard in the
+        node cache: its path (from the URL and the manifest's checksum), inode and size: the
+        cache renames into that name only bytes with that checksum, and touches the mtime
+        at each use (its LRU). One cached without a checksum (no manifest) is indexed again
+        at each opening: a new fetch may hold other bytes."""
+        if self.cache is not None and is_remote(self.urls[k]):
+            if self.shard_checks[k] is None:
+                return None
+            return str(path), st.st_dev, st.st_ino, st.st_size
+        return str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def _index(self, k: int, fh) -> dict:
+        """{field: (offsets, lengths)} of shard k's samples from its tar headers, int32 where
+        they fit; the int fields' members checked against the manifest and left out."""
+        keys, members = file_index(fh, self.urls[k])
         first = field_members(self.schema[0], members)
         keys = [key for key in keys if key in first]
         if len(keys) != int(self.shard_sizes[k]):
@@ -632,33 +681,32 @@ class WdsReader(Reader):
                 f"corrupt shard {self.urls[k]}: {len(keys)} samples with a "
                 f"{self.schema[0].name} member, the manifest says {int(self.shard_sizes[k])}."
             )
+        small = os.fstat(fh.fileno()).st_size < 2**31  # every offset and length fits int32
         fields = {}
         for field in self.schema:
             found = field_members(field, members)
             at = [found.get(key, (-1, -1)) for key in keys]
-            fields[field.name] = (np.asarray([a[0] for a in at]), np.asarray([a[1] for a in at]))
-        with fh:
-            self._check_columns(k, fh, fields, keys)
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self._maps[k] = got = (mm, fields)
-        while len(self._maps) > self.max_maps:  # unmapped: RAM of evicted tmpfs shards returns
-            self._maps.popitem(last=False)[1][0].close()
-        return got
+            fields[field.name] = tuple(
+                np.asarray([a[i] for a in at], np.int32 if small else np.int64) for i in (0, 1)
+            )
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            self._check_columns(k, mm, fields, keys)
+        return {name: v for name, v in fields.items() if name not in self._columns}
 
-    def _check_columns(self, k: int, fh, fields: dict, keys: list[str]) -> None:
-        """The shard's int members (.cls) against the manifest's values, once per opening (a
-        few microseconds a sample): a manifest written for other shards would train every
-        sample under a wrong label."""
+    def _check_columns(self, k: int, data, fields: dict, keys: list[str]) -> None:
+        """The shard's int members (.cls) against the manifest's values, at the first opening
+        of each version of its file in a process (a few microseconds a sample): a manifest
+        written for other shards would train every sample under a wrong label."""
         start = int(self._starts[k])
         for field in self.schema.columns:
             offs, lens = fields[field.name]
+            wants = self._columns[field.name][start : start + len(keys)].tolist()
             for j, (off, n) in enumerate(zip(offs.tolist(), lens.tolist(), strict=True)):
                 if off < 0:
                     continue
-                fh.seek(off)
                 key = keys[j]
-                value = parse_column(field, fh.read(n), self.urls[k], key)
-                want = int(self._columns[field.name][start + j])
+                value = parse_column(field, data[off : off + n], self.urls[k], key)
+                want = wants[j]
                 if value != want:
                     ext = field.member_ext(b"")
                     raise StorageError(
