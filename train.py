@@ -20,8 +20,8 @@ from hydra.errors import ConfigCompositionException, OverrideParseException
 from omegaconf import DictConfig
 
 import fastload.config  # noqa: F401  (registers the run-id resolvers used by conf/config.yaml)
-from fastload.errors import hydra_one_line, to_log_files, user_error
-from fastload.host import global_rank
+from fastload.errors import hydra_one_line, printed_here, to_log_files, user_error
+from fastload.host import global_rank, local_rank
 
 
 def strip_local_rank_arg() -> None:
@@ -58,7 +58,8 @@ def main(cfg: DictConfig) -> None:
         error = user_error(exc)
         if error is None:
             raise
-        print(f"error: {error.user_message}", file=sys.stderr, flush=True)
+        if printed_here(error):
+            print(f"error: {error.user_message}", file=sys.stderr, flush=True)
         to_log_files(f"error: {error.user_message}")
         sys.exit(2)
     finally:
@@ -77,6 +78,7 @@ if __name__ == "__main__":
         main()
     except (ConfigCompositionException, OverrideParseException) as exc:
         cause = str(exc.__cause__ or "").split("\n")[0]  # e.g. "Key 'epoch' is not in struct"
-        print(f"error: {hydra_one_line(str(exc))}{f' ({cause})' if cause else ''}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        if local_rank() == 0:  # a node's ranks got one command line: said once per node
+            print(f"error: {hydra_one_line(str(exc))}{f' ({cause})' if cause else ''}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         sys.exit(2)

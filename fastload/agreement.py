@@ -22,7 +22,7 @@ import xxhash
 
 from fastload import dist
 from fastload.checkpoint import flatten
-from fastload.errors import ConfigError, DatasetError
+from fastload.errors import ConfigError, DatasetError, alike
 from fastload.host import hostname
 
 # Config keys that may differ from node to node, left out of the comparison. Each names where
@@ -139,11 +139,13 @@ def check_runs_alike(cfg, ctx, records: list[dict]) -> None:
     code = differing(records, lambda rec: rec["code"])
     if code:
         r = code[0]
-        raise ConfigError(
-            f"{where(records, r)}{also(code)} runs other fastload code than "
-            f"{where(records, 0)}: {records[r]['code']} there, {records[0]['code']} on rank 0. "
-            f"Every node must run the same fastload (the same commit, without local "
-            f"changes): install it alike on every node, or run it from one shared checkout."
+        raise alike(
+            ConfigError(
+                f"{where(records, r)}{also(code)} runs other fastload code than "
+                f"{where(records, 0)}: {records[r]['code']} there, {records[0]['code']} on rank 0. "
+                f"Every node must run the same fastload (the same commit, without local "
+                f"changes): install it alike on every node, or run it from one shared checkout."
+            )
         )
     config = differing(records, lambda rec: rec["config"])
     if not config:
@@ -155,13 +157,15 @@ def check_runs_alike(cfg, ctx, records: list[dict]) -> None:
             for k in sorted(set(mine) | set(theirs))
             if mine.get(k, missing) != theirs.get(k, missing)]  # fmt: skip
     shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-    raise ConfigError(
-        f"{where(records, r)}{also(config)} was started with another configuration than "
-        f"{where(records, 0)} ({shown}; rank 0's -> rank {r}'s). Every rank of a run must "
-        f"train with the same settings: another seed or LR trains a replica that drifts from "
-        f"the others, another batch size or epoch count leaves ranks waiting for each other. "
-        f"Start every node with the same command line; only node-local folders and host "
-        f"resources may differ ({', '.join(k for k in NODE_LOCAL + HOST_RESOURCES if k != 'hydra')})."
+    raise alike(
+        ConfigError(
+            f"{where(records, r)}{also(config)} was started with another configuration than "
+            f"{where(records, 0)} ({shown}; rank 0's -> rank {r}'s). Every rank of a run must "
+            f"train with the same settings: another seed or LR trains a replica that drifts from "
+            f"the others, another batch size or epoch count leaves ranks waiting for each other. "
+            f"Start every node with the same command line; only node-local folders and host "
+            f"resources may differ ({', '.join(k for k in NODE_LOCAL + HOST_RESOURCES if k != 'hydra')})."
+        )
     )
 
 
@@ -218,11 +222,13 @@ def check_data_alike(records: list[dict]) -> None:
         else:
             what = (f"as many samples ({want['samples']}), but other files, labels or order "
                     f"(dataset.root={records[r]['root']} there, {records[0]['root']} on rank 0)")  # fmt: skip
-        raise DatasetError(
-            f"{where(records, r)}{also(ranks)} reads another {split} split than "
-            f"{where(records, 0)}: {what}. Every rank must train on the same data: a node's "
-            f"own copy that differs would train some samples twice and others never, and its "
-            f"ranks would run another number of steps than the others. Make each node's "
-            f"dataset.root (and any pack made of it) the same as rank 0's, e.g. copy it again "
-            f"with rsync -a --delete, or point every node at one shared copy."
+        raise alike(
+            DatasetError(
+                f"{where(records, r)}{also(ranks)} reads another {split} split than "
+                f"{where(records, 0)}: {what}. Every rank must train on the same data: a node's "
+                f"own copy that differs would train some samples twice and others never, and its "
+                f"ranks would run another number of steps than the others. Make each node's "
+                f"dataset.root (and any pack made of it) the same as rank 0's, e.g. copy it again "
+                f"with rsync -a --delete, or point every node at one shared copy."
+            )
         )

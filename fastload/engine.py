@@ -34,7 +34,7 @@ from fastload.autotune import tune
 from fastload.data.transforms import check_transforms
 from fastload.ema import ModelEma
 from fastload.ema import check_options as check_ema_options
-from fastload.errors import CheckpointError, ConfigError, FastloadError
+from fastload.errors import CheckpointError, ConfigError, FastloadError, alike
 from fastload.host import code_version, global_rank, hostname, size_text
 from fastload.loaders import checks as loader_checks
 from fastload.loaders.workers import check_num_workers, dead_worker_error
@@ -1097,7 +1097,10 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def fit(cfg: DictConfig) -> dict:
-    check_config(cfg)
+    try:
+        check_config(cfg)
+    except ConfigError as exc:  # the config alone: a node's ranks got one command line
+        raise alike(exc) from None
     ctx = dist.setup(cfg.trainer.device, cfg.trainer.dist_backend)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
 

@@ -11,6 +11,10 @@ from __future__ import annotations
 class FastloadError(Exception):
     """A problem with the user's input or environment that the user can fix."""
 
+    # True for an error every rank raises word for word (fastload/agreement.py: the ranks
+    # compared the same records): train.py prints it once per node, not once per rank.
+    alike_on_every_rank = False
+
     @property
     def user_message(self) -> str:
         text = str(self)
@@ -55,6 +59,23 @@ class StorageError(FastloadError):
 
 class LoaderStallError(FastloadError):
     """The loader produced no batch within loader.timeout; the message names the stuck worker."""
+
+
+def alike(error: FastloadError) -> FastloadError:
+    """`error`, marked as raised word for word on every rank of a node (the ranks compared
+    the same gathered records, or checked the same command line): train.py prints it once
+    per node (`printed_here`)."""
+    error.alike_on_every_rank = True
+    return error
+
+
+def printed_here(error: FastloadError) -> bool:
+    """Whether this process prints `error` on the console: every rank but where all of a
+    node's ranks raise the same words, which its local rank 0 alone prints (each rank's
+    log file still gets it)."""
+    from fastload.host import local_rank
+
+    return not error.alike_on_every_rank or local_rank() == 0
 
 
 def to_log_files(line: str) -> None:

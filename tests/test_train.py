@@ -420,3 +420,19 @@ def test_default_run_learns_the_builtin_dataset(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 6
     assert summary["best_acc1"] > 30  # 10 classes: chance is 10 %
+
+
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ("+trainer.lr_typo=0.5", "trainer has no option 'lr_typo'"),  # check_config's
+        ("trainer.epoch=3", "trainer.epoch"),  # Hydra's own (a misspelt option)
+    ],
+)
+def test_a_config_error_is_said_once_per_node_not_once_per_rank(tiny_folder, tmp_path, bad, said):
+    """Every rank of a node checks the same command line and raises the same words: printed
+    by each of them, 8 ranks gave 8 identical lines."""
+    out = run_torchrun(tiny_folder, tmp_path, f"output_root={tmp_path / 'out'}", bad, timeout=180)
+    assert out.returncode != 0, out.stdout[-2000:] + out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and said in errors[0], out.stderr[-3000:]
