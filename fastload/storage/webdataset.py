@@ -647,7 +647,7 @@ class WdsReader(Reader):
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         if version is not None:
             if kept is None:
-                kept = (version, fields, sum(a.nbytes for pair in fields.values() for a in pair))
+                kept = (version, fields, sum(a.nbytes for arrays in fields.values() for a in arrays))
             self._kept[k] = kept
             self._kept_bytes += kept[2]
             while self._kept_bytes > KEEP_INDEX_BYTES and len(self._kept) > 1:
