@@ -647,7 +647,7 @@ class WdsReader(Reader):
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         if version is not None:
             if kept is None:
-                kept = (version, fields, sum(a.nbytes for arrays in fields.values() for a in arrays))
+                kept = (version, fields, sum(a.nbytes for col in fields.values() for a in col))
             self._kept[k] = kept
             self._kept_bytes += kept[2]
             while self._kept_bytes > KEEP_INDEX_BYTES and len(self._kept) > 1:
