@@ -642,6 +642,91 @@ def test_a_broken_annotation_file_is_named_not_trained_on(coco_root, tmp_path, c
     assert str(path) in str(err.value) and needle in str(err.value)
 
 
+def coco_source_arrays(source):
+    """Everything a CocoSource read from its file, as exact bytes."""
+    arrays = (source.ids, source.files, source.sizes, source.category_ids, source._boxes,
+              source._labels, source._offsets)  # fmt: skip
+    return [(a.dtype.str, a.shape, a.tobytes()) for a in arrays], source.dropped
+
+
+def edge_case_annotations(tmp_path, images=1200):
+    """An instances file of the cases the box reading distinguishes (crowd as 1, true or 0,
+    boxes outside, on and across the image's sides, -0.0, ints, images without a stated
+    size or with 0, annotations of an image it does not list), with the image files; ids
+    not in order."""
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    ims, anns = [], []
+    for k, i in enumerate(rng.permutation(np.arange(10, 10 + images)).tolist()):
+        im = {"id": i, "file_name": f"{i:06d}.jpg"}
+        if k % 7:
+            im["width"], im["height"] = [(64, 48), (0, 30), (None, 20), (33.5, 17.25)][k % 4]
+        ims.append(im)
+        (folder / im["file_name"]).touch()
+        for _ in range(int(rng.integers(0, 4))):
+            box = rng.choice([-10.0, -0.0, 0, 1, 5.5, 17.25, 33.5, 47, 64, 70.0], 4).tolist()
+            if rng.random() < 0.5:
+                box = rng.uniform(-20, 80, 4).tolist()
+            a = {"id": len(anns) + 1, "image_id": i, "category_id": int(rng.choice([1, 3, 9]))}
+            a["bbox"] = [int(v) if v == 47 else v for v in box]
+            crowd = rng.integers(0, 4)
+            if crowd < 3:
+                a["iscrowd"] = [0, 1, True][crowd]
+            anns.append(a)
+    anns.append({"id": len(anns) + 1, "image_id": 5, "category_id": 1, "bbox": [1, 2, 3, 4]})
+    rng.shuffle(anns)
+    cats = [{"id": c, "name": f"c{c}"} for c in (9, 1, 3)]
+    path = tmp_path / "instances_edge.json"
+    path.write_text(json.dumps({"images": ims, "annotations": anns, "categories": cats}))
+    return path, folder
+
+
+@pytest.mark.parametrize("subset", [None, 700])
+def test_the_array_read_of_an_annotation_file_equals_the_per_annotation_one(
+    tmp_path, monkeypatch, subset
+):
+    """A file whose fields are all of their plain JSON types is read as arrays (_Columns);
+    the boxes, labels, offsets, sizes and dropped counts are bit for bit those of the
+    per-image, per-annotation reading that any other file gets."""
+    from fastload.data import sources
+
+    path, folder = edge_case_annotations(tmp_path)
+    assert sources._Columns.read(json.loads(path.read_text())) is not None
+    fast = coco_source_arrays(sources.CocoSource(path, folder, subset))
+    monkeypatch.setattr(sources._Columns, "read", classmethod(lambda cls, data: None))
+    slow = coco_source_arrays(sources.CocoSource(path, folder, subset))
+    assert fast == slow
+    dropped = fast[1]
+    assert dropped["crowd"] and dropped["degenerate"] and dropped["images_without_boxes"]
+    assert dropped["of_no_image"] == 1
+
+
+def test_a_missing_image_among_many_is_named_as_before(tmp_path):
+    """Past 1000 images the folder is listed once instead of a stat per image; a file in a
+    subfolder or behind a link is still found, and the first missing one still named."""
+    from fastload.data.sources import CocoSource
+
+    path, folder = edge_case_annotations(tmp_path)
+    ann = json.loads(path.read_text())
+    (folder / "sub").mkdir()
+    (folder / "sub" / "x.jpg").touch()
+    (folder / "linked.jpg").symlink_to(folder / ann["images"][0]["file_name"])
+    ann["images"][3]["file_name"] = "sub/x.jpg"
+    ann["images"][4]["file_name"] = "linked.jpg"
+    path.write_text(json.dumps(ann))
+    assert len(CocoSource(path, folder)) == 1200
+    gone = sorted(ann["images"], key=lambda im: im["id"])[2:4]
+    for im in gone:
+        (folder / im["file_name"]).unlink()
+    with pytest.raises(DatasetError) as err:
+        CocoSource(path, folder)
+    assert str(err.value).startswith(
+        f"2 image(s) listed in {path} are missing from {folder}, first: "
+        f"{folder / gone[0]['file_name']}. "
+    )
+
+
 def keep(pixels, boxes, rng):
     """A transform that keeps the decoded image and its boxes as they are."""
     return pixels, boxes

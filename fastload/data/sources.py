@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import chain, repeat
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -139,8 +141,9 @@ class ImageFolderSource(Source):
 
 
 def _load_coco(ann_path: Path):
-    """pycocotools' COCO index of an instances file, quietly; DatasetError naming the file
-    when it is not one, or its ids do not fit together (`_check_ids`)."""
+    """pycocotools' COCO index of an instances file, quietly, and its `_Columns` (None when
+    a field is not of its plain JSON type); DatasetError naming the file when it is not one,
+    or its ids do not fit together (`_check_ids`)."""
     import contextlib
     import io
 
@@ -149,23 +152,98 @@ def _load_coco(ann_path: Path):
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # it prints timings
             coco = COCO(str(ann_path))
-        for im in coco.dataset["images"]:
-            int(im["id"]), str(im["file_name"])
-        for c in coco.dataset["categories"]:
-            int(c["id"])
-        if not coco.dataset["categories"]:
-            raise ValueError("'categories' is empty")
-        for a in coco.dataset.get("annotations", []):
-            int(a["image_id"]), int(a["category_id"])
-            _check_bbox(a)
-        _check_ids(ann_path, coco.dataset)
+        columns = _Columns.read(coco.dataset)
+        if columns is None:  # one of the checks below fails, or passes another type
+            _check_fields(coco.dataset)
+        _check_ids(ann_path, coco.dataset, columns)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:
         raise DatasetError(
             f"{ann_path} is not a COCO instances file ({type(exc).__name__}: {exc}); it needs "
             f"'images' (id, file_name), 'annotations' (image_id, bbox [x, y, w, h], "
             f"category_id) and 'categories' (id, name)."
         ) from None
-    return coco
+    return coco, columns
+
+
+class _Columns:
+    """An instances file's fields as arrays, read only when every one is of its plain JSON
+    type (ids and category ids ints that fit int64, file names strings, boxes lists of four
+    finite ints or floats, image sizes ints, floats or null), which `_check_fields` and
+    CocoSource's per-annotation reading pass exactly as these arrays give them: ~10x less
+    CPU than those loops on COCO's 860k annotations. `read` gives None for any other file,
+    which the loops then refuse (with their first error, in file order) or read."""
+
+    def __init__(self, data: dict):
+        images, cats = data["images"], data["categories"]
+        anns = data.get("annotations", [])
+        if not (type(images) is list and type(cats) is list and type(anns) is list and cats):
+            raise TypeError
+        for items in (images, cats, anns):
+            _of_types(items, dict)
+        self.image_ids = _ints(map(itemgetter("id"), images))
+        self.file_names = list(map(itemgetter("file_name"), images))
+        _of_types(self.file_names, str)
+        self.widths = [im.get("width") for im in images]
+        self.heights = [im.get("height") for im in images]
+        _of_types(self.widths, int, float, type(None))
+        _of_types(self.heights, int, float, type(None))
+        # the sides boxes are clipped to (_clip_xywh: none where 0 or not stated)
+        self.sides = np.stack(
+            [_floats([v or 0 for v in x]) for x in (self.widths, self.heights)], 1
+        )
+        self.sides[self.sides == 0] = np.inf
+        self.category_ids = _ints(map(itemgetter("id"), cats))
+        self.ann_ids = _ints(map(itemgetter("id"), anns))
+        self.ann_images = _ints(map(itemgetter("image_id"), anns))
+        self.ann_categories = _ints(map(itemgetter("category_id"), anns))
+        boxes = list(map(itemgetter("bbox"), anns))
+        _of_types(boxes, list)
+        if not set(map(len, boxes)) <= {4}:
+            raise ValueError
+        flat = list(chain.from_iterable(boxes))
+        _of_types(flat, int, float)
+        self.boxes = _floats(flat).reshape(-1, 4)
+        if not np.isfinite(self.boxes).all():
+            raise ValueError
+        self.crowd = np.fromiter(
+            map(bool, map(dict.get, anns, repeat("iscrowd"), repeat(0))), bool, len(anns)
+        )
+
+    @classmethod
+    def read(cls, data: dict) -> _Columns | None:
+        try:
+            return cls(data)
+        except Exception:  # noqa: BLE001 - the per-record checks say what is wrong, if anything
+            return None
+
+
+def _of_types(values: list, *types) -> None:
+    if not set(map(type, values)) <= set(types):
+        raise TypeError
+
+
+def _floats(values: list) -> np.ndarray:
+    return np.fromiter(map(float, values), np.float64, len(values))  # OverflowError: huge int
+
+
+def _ints(values) -> np.ndarray:
+    values = list(values)
+    _of_types(values, int)
+    return np.array(values, np.int64).reshape(-1)  # OverflowError past int64
+
+
+def _check_fields(data: dict) -> None:
+    """Each field read is there and of a type its use takes (ValueError, KeyError,
+    TypeError naming the first that is not); one record at a time, in file order."""
+    for im in data["images"]:
+        int(im["id"]), str(im["file_name"])
+    for c in data["categories"]:
+        int(c["id"])
+    if not data["categories"]:
+        raise ValueError("'categories' is empty")
+    for a in data.get("annotations", []):
+        int(a["image_id"]), int(a["category_id"])
+        _check_bbox(a)
 
 
 def _repeated(values) -> list:
@@ -177,12 +255,28 @@ def _repeated(values) -> list:
     return twice
 
 
-def _check_ids(ann_path: Path, data: dict) -> None:
+def _distinct(ids: np.ndarray) -> bool:
+    ids = np.sort(ids)
+    return not (ids[1:] == ids[:-1]).any()
+
+
+def _ids_fit(c: _Columns) -> bool:
+    return (
+        _distinct(c.image_ids)
+        and _distinct(c.ann_ids)
+        and bool(np.isin(c.ann_categories, c.category_ids).all())
+    )
+
+
+def _check_ids(ann_path: Path, data: dict, columns: _Columns | None = None) -> None:
     """DatasetError naming the file when its ids do not each name one thing: pycocotools
     keeps the last image of a repeated id (one file vanishes and the other gets both
     images' boxes) and the last annotation of a repeated id (COCOeval's ground truth then
     differs from the training targets); an annotation's unknown category_id would fail only
-    when its image is read (for a validation image, after a whole training epoch)."""
+    when its image is read (for a validation image, after a whole training epoch).
+    `columns` (when read) pass a file whose ids all fit without a loop."""
+    if columns is not None and _ids_fit(columns):
+        return
     for what, items in (("image", data["images"]), ("annotation", data.get("annotations", []))):
         twice = _repeated(int(x["id"]) for x in items)
         if twice:
@@ -257,22 +351,26 @@ class CocoSource(Source):
         if not self.images.is_dir():
             raise DatasetError(f"COCO image folder {self.images} does not exist. {fix['images']}")
         self.annotations = ann_path
-        coco = _load_coco(ann_path)
+        coco, columns = _load_coco(ann_path)
         self.root = str(self.images)
         stem = ann_path.stem
         self.name = stem[len("instances_") :] if stem.startswith("instances_") else stem
         cats = sorted(coco.dataset.get("categories", []), key=lambda c: int(c["id"]))
         self.classes = tuple(str(c.get("name", c["id"])) for c in cats)
         self.category_ids = np.array([int(c["id"]) for c in cats], np.int64)
-        ids = sorted(int(i) for i in coco.imgs)
-        ids = ids[:subset] if subset else ids
-        self.ids = np.array(ids, np.int64)
-        self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
-        # (width, height) as the file states them, 0 where it does not
-        self.sizes = np.array(
-            [[int(coco.imgs[i].get(k) or 0) for k in ("width", "height")] for i in ids], np.int64
-        ).reshape(-1, 2)
-        self._index_boxes(coco, ids)
+        if columns is not None:
+            self._read_columns(columns, subset)
+        else:
+            ids = sorted(int(i) for i in coco.imgs)
+            ids = ids[:subset] if subset else ids
+            self.ids = np.array(ids, np.int64)
+            self.files = np.array([str(coco.imgs[i]["file_name"]) for i in ids])
+            # (width, height) as the file states them, 0 where it does not
+            self.sizes = np.array(
+                [[int(coco.imgs[i].get(k) or 0) for k in ("width", "height")] for i in ids],
+                np.int64,
+            ).reshape(-1, 2)
+            self._index_boxes(coco, ids)
         self._check_files(ann_path, fix["files"])
         self._files = {"image": self._path}  # bound methods: a source crosses spawn
         self._values = {"image_id": self.ids, "boxes": self._box_xywh, "labels": self._box_labels}
@@ -303,6 +401,47 @@ class CocoSource(Source):
             len(anns) for i, anns in coco.imgToAnns.items() if i not in listed
         )
 
+    def _read_columns(self, c: _Columns, subset: int | None) -> None:
+        """What the per-image reading above and `_index_boxes` make, from a file's columns
+        (ids unique, every field of its plain JSON type): the same arrays, bit for bit."""
+        order = np.argsort(c.image_ids, kind="stable")
+        order = order[:subset] if subset else order
+        self.ids = c.image_ids[order]
+        self.files = np.array([c.file_names[j] for j in order.tolist()])
+        width = [c.widths[j] for j in order.tolist()]
+        height = [c.heights[j] for j in order.tolist()]
+        self.sizes = np.array(
+            [[int(w or 0), int(h or 0)] for w, h in zip(width, height, strict=True)], np.int64
+        ).reshape(-1, 2)
+        # each annotation's place among the images taken (-1: none), in file order
+        pos = np.searchsorted(self.ids, c.ann_images)
+        pos[pos == len(self.ids)] = 0
+        pos = np.where(self.ids[pos] == c.ann_images, pos, -1) if len(self.ids) else pos - 1
+        self.dropped = {
+            "crowd": int(np.count_nonzero(c.crowd & (pos >= 0))),
+            "degenerate": 0,
+        }
+        # by image, each image's in file order (pycocotools' imgToAnns)
+        take = np.flatnonzero((pos >= 0) & ~c.crowd)
+        take = take[np.argsort(pos[take], kind="stable")]
+        x, y, w, h = c.boxes[take].T
+        sides = c.sides[order][pos[take]]
+        # _clip_xywh's max(0.0, x) and min(width, x + w): the same float64 operations
+        x0, y0 = np.where(x > 0.0, x, 0.0), np.where(y > 0.0, y, 0.0)
+        x1, y1 = x + w, y + h
+        x1, y1 = (
+            np.where(x1 < sides[:, 0], x1, sides[:, 0]),
+            np.where(y1 < sides[:, 1], y1, sides[:, 1]),
+        )
+        kept = (x1 > x0) & (y1 > y0)
+        self.dropped["degenerate"] = int(np.count_nonzero(~kept))
+        self._boxes = np.stack([x0, y0, x1 - x0, y1 - y0], axis=1)[kept].astype(np.float32)
+        self._labels = c.ann_categories[take][kept]
+        counts = np.bincount(pos[take][kept], minlength=len(self.ids))
+        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.dropped["images_without_boxes"] = int(np.sum(counts == 0))
+        self.dropped["of_no_image"] = int(np.count_nonzero(~np.isin(c.ann_images, c.image_ids)))
+
     def check_packing(self, resized: bool) -> None:
         """A COCO pack stored smaller is scored in the annotation file's frame, which its
         images' width and height give (COCO's own files have them): without them the
@@ -321,12 +460,24 @@ class CocoSource(Source):
             )
 
     def _check_files(self, ann_path: Path, fix: str) -> None:
-        missing = [f for f in self.files if not (self.images / f).is_file()]
+        # one listing of the folder instead of a stat per image (~5x less CPU at 30k): a
+        # name that is one of its files is one; any other (in a subfolder, spelled another
+        # way, a link) is looked at as before
+        listed = self._listed_files() if len(self.files) >= 1000 else set()
+        missing = [f for f in self.files.tolist() if f not in listed]
+        missing = [f for f in missing if not (self.images / f).is_file()]
         if missing:
             raise DatasetError(
                 f"{len(missing)} image(s) listed in {ann_path} are missing from {self.images}, "
                 f"first: {self.images / missing[0]}. {fix}"
             )
+
+    def _listed_files(self) -> set[str]:
+        try:
+            with os.scandir(self.images) as entries:
+                return {e.name for e in entries if e.is_file(follow_symlinks=False)}
+        except OSError:
+            return set()
 
     def __len__(self) -> int:
         return len(self.ids)
