@@ -161,6 +161,43 @@ def test_epoch_sampler_shuffles_per_epoch_partitions_ranks_and_skips():
     assert [i for _, i in ShardSampler(7, rank=1, world_size=3)] == [1, 4]
 
 
+@pytest.mark.parametrize(
+    "length, world, shuffle", [(0, 1, True), (1, 3, True), (10, 1, True), (22, 3, True),
+                               (37, 4, False), (300, 8, True), (5, 7, True)]
+)  # fmt: skip
+def test_epoch_sampler_keys_and_batches_are_distributed_samplers(length, world, shuffle):
+    """The epoch's keys are made from one index array as they are read, not listed: the
+    order is still DistributedSampler's for every rank, epoch and skip, and the batches
+    EpochBatches plans are its order cut in turn (drop_last or not, skipped batches)."""
+    from torch.utils.data import DistributedSampler
+
+    from fastload.data.sampling import EpochBatches
+
+    for rank in range(world):
+        sampler = EpochSampler(length, rank=rank, world_size=world, shuffle=shuffle, seed=7)
+        for epoch in (0, 1, 5, 1):
+            ref = DistributedSampler(range(length), world, rank, shuffle=shuffle, seed=7)
+            ref.set_epoch(epoch)
+            want = [(epoch, i) for i in ref]
+            assert all(type(i) is int for _, i in want)
+            keys = sampler.epoch_keys(epoch)
+            assert len(keys) == len(want) and list(keys) == want
+            assert [keys[j] for j in range(-len(want), len(want))] == want + want
+            for skip in sorted({min(k, len(want)) for k in (0, 1, 3, len(want))}):
+                sampler.set_epoch(epoch, skip)
+                got = list(sampler)
+                assert got == want[skip:] and len(sampler) == len(want) - skip
+                assert all(type(k) is tuple and type(k[1]) is int for k in got)
+            for bs, drop_last, skip in ((4, False, 0), (4, True, 1), (3, False, 2)):
+                eb = EpochBatches(sampler, bs, drop_last)
+                n = eb.epoch_batches()
+                assert n == (len(want) // bs if drop_last else -(-len(want) // bs))
+                skip = min(skip, n)
+                eb.plan = [(epoch, skip, n - skip)]
+                cut = [want[b * bs : (b + 1) * bs] for b in range(skip, n)]
+                assert list(eb) == cut and len(eb) == len(cut)
+
+
 def make_dataset(root, split="train", **kw):
     reader = DiskStorage().open(root, split)
     return ImageDataset(reader, PILBackend(), RandomResizedCropFlip(24), seed=0, **kw)
