@@ -885,7 +885,7 @@ class Epochs:
         if state.step == 0:
             torch.manual_seed(cfg.seed * 100_003 + epoch * 1_009 + ctx.rank)
         data.train.set_epoch(epoch, skip_batches=state.step, stretches=state.stretches)
-        data.before_epoch()
+        data.before_epoch(ctx)
         sampler.reset()
         span = EpochSpan(epoch, state.step, data.train.batches_in(epoch))
         continued = bool(state.stretches)  # begun on another world size, its plan from 0 here

@@ -1720,6 +1720,31 @@ def test_cold_cache_evicts_every_store_file(tiny_folder, packs, monkeypatch):
     assert str(packs / "sj" / "train" / "shard-00000.bin") in [p for p, _ in advised]
 
 
+def test_cold_cache_evicts_once_per_node_before_every_ranks_epoch(tiny_folder, monkeypatch):
+    """The page cache is the node's: local rank 0 evicts the split, the node's other ranks
+    do not, and every rank waits at a barrier (so no rank reads the epoch before its node
+    evicted); a single process evicts and needs none, nor does a warm cache."""
+    from fastload import dist
+    from fastload.dist import DistContext
+    from fastload.pipeline import DataPath
+
+    evicted, barriers = [], []
+    monkeypatch.setattr(storage_base, "fs_type", lambda p: "ext4")
+    monkeypatch.setattr(storage_base, "evict_page_cache", lambda p: evicted.append(list(p)) or 0)
+    monkeypatch.setattr(dist, "barrier", lambda ctx: barriers.append(ctx.rank))
+    reader = DiskStorage(cold_cache=True).open(tiny_folder, "train")
+    for rank in range(4):  # two nodes of two ranks
+        ctx = DistContext(rank=rank, local_rank=rank % 2, world_size=4, local_world_size=2)
+        DataPath(None, None, None, None, reader).before_epoch(ctx)
+    assert evicted == [reader.store_files()] * 2 and barriers == [0, 1, 2, 3]
+    DataPath(None, None, None, None, reader).before_epoch(DistContext())
+    DataPath(None, None, None, None, reader).before_epoch()
+    assert len(evicted) == 4 and len(barriers) == 4
+    warm = DiskStorage().open(tiny_folder, "train")
+    DataPath(None, None, None, None, warm).before_epoch(DistContext(rank=1, world_size=2))
+    assert len(evicted) == 4 and len(barriers) == 4
+
+
 def test_cold_cache_on_tmpfs_says_it_does_nothing(tiny_folder, monkeypatch, caplog):
     monkeypatch.setattr(storage_base, "fs_type", lambda p: "tmpfs")
     monkeypatch.setattr(storage_base, "evict_page_cache", lambda p: pytest.fail("evicted tmpfs"))

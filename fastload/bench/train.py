@@ -124,7 +124,7 @@ class ResidentData:
         self.train = ResidentLoader(train_batch, len(data.train))
         self.val = ResidentLoader(val_batch, len(data.val))
 
-    def before_epoch(self) -> None:
+    def before_epoch(self, ctx=None) -> None:
         pass
 
     def epoch_stats(self, ctx, epoch: int) -> dict:

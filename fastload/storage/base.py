@@ -162,10 +162,11 @@ class Reader(abc.ABC):
         row[0] += nbytes
         row[1] += time.perf_counter() - t0
 
-    def before_epoch(self, reset: bool = True) -> None:
+    def before_epoch(self, reset: bool = True, evict: bool = True) -> None:
         """Reset the read counters (reset=False: keep them; the reads of an epoch the
-        workers began early stay its own); with cold_cache, evict the split's files first."""
-        if self.cold_cache:
+        workers began early stay its own); with cold_cache, evict the split's files first
+        (evict=False: another rank of this node does)."""
+        if self.cold_cache and evict:
             self._evict()
         if reset:
             self.reset_stats()
