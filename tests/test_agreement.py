@@ -34,6 +34,45 @@ def test_a_splits_fingerprint_is_its_names_and_labels_wherever_it_lies(tmp_path)
     assert packed.startswith("pack:") and packed.split(":")[0] != first.split(":")[0]
 
 
+def test_a_folders_fingerprint_is_that_of_its_names_as_text(tmp_path):
+    """The index holds its names as the file system's bytes, 1 a character where numpy's
+    '<U' strings took 4; the fingerprint is still that of the '<U' array of them (split
+    fingerprints are kept in checkpoints), names of several widths, not UTF-8 included,
+    and every name reads back as os.walk spelled it."""
+    import os
+
+    import numpy as np
+    import xxhash
+
+    from fastload.agreement import feed
+
+    root = make_image_folder(tmp_path / "a", per_split=(3, 1), size=(24, 16))
+    cat = root / "train" / "cat"
+    jpeg = (cat / "cat_000.jpg").read_bytes()
+    for name in ("ça_été.jpg", "猫" * 9 + ".jpg"):
+        (cat / name).write_bytes(jpeg)
+    (root / "train" / "dog" / "x").mkdir()
+    with open(os.path.join(os.fsencode(root / "train" / "dog" / "x"), b"caf\xe9.jpg"), "wb") as f:
+        f.write(jpeg)  # Latin-1, not UTF-8
+    reader = DiskReader(root / "train")
+    index = reader.index
+    walked = sorted(
+        os.path.relpath(os.path.join(d, n), root / "train")
+        for d, _, names in os.walk(root / "train") for n in names
+    )  # fmt: skip
+    names = [index.name(i) for i in range(len(index))]
+    assert sorted(names) == walked and "dog/x/caf\udce9.jpg" in names
+    assert index.paths.dtype.kind == "S" and index.names(0, len(index)) == names
+    assert [reader.source.file(i) for i in range(len(index))] == [
+        os.path.join(root / "train", n) for n in names
+    ]
+    h = xxhash.xxh3_128()  # split_fingerprint as it was, on the '<U' array of the names
+    h.update(f"{len(index)}\0{list(index.classes)!r}\0{list(reader.schema.names)!r}\n".encode())
+    feed(h, np.asarray(reader.column("label"), np.int64))
+    feed(h, np.array(names))
+    assert split_fingerprint(reader) == f"files:{h.hexdigest()}"
+
+
 def records(**rank1) -> list[dict]:
     rank0 = {"host": "node-a", "config": "c0", "code": "fastload 0.1.0, sources 11"}
     return [rank0, {**rank0, "host": "node-b", **rank1}]

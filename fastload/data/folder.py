@@ -4,15 +4,18 @@ Rules (torchvision.datasets.ImageFolder): classes are the sub-folders of the spl
 sorted by name, class_to_idx = their position; samples are the files with an image
 extension, walked in sorted order, following symlinks -- but never into a folder already
 indexed (by real path: a link loop or a second path to the same images is skipped and named
-in a warning). Paths are stored as one fixed-width numpy string array (not a list of str) so
+in a warning). Paths are stored as one fixed-width numpy bytes array (not a list of str) so
 that DataLoader workers do not copy the whole list page by page through reference counting
-(pytorch#13246).
+(pytorch#13246): the file system's bytes of each name (os.fsencode, so a name that is not
+UTF-8 comes back as os.walk gave it), 1 byte a character where a '<U' array took 4 (its
+longest path sets every row's width: ~150 MB per rank for ImageNet's 1.28M, now ~40 MB).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +28,17 @@ log = logging.getLogger("fastload")
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
+_FS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()  # os.fsdecode's
+
+
 @dataclass(frozen=True)
 class FolderIndex:
     root: Path
     classes: tuple[str, ...]
-    paths: np.ndarray  # relative paths, dtype '<U…'
+    paths: np.ndarray  # relative paths as bytes (os.fsencode), dtype 'S…': `name(i)` decodes
     targets: np.ndarray  # int64
     skipped: tuple[str, ...] = ()  # linked folders not followed (already indexed elsewhere)
+    width: int = 0  # the longest relative path in characters (`names_text`)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -40,8 +47,38 @@ class FolderIndex:
     def class_to_idx(self) -> dict[str, int]:
         return {c: i for i, c in enumerate(self.classes)}
 
+    def name(self, i: int) -> str:
+        """Record i's path relative to the split folder, as os.walk spelled it."""
+        return self.paths[i].decode(*_FS)
+
+    def names(self, start: int, stop: int) -> list[str]:
+        return [p.decode(*_FS) for p in self.paths[start:stop].tolist()]
+
     def path(self, i: int) -> Path:
-        return self.root / str(self.paths[i])
+        return self.root / self.name(i)
+
+    def names_text(self) -> TextColumn:
+        """The relative paths as the '<U' array of them that the index held before it held
+        bytes, for digests (fastload/agreement.py), made a chunk at a time."""
+        return TextColumn(self, self.width)
+
+
+class TextColumn:
+    """A FolderIndex's names as a fixed-width '<U{width}' numpy array would feed a digest
+    (`digest_into(h)`: the header and bytes agreement.feed gives an array), without the
+    whole array (4 bytes a character) in memory at once: split fingerprints kept in
+    checkpoints stay those of the '<U' index."""
+
+    CHUNK = 1 << 16
+
+    def __init__(self, index: FolderIndex, width: int):
+        self.index, self.dtype = index, np.dtype(f"U{max(1, width)}")
+
+    def digest_into(self, h) -> None:
+        n = len(self.index.paths)
+        h.update(f"{self.dtype.str}{(n,)}\0".encode())
+        for a in range(0, n, self.CHUNK):
+            h.update(np.array(self.index.names(a, a + self.CHUNK), self.dtype))
 
 
 def walk_once(top, seen: set[str], skipped: list[str]):
@@ -125,6 +162,8 @@ def index_image_folder(split_dir: str | os.PathLike) -> FolderIndex:
             f"with extensions {', '.join(IMG_EXTENSIONS)}; check {CHECK}."
         )
     warn_skipped(split_dir, skipped)
-    return FolderIndex(
-        split_dir, tuple(classes), np.array(paths), np.array(targets, np.int64), tuple(skipped)
-    )
+    width = max(map(len, paths))
+    names = np.array([os.fsencode(p) for p in paths], np.bytes_)
+    del paths
+    return FolderIndex(split_dir, tuple(classes), names, np.array(targets, np.int64),
+                       tuple(skipped), width)  # fmt: skip

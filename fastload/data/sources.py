@@ -128,16 +128,16 @@ class ImageFolderSource(Source):
         return len(self.index)
 
     def identity(self) -> list:
-        return [self.index.paths]
+        return [self.index.names_text()]
 
     def _path(self, i: int) -> str:
         # str(index.path(i)) as a string join: a pathlib Path per read was ~3 % of a worker's
         # time on JPEGs (the index root is a normalised Path, the names are plain relative).
-        return os.path.join(self.index.root, str(self.index.paths[i]))
+        return os.path.join(self.index.root, self.index.name(i))
 
     def file_paths(self, name: str, start: int, stop: int) -> list[str]:
         root = os.path.join(self.index.root, "")  # = _path's, a concatenation per file
-        return [root + p for p in self.index.paths[start:stop].tolist()]
+        return [root + p for p in self.index.names(start, stop)]
 
 
 def _load_coco(ann_path: Path):
