@@ -10,9 +10,11 @@ The checks read the machine once into `Facts` (/dev/shm, the open-file limit, th
 the affinity mask, CPU flags, RAM, the dataset's file system, GPU / driver / NVML, which
 decoders import) and judge the config against them; tests pass their own `Facts` (a 64 MiB
 /dev/shm, a low ulimit, a CPU without AVX2) instead of needing root or a container. Nothing is
-read from the dataset. The decoder modules are imported for real, once per process (an
-installed module whose import fails, such as an OpenCV without its libGL, is not importable;
-a run imports its backend's modules and torchvision for its model anyway); after that the
+read from the dataset. The decoder modules the backend uses (its decoder module, PIL, and
+those its `needs` judge: DecodeBackend.also_imports) are imported for real, once per process
+(an installed module whose import fails, such as an OpenCV without its libGL, is not
+importable; the run imports them anyway); the others are only looked up, so a backend=pil run
+or `doctor env` does not pay seconds for torchvision's or OpenCV's import. After that the
 whole check takes well under 0.5 s.
 """
 
@@ -25,6 +27,7 @@ import logging
 import os
 import platform
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -51,6 +54,8 @@ PIN_RAM_SHARE = 0.5  # pinned memory above half the RAM starves the page cache a
 
 DECODER_MODULES = ("simplejpeg", "PIL", "accimage", "cv2", "torchvision")
 MISSING = "not installed"  # Facts.decoders' word for a module that is not there
+# ... and for one that is there but was not imported: the backend does not use it
+NOT_IMPORTED = "installed, not imported"
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ class Facts:
     gpus: list[str] = field(default_factory=list)  # CUDA device names
     nvml: str | None = None  # "driver <version>", or None
     nvml_error: str = ""
-    # module -> "" when it imports, else why not ("not installed", or the import's error)
+    # module -> "" when it imports, else why not ("not installed", or the import's error),
+    # or NOT_IMPORTED: installed, and not imported as this run's backend does not use it
     decoders: dict = field(default_factory=dict)
     pillow: str = "pillow"  # pillow | pillow-simd (the loaded PIL)
     # backend=turbo's region decoders (fastload/decode/roi.py KINDS): kind -> "" when it loads,
@@ -142,13 +148,34 @@ def import_errors(modules) -> dict[str, str]:
 
 
 @functools.cache
-def decoder_imports() -> dict[str, str]:
-    """`import_errors` of the decoder modules, once per process."""
-    return import_errors(DECODER_MODULES)
+def decoder_imports(modules: tuple[str, ...] = DECODER_MODULES) -> dict[str, str]:
+    """`import_errors` of `modules` (the decoder modules a backend uses), once per process;
+    each other decoder module MISSING or NOT_IMPORTED, as `find_spec` finds it (or "" when
+    something here imported it already)."""
+    found = import_errors(modules)
+    for name in DECODER_MODULES:
+        if name not in found:
+            if name in sys.modules:
+                found[name] = ""
+            else:
+                found[name] = NOT_IMPORTED if importlib.util.find_spec(name) else MISSING
+    return {name: found[name] for name in DECODER_MODULES}
+
+
+def used_decoders(cfg: DictConfig | None) -> tuple[str, ...]:
+    """The decoder modules the config's backend uses: PIL (every backend's fallback), its
+    decoder module and its `also_imports`; every one for a backend that does not import here
+    (or without a config)."""
+    backend = backend_class(cfg) if cfg is not None and "backend" in cfg else None
+    if backend is None:
+        return DECODER_MODULES
+    used = {"PIL", getattr(backend, "decoder_module", ""), *getattr(backend, "also_imports", ())}
+    return tuple(m for m in DECODER_MODULES if m in used)
 
 
 def gather(cfg: DictConfig | None = None) -> Facts:
-    """The machine as this process sees it (the decoders imported once per process)."""
+    """The machine as this process sees it (the backend's decoders imported once per
+    process)."""
     import torch
 
     from fastload.decode.pil import pillow_flavour
@@ -170,7 +197,7 @@ def gather(cfg: DictConfig | None = None) -> Facts:
         gpus=gpus,
         nvml=nvml,
         nvml_error=why,
-        decoders=decoder_imports(),
+        decoders=decoder_imports(used_decoders(cfg)),
         pillow=pillow_flavour(),
         roi_decode=roi_decode_status(),
     )
@@ -458,9 +485,14 @@ def check_decoders(cfg: DictConfig, facts: Facts, a: Ask) -> Check:
     `needs`: a GPU, OpenCV, a region decoder, ...); the OK line says which library decodes."""
     name = "decoders"
     have = [m for m, why in facts.decoders.items() if not why]
-    broken = [f"{m} ({why})" for m, why in facts.decoders.items() if why and why != MISSING]
+    broken = [f"{m} ({why})" for m, why in facts.decoders.items()
+              if why and why not in (MISSING, NOT_IMPORTED)]  # fmt: skip
+    unused = [m for m, why in facts.decoders.items() if why == NOT_IMPORTED]
     text = f"importable: {', '.join(have) or 'none'}"
     text += f"; installed but failing to import: {'; '.join(broken)}" if broken else ""
+    if unused:
+        text += f"; installed, not imported (backend={a.backend} does not use them): "
+        text += ", ".join(unused)
     text += f"; PIL is {facts.pillow}"
     why = facts.decoders.get(a.decoder_module, "") if a.decoder_module else ""
     if why:

@@ -247,6 +247,27 @@ def test_an_installed_decoder_whose_import_fails_is_not_importable(tmp_path, mon
         == "ok"  # fmt: skip
 
 
+def test_the_preflight_imports_only_the_decoders_its_backend_uses():
+    """backend=pil's pre-flight imports no OpenCV and no torchvision (seconds of torch._dynamo):
+    it only looks them up; backend=turbo's imports OpenCV (its resize), not torchvision.
+    A fresh process: this one has imported them all."""
+    script = (
+        "import sys\n"
+        "from fastload.doctor.__main__ import main\n"
+        "main(['env', 'trainer.device=cpu', *sys.argv[1:]])\n"
+        "print('imported:', *(m for m in ('cv2', 'torchvision', 'simplejpeg') "
+        "if m in sys.modules))\n"
+    )
+    for backend, imported in (("pil", []), ("turbo", ["cv2", "simplejpeg"])):
+        out = subprocess.run([sys.executable, "-c", script, f"backend={backend}"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.splitlines()[-1].split()[1:] == imported, out.stdout
+        decoders = next(line for line in out.stdout.splitlines() if "] decoders:" in line)
+        assert f"installed, not imported (backend={backend} does not use them): " in decoders
+        assert "torchvision" in decoders.split("not imported")[1]
+
+
 def test_doctor_env_prints_one_line_per_check_and_is_quick(capsys):
     import time
 

@@ -91,6 +91,10 @@ class DecodeBackend(abc.ABC):
     # (the checks know none by name). Read from the class: nothing here imports a decoder.
     decoder_module = "PIL"  # the module its decoder imports
     install = ""  # how to install that module
+    # Other modules of preflight.DECODER_MODULES whose import its `needs` judge (read from
+    # facts.decoders): the pre-flight imports these, its decoder module and PIL, and only
+    # looks the rest up (a run need not pay for OpenCV's or torchvision's import to check).
+    also_imports: tuple[str, ...] = ()
 
     @classmethod
     def needs(cls, options: dict, facts, on_cuda: bool) -> list[Need]:

@@ -234,6 +234,7 @@ def cv2_resized_crop(
 class TurboBackend(JpegOnlyBackend):
     name = "turbo"
     decoder_module, install = "simplejpeg", "pip install simplejpeg"
+    also_imports = ("cv2",)  # backend.resize=auto|cv2 (its `needs`)
 
     @classmethod
     def region_decoder(cls, options: dict, facts) -> str | None:
