@@ -221,6 +221,13 @@ def check_data_alike(records: list[dict]) -> None:
         if have.get("samples") != want["samples"]:
             what = (f"{have.get('samples')} samples from dataset.root={records[r]['root']} "
                     f"there, {want['samples']} from dataset.root={records[0]['root']} on rank 0")  # fmt: skip
+        elif not str(want.get("fingerprint")).startswith("files:"):
+            # a pack's fingerprint is of its checksums: the same samples packed again with
+            # other settings, or re-encoded by another Pillow, differ too
+            what = (f"as many samples ({want['samples']}), but another pack of them (other "
+                    f"records or checksums: other data, or packed with other settings or "
+                    f"another Pillow; dataset.root={records[r]['root']} there, "
+                    f"{records[0]['root']} on rank 0)")  # fmt: skip
         else:
             what = (f"as many samples ({want['samples']}), but other files, labels or order "
                     f"(dataset.root={records[r]['root']} there, {records[0]['root']} on rank 0)")  # fmt: skip

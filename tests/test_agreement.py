@@ -100,6 +100,10 @@ def test_a_rank_on_other_data_is_refused_naming_the_split():
         check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "a"),
                           data(12, "files:y", "c")])  # fmt: skip
     check_data_alike([data(12, "files:x", "a"), data(12, "files:x", "b")])  # roots may differ
+    # packs: their checksums, which packing again with another Pillow changes too
+    with pytest.raises(DatasetError, match=r"but another pack of them \(other records or "):
+        check_data_alike([data(12, "pack:fastload-shards:x", "a"),
+                          data(12, "pack:fastload-shards:y", "b")])  # fmt: skip
 
 
 def test_node_local_folders_and_host_resources_are_left_out_of_the_config_compared(tmp_path):
