@@ -137,16 +137,13 @@ def check_storage_options(cfg: DictConfig) -> None:
     data work with the storages that take it: a variant= (or experiment=) written for one
     storage keeps its keys when storage= picks another (variant=lmdb_lz4 storage=shards:
     storage.compression), and the storage's constructor failed with a traceback."""
-    import inspect
-
+    from fastload.added_keys import target_parameters
     from fastload.config import conf_dir
 
     target = cfg.storage.get("_target_")
-    try:
-        params = inspect.signature(get_class(target)).parameters
-    except Exception:  # not importable here: instantiating it says why, with its own words
-        return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+    # True: takes **kwargs, or not importable here (instantiating it says why)
+    params = target_parameters(cfg.storage)
+    if params is None or params is True:
         return
     extra = [k for k in cfg.storage if not str(k).startswith("_") and k not in params]
     if not extra:
